@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Both create .venv when absent and install into it.
+# GPU users: make test TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PY := $(VENV)/bin/python
+NPROC ?= 2
+
+.PHONY: setup demo test bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		examples/train_gpt.py --dp $(NPROC)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/run.py
+
+lint: setup
+	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard passes tests examples bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

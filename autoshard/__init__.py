@@ -1,0 +1,15 @@
+"""autoshard: compile an unmodified PyTorch model into a parallel program per rank.
+
+    import autoshard
+    mesh = autoshard.Mesh(dp=2)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(tokens,), loss_fn=loss_fn)
+    loss = pm.step(tokens, target=targets)
+    print(pm.explain())
+"""
+
+from autoshard.api import parallelize
+from autoshard.capture import CaptureError, capture
+from autoshard.mesh import Mesh, MeshGroups
+from autoshard.verify import VerifyReport, verify
+
+__all__ = ["CaptureError", "Mesh", "MeshGroups", "VerifyReport", "capture", "parallelize", "verify"]

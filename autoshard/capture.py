@@ -1,0 +1,192 @@
+"""Capture: an unmodified model (and its loss) as one FX graph with shapes and module provenance.
+
+torch.export in non-strict mode is the route: it runs the model's own Python, so HuggingFace models
+and models built on the ``meta`` device capture exactly, and its training IR keeps the ops the
+passes look for (``aten.linear``, ``aten.embedding``, ``aten.scaled_dot_product_attention``,
+``aten.cross_entropy_loss``). Every node of the result carries ``meta["val"]`` (a fake tensor with
+shape and dtype) and ``meta["nn_module_stack"]`` (the modules it came from); parameters keep their
+fully qualified names, prefixed by ``model.`` (the attribute of the capture wrapper).
+
+Terms: the *training graph* maps (inputs..., target) to the loss; the *inference graph* maps inputs to
+the model's outputs. Both are captures of their own, at fixed shapes (export bakes sizes into views).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sysconfig
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+MODEL_PREFIX = "model."
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as a graph; the message names the model's source line."""
+
+
+@dataclass
+class Captured:
+    """A captured graph and what is known about it.
+
+    ``gm`` is runnable (``gm(*inputs, target)`` or ``gm(*inputs)``) and shares its parameter tensors
+    with the model. ``names`` maps each parameter of ``gm`` (by its name in ``gm``) to every name the
+    original model gives that tensor (more than one when weights are tied).
+    """
+
+    gm: fx.GraphModule
+    with_loss: bool
+    input_shapes: tuple
+    names: dict[str, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.gm.graph.nodes)
+
+
+class _WithLoss(nn.Module):
+    """``forward(*inputs, target) -> loss_fn(model(*inputs), target)``: model and loss as one graph."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+class _Plain(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return self.model(*inputs)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple,
+    *,
+    loss_fn: Callable | None = None,
+    example_target: torch.Tensor | None = None,
+    training: bool = True,
+) -> Captured:
+    """Capture ``model`` (and ``loss_fn`` when given) at the shapes of the example inputs.
+
+    With ``loss_fn`` the graph takes ``(*inputs, target)`` and returns the scalar loss. The model's
+    train/eval mode is set to ``training`` during the capture and restored afterwards; a HuggingFace
+    model's key-value cache is turned off during the capture (training needs none, and export
+    rejects the cache object it returns).
+    """
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs)}")
+    if loss_fn is not None and example_target is None:
+        raise ValueError("a loss_fn needs an example target: pass target=... with the example inputs")
+    wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _Plain(model)
+    args = (*example_inputs, example_target) if loss_fn is not None else example_inputs
+    start = time.perf_counter()
+    with _no_kv_cache(model), _mode(model, training):
+        try:
+            exported = torch.export.export(wrapper, args, strict=False)
+        except Exception as e:  # noqa: BLE001 - every export failure is re-raised with the model's line
+            raise CaptureError(_explain_failure(model, e)) from e
+    gm = exported.module()
+    seconds = time.perf_counter() - start
+    return Captured(
+        gm=gm,
+        with_loss=loss_fn is not None,
+        input_shapes=shapes_of(args),
+        names=_original_names(gm, model),
+        seconds=seconds,
+    )
+
+
+def shapes_of(values) -> tuple:
+    """The shapes (or the values, for non-tensors) of a flat tuple: the key of a capture cache."""
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def _original_names(gm: fx.GraphModule, model: nn.Module) -> dict[str, list[str]]:
+    """Map each parameter of the graph to all of its names in the model, by tensor identity.
+
+    Tied weights have one tensor and several names; eager ``named_parameters()`` reports only one of
+    them, so the map is built with ``remove_duplicate=False``.
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    names = {}
+    for name, p in gm.named_parameters():
+        fallback = [name.removeprefix(MODEL_PREFIX)]
+        names[name] = by_id.get(id(p), fallback)
+    return names
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Iterator[None]:
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, was_training in modes.items():
+            m.training = was_training
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (torch.__file__, __file__)
+) + tuple(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib"))
+
+_HINTS = (
+    ("data-dependent", "the model branches (if/while) or indexes on a tensor's value; use torch.where or "
+     "torch.cond, or compute the condition from shapes"),
+    ("Unsupported", "an operation export cannot trace; replace it with a torch operation or move it out of forward"),
+    ("DynamicCache", "a key-value cache object; pass use_cache=False to the model's config"),
+)
+
+
+def _explain_failure(model: nn.Module, error: Exception) -> str:
+    frame = user_frame(error)
+    where = f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else ""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error)
+    hint = next((h for key, h in _HINTS if key in text), "make this line traceable by torch.export (strict=False)")
+    return (
+        f"autoshard could not capture {type(model).__name__} as a graph: {type(error).__name__}: {first_line}"
+        f"{where}\n  fix: {hint}."
+    )
+
+
+def user_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback that belongs to the user's code, not torch's or ours."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        filename = os.path.abspath(frame.filename) if not frame.filename.startswith("<") else frame.filename
+        if filename.startswith("<") or filename.startswith(_LIBRARY_DIRS):
+            continue
+        return frame
+    return None

@@ -1,0 +1,297 @@
+"""The parallel model a rank runs: captured programs, data-parallel replicas and the training step.
+
+One ``ParallelModel`` per rank. It owns the captures of the model (a training graph with the loss and
+an inference graph, each cached by input shapes), wraps them for data parallelism with PyTorch's
+DistributedDataParallel over the mesh's dp group, and runs ``step()``: slice the global batch for
+this dp rank, cut it into microbatches, run each forward and backward, and return the loss of the
+whole global batch on every rank.
+
+Loss normalisation: every microbatch's loss term is divided by one global divisor (the number of
+counted tokens of the global batch for token losses, the number of microbatches in the global batch
+otherwise), so every gradient reduction (microbatches, dp) is a plain sum; DDP's own averaging is
+replaced by a summing communication hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from autoshard.capture import Captured, capture, shapes_of
+from autoshard.mesh import Mesh, MeshGroups
+from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
+
+
+# Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+class StepError(RuntimeError):
+    """A training step failed or stalled on one rank; the message names the rank, step and microbatch."""
+
+
+@dataclass
+class TrainProgram:
+    """A training capture and how its loss is normalised."""
+
+    captured: Captured
+    token_loss: TokenLoss | None
+    count_gm: fx.GraphModule | None
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.captured.gm
+
+
+class _Replica(nn.Module):
+    """The module DDP wraps: the user's parameters, and a forward that runs a given captured graph."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, gm: fx.GraphModule, *args):
+        return gm(*args)
+
+
+def _sum_hook(group, bucket):
+    """DDP communication hook that sums gradients (DDP's default divides by the group size)."""
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return future.then(lambda f: f.value()[0])
+
+
+class ParallelModel(nn.Module):
+    """This rank's part of the parallel program. Use ``step()`` to train and call it for inference."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        groups: MeshGroups | None,
+        *,
+        example_inputs: tuple,
+        loss_fn: Callable | None,
+        target: torch.Tensor | None,
+        microbatches: int,
+        local_batch: bool,
+    ) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.groups = groups
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.local_batch = local_batch
+        self.replica = _Replica(model)
+        self._train: dict[tuple, TrainProgram] = {}
+        self._infer: dict[tuple, Captured] = {}
+        self._ddp: DistributedDataParallel | None = None
+        self._steps = 0
+        self._check_batch(example_inputs)
+        if target is not None:
+            self._program(*self._microbatch_views(example_inputs, target)[0])
+
+    # ----------------------------------------------------------------------------------------- API
+
+    @property
+    def model(self) -> nn.Module:
+        return self.replica.model
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank if self.groups is not None else 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.coords["dp"] if self.groups is not None else 0
+
+    def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over this rank's microbatches; returns the global batch's loss.
+
+        Gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()`` between steps) and,
+        when this returns, are reduced over data parallelism.
+        """
+        if self.loss_fn is None:
+            raise ValueError("step() needs a loss: pass loss_fn=... to autoshard.parallelize")
+        self._check_batch(inputs)
+        microbatches = self._microbatch_views(inputs, target)
+        self._steps += 1
+        divisor = self._divisor(inputs, target, microbatches)
+        total = torch.zeros((), dtype=torch.float32)
+        replicated = self._replicated()
+        for index, (mb_inputs, mb_target) in enumerate(microbatches):
+            program = self._program(mb_inputs, mb_target)
+            last = index == len(microbatches) - 1
+            with self._stall_guard("forward/backward", index), self._sync(last):
+                loss = replicated(program.gm, *mb_inputs, mb_target) / divisor
+                loss.backward()
+            total = total + loss.detach().float().cpu()
+        with self._stall_guard("loss all-reduce", None):
+            return self._sum_over_dp(total)
+
+    def forward(self, *inputs):
+        """Inference: the model's outputs for ``inputs`` (every dp rank computes the whole batch)."""
+        key = shapes_of(inputs)
+        if key not in self._infer:
+            self._infer[key] = capture(self.model, inputs, training=self.model.training)
+        return self._infer[key].gm(*inputs)
+
+    def code(self, rank: int | None = None) -> str:
+        """The Python code of the graph module that ``rank`` runs (this rank by default)."""
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.mesh.world_size:
+            raise ValueError(f"rank {rank} is not in {self.mesh}: ranks are 0..{self.mesh.world_size - 1}")
+        captured = self._latest()
+        return captured.gm.code
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient at full shape, keyed by all of the original model's names."""
+        grads = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            grads[name] = p.grad
+        return grads
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full shape, keyed by all of the original model's names."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def explain(self) -> str:
+        """A readable report of what the compiler did (see ``autoshard.explain``)."""
+        from autoshard.explain import explain
+
+        return explain(self)
+
+    # ----------------------------------------------------------------------------------- internals
+
+    def _latest(self) -> Captured:
+        if self._train:
+            return next(reversed(self._train.values())).captured
+        if self._infer:
+            return next(reversed(self._infer.values()))
+        raise ValueError("nothing is captured yet: run step() or pass target=... to autoshard.parallelize")
+
+    def _program(self, mb_inputs: tuple, mb_target: torch.Tensor) -> TrainProgram:
+        key = shapes_of((*mb_inputs, mb_target))
+        if key not in self._train:
+            captured = capture(self.model, mb_inputs, loss_fn=self.loss_fn, example_target=mb_target)
+            token_loss = find_token_loss(captured.gm)
+            count_gm = None
+            if token_loss is not None:
+                count_gm = token_count_graph(captured.gm, token_loss)
+                sum_loss_pass(captured.gm, token_loss)
+            self._train[key] = TrainProgram(captured, token_loss, count_gm)
+        return self._train[key]
+
+    def _replicated(self) -> nn.Module:
+        """The replica, wrapped by DDP over the dp group when there is more than one dp rank."""
+        if self.mesh.dp == 1:
+            return self.replica
+        if self._ddp is None:
+            group = self.groups.group("dp")
+            self._ddp = DistributedDataParallel(
+                self.replica,
+                process_group=group,
+                find_unused_parameters=self._has_unused_parameters(),
+                **_NO_BUFFER_SYNC,
+            )
+            self._ddp.register_comm_hook(group, _sum_hook)
+        return self._ddp
+
+    def _has_unused_parameters(self) -> bool:
+        gm = next(iter(self._train.values())).gm
+        used = {id(_attribute(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+        return any(id(p) not in used for p in gm.parameters())
+
+    def _sync(self, last: bool):
+        if self._ddp is None or last:
+            return contextlib.nullcontext()
+        return self._ddp.no_sync()
+
+    def _divisor(self, inputs: tuple, target: torch.Tensor, microbatches: list) -> torch.Tensor | float:
+        program = self._program(*microbatches[0])
+        if program.count_gm is None:
+            return float(self.microbatches * self.mesh.dp)
+        if self.local_batch:
+            local = sum(program.count_gm(*mb_inputs, mb_target) for mb_inputs, mb_target in microbatches)
+            return self._sum_over_dp(local.float())
+        views = self._split((*inputs, target), self.mesh.dp * self.microbatches)
+        return sum(program.count_gm(*view) for view in views).float()
+
+    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.mesh.dp == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.groups.group("dp"))
+        return value
+
+    def _check_batch(self, inputs: tuple) -> None:
+        batch = _batch_size(inputs)
+        parts = self.microbatches * (1 if self.local_batch else self.mesh.dp)
+        if batch is None or batch % parts == 0:
+            return
+        what = "local batch" if self.local_batch else "global batch"
+        valid = [m for m in range(1, batch + 1) if batch % (m * (1 if self.local_batch else self.mesh.dp)) == 0]
+        raise ValueError(
+            f"a {what} of {batch} cannot be cut into {self.microbatches} microbatches"
+            + ("" if self.local_batch else f" on each of dp={self.mesh.dp} ranks")
+            + f": the batch must be divisible by {parts}; with this batch use microbatches in {valid}"
+            + ("" if self.local_batch else f" or a global batch divisible by {parts}")
+        )
+
+    def _microbatch_views(self, inputs: tuple, target: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
+        values = (*inputs, target)
+        if not self.local_batch and self.mesh.dp > 1:
+            values = self._split(values, self.mesh.dp)[self.dp_rank]
+        return [(view[:-1], view[-1]) for view in self._split(values, self.microbatches)]
+
+    @staticmethod
+    def _split(values: tuple, parts: int) -> list[tuple]:
+        """Cut every batch-shaped tensor of ``values`` into ``parts`` along dim 0; others are shared."""
+        batch = _batch_size(values)
+        if parts == 1:
+            return [values]
+        chunks = [v.chunk(parts) if _is_batched(v, batch) else [v] * parts for v in values]
+        return [tuple(c[i] for c in chunks) for i in range(parts)]
+
+    @contextlib.contextmanager
+    def _stall_guard(self, phase: str, microbatch: int | None):
+        try:
+            yield
+        except RuntimeError as e:
+            if not _is_distributed_failure(e):
+                raise
+            where = f"microbatch {microbatch} " if microbatch is not None else ""
+            raise StepError(
+                f"rank {self.rank} ({self.groups.coords if self.groups else {}}) failed in step {self._steps}, "
+                f"{where}{phase}: {e}".strip()
+            ) from e
+
+
+def _attribute(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _is_batched(value, batch: int | None) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+
+
+def _batch_size(values: tuple) -> int | None:
+    sizes = [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return sizes[0] if sizes else None
+
+
+def _is_distributed_failure(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in ("timed out", "timeout", "gloo", "nccl", "connection", "peer"))

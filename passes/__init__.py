@@ -1,0 +1,1 @@
+"""Graph passes of autoshard, installed as ``autoshard.passes``."""

@@ -1,0 +1,106 @@
+"""Loss normalisation: one global divisor so that every gradient reduction is a plain sum.
+
+A token loss such as ``cross_entropy(logits, target, ignore_index=-100)`` with mean reduction divides
+by the number of non-ignored tokens *of its own batch*. Averaging such means over microbatches and
+data-parallel ranks is wrong as soon as ignored tokens are spread unevenly. So the captured loss is
+rewritten to a sum, and the runtime divides each microbatch's sum by the number of non-ignored
+tokens of the whole global batch, counted up front by a small parameter-free graph cut out of the
+training graph (the ancestors of the loss's target). Losses that are not recognised keep their
+mean and are divided by the number of microbatches in the global batch, which is exact for a mean
+over equal-sized microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+# op -> (position of reduction, position of ignore_index, position of weight) in its arguments
+_TOKEN_LOSSES = {
+    aten.cross_entropy_loss.default: (3, 4, 2),
+    aten.nll_loss_nd.default: (3, 4, 2),
+    aten.nll_loss.default: (3, 4, 2),
+}
+_MEAN = 1
+_SUM = 2
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A mean-reduced token loss found in a training graph: the node name and its ignore index."""
+
+    node: str
+    ignore_index: int
+
+
+def find_token_loss(gm: fx.GraphModule) -> TokenLoss | None:
+    """The token loss whose value the graph returns, when it is a mean-reduced cross-entropy or NLL."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = fx.node.map_arg(output.args[0], lambda n: n)
+    node = returned[0] if isinstance(returned, (tuple, list)) and len(returned) == 1 else returned
+    if not isinstance(node, fx.Node) or node.target not in _TOKEN_LOSSES:
+        return None
+    reduction, ignore, weight = (_arg(node, i, d) for i, d in zip(_TOKEN_LOSSES[node.target], (_MEAN, -100, None)))
+    if reduction != _MEAN or weight is not None:
+        return None
+    return TokenLoss(node=node.name, ignore_index=int(ignore))
+
+
+def sum_loss_pass(gm: fx.GraphModule, loss: TokenLoss) -> fx.GraphModule:
+    """Rewrite the loss node of ``gm`` from mean to sum reduction."""
+    node = _node(gm, loss.node)
+    position = _TOKEN_LOSSES[node.target][0]
+    args = list(node.args) + [None] * max(0, position + 1 - len(node.args))
+    defaults = (None, _MEAN, loss.ignore_index)
+    for i in range(len(node.args), position):
+        args[i] = defaults[i - 2]
+    args[position] = _SUM
+    node.args = tuple(args)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def token_count_graph(gm: fx.GraphModule, loss: TokenLoss) -> fx.GraphModule:
+    """A graph taking the same flat inputs as ``gm`` that returns the number of counted tokens."""
+    node = _node(gm, loss.node)
+    target = node.args[1]
+    needed = _ancestors(target)
+    if any(n.op in ("get_attr", "call_module") for n in needed):
+        raise ValueError(f"the target of the loss {loss.node} depends on parameters; cannot count its tokens")
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    counted = graph.call_function(aten.ne.Scalar, (env[target], loss.ignore_index))
+    graph.output(graph.call_function(aten.sum.default, (counted,)))
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _arg(node: fx.Node, position: int, default):
+    if position < len(node.args):
+        return node.args[position]
+    name = {2: "weight", 3: "reduction", 4: "ignore_index"}[position]
+    return node.kwargs.get(name, default)

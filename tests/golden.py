@@ -1,0 +1,57 @@
+"""Golden checks that run on every rank of a worker pool: the parallel program against the unsharded model.
+
+Each function here is called by ``pool.run`` on every rank, builds the zoo model from a fixed seed (so
+the reference and the parallel copy start from the same parameters) and returns plain data the test
+asserts on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from launcher import GROUP_TIMEOUT
+from models import build
+
+_GROUPS: dict = {}
+
+
+def groups_for(mesh: autoshard.Mesh):
+    """This worker's process groups for ``mesh``, created once per worker (all ranks in the same order)."""
+    if not dist.is_initialized():
+        return None
+    if mesh not in _GROUPS:
+        _GROUPS[mesh] = mesh.create_groups(timeout=GROUP_TIMEOUT)
+    return _GROUPS[mesh]
+
+
+def golden(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3) -> dict:
+    """``autoshard.verify`` on a zoo model: outputs, losses, gradients and parameters after ``steps`` steps."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(
+        case.model, mesh, case.inputs, case.loss_fn, target=case.target, steps=steps,
+        microbatches=microbatches, groups=groups_for(mesh),
+    )
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
+def local_batch_step(name: str, dp: int) -> dict:
+    """Each dp rank passes only its own slice of the batch (``local_batch=True``): same loss and gradients."""
+    case = build(name)
+    reference = build(name).model
+    mesh = autoshard.Mesh(dp=dp)
+    groups = groups_for(mesh)
+    rank = groups.coords["dp"]
+    local = tuple(x.chunk(dp)[rank] for x in case.inputs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=local, loss_fn=case.loss_fn, local_batch=True,
+                               groups=groups)
+    loss = pm.step(*local, target=case.target.chunk(dp)[rank])
+    ref_loss = case.loss_fn(reference(*case.inputs), case.target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-5)
+    grads = pm.gradients()
+    for n, p in reference.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    return {"loss": loss.item()}

@@ -1,0 +1,576 @@
+"""The model zoo every golden test runs on.
+
+Each entry is a tiny fp32 model with example inputs, a target and a loss function, built the same way
+every time from a seed. A parallel program is right when it computes what these models compute
+eagerly, so the zoo covers the patterns a parallelizing compiler has to get right:
+
+- ``gpt``: nanoGPT-style decoder. Fused qkv linear split in three, learned positions from ``arange``,
+  SDPA with ``is_causal=True``, LM head tied to the token embedding.
+- ``llama``: Llama-style decoder. RMSNorm written as arithmetic, RoPE tables computed from positions
+  inside ``forward``, SwiGLU MLP, grouped-query attention with k/v repeated by ``repeat_interleave``,
+  untied LM head.
+- ``bert``: BERT-style encoder. Positions and token types sliced from registered buffers, post-LayerNorm
+  blocks, bidirectional attention written out as matmul -> scale -> softmax -> matmul, MLM head.
+- ``mlp``: three linears on (batch, features), MSE loss.
+- ``hf_gpt2``, ``hf_llama``: HuggingFace transformers models from tiny configs (no downloads). GPT-2's
+  Conv1D stores weights (in, out) and ties its LM head; Llama uses GQA repeated by expand + reshape.
+
+Sizes. A pass that finds a dimension by matching its size value instead of propagating it through the
+graph is wrong in a way that stays hidden when two dimensions happen to be equal, so the sizes that a
+compiler reasons about are pairwise distinct:
+
+=================  =====  ===========================================================
+global batch           8  divisible by data-parallel degrees 1, 2, 4 and by microbatches
+sequence              16  divisible by 2 * context-parallel 4 (load-balanced chunks)
+heads                  4  kv heads 2 for the GQA models (Llama, HF Llama)
+head dim              12
+hidden                48  = heads * head dim
+vocab                 80  divisible by 2, 4 and 8 (vocab-parallel)
+ffn                  128  also the MLP's first hidden width
+max positions         32  size of position tables and buffers, longer than the sequence
+=================  =====  ===========================================================
+
+The MLP entry maps 20 input features through widths 128 and 48 to 24 outputs. Every model has 2 layers.
+
+Targets for the token models have ``-100`` (ignored) entries spread unevenly over the batch rows and
+positions (row 0 starts with 5, row 3 has 1, the last row ends with 6), so that microbatches, data-
+parallel ranks and context-parallel chunks each hold a different number of counted tokens: a loss
+normalised per shard instead of over the global batch shows up as a wrong loss and wrong gradients.
+
+Freshly initialised models have all-ones norm weights and all-zero biases, which hide bugs such as a
+bias added once per tensor-parallel rank or a norm weight applied to the wrong shard. ``build``
+therefore adds small seeded noise to every parameter that starts out constant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ZOO_NAMES = ("gpt", "llama", "bert", "mlp", "hf_gpt2", "hf_llama")
+DECODERS = ("gpt", "llama", "hf_gpt2", "hf_llama")
+
+# The pairwise-distinct sizes documented above.
+BATCH = 8
+SEQ = 16
+N_HEAD = 4
+N_KV_HEAD = 2
+HEAD_DIM = 12
+HIDDEN = N_HEAD * HEAD_DIM  # 48
+VOCAB = 80
+FFN = 128
+MAX_POS = 32
+N_LAYER = 2
+MLP_IN = 20
+MLP_OUT = 24
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ZooCase:
+    name: str
+    model: nn.Module
+    inputs: tuple  # global-batch example inputs (positional args of model.forward)
+    target: torch.Tensor  # global-batch target
+    loss_fn: Callable  # loss_fn(model(*inputs), target) -> scalar
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# nanoGPT-style GPT
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = N_LAYER
+    n_embd: int = HIDDEN
+    n_head: int = N_HEAD
+    vocab: int = VOCAB
+    seq: int = MAX_POS  # block size: the longest sequence the position table holds
+    ffn: int = FFN
+    bias: bool = True
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0
+        self.n_head = cfg.n_head
+        self.n_embd = cfg.n_embd
+        # One fused projection for q, k and v, as in nanoGPT: its output dim is 3 * hidden.
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence, hidden
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.c_proj(y)
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.ffn, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(cfg.ffn, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = GPTAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = GPTMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model.py without dropout, generation or the built-in loss: forward returns logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(cfg.vocab, cfg.n_embd),
+                "wpe": nn.Embedding(cfg.seq, cfg.n_embd),
+                "h": nn.ModuleList([GPTBlock(cfg) for _ in range(cfg.n_layer)]),
+                "ln_f": nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            }
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
+        # Weight tying: one parameter used by the embedding and by the LM head.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # (t,)
+        tok_emb = self.transformer.wte(idx)  # (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos)  # (t, n_embd)
+        x = tok_emb + pos_emb
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)  # (b, t, vocab)
+
+
+def build_gpt_model(
+    n_layer: int = N_LAYER,
+    n_embd: int = HIDDEN,
+    n_head: int = N_HEAD,
+    vocab: int = VOCAB,
+    seq: int = MAX_POS,
+    ffn: int | None = None,
+    bias: bool = True,
+    device: str | torch.device = "cpu",
+) -> GPT:
+    """A nanoGPT-style GPT of any shape; ``ffn`` defaults to 4 * n_embd as in nanoGPT. Uses the global RNG."""
+    cfg = GPTConfig(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab=vocab,
+        seq=seq,
+        ffn=4 * n_embd if ffn is None else ffn,
+        bias=bias,
+    )
+    with torch.device(device):
+        return GPT(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Llama-style decoder
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaStyleConfig:
+    n_layer: int = N_LAYER
+    n_embd: int = HIDDEN
+    n_head: int = N_HEAD
+    n_kv_head: int = N_KV_HEAD
+    vocab: int = VOCAB
+    seq: int = MAX_POS  # longest sequence; RoPE itself is computed for the actual length
+    ffn: int = FFN
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Written out rather than F.rms_norm so the graph holds the elementwise pattern.
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaStyleAttention(nn.Module):
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0 and cfg.n_head % cfg.n_kv_head == 0
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # Each kv head serves n_head // n_kv_head consecutive query heads.
+        n_rep = self.n_head // self.n_kv_head
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hs)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh * hs)
+        return self.o_proj(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaStyleBlock(nn.Module):
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.eps)
+        self.self_attn = LlamaStyleAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaStyle(nn.Module):
+    """A Llama decoder in plain torch: forward returns logits."""
+
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        head_dim = cfg.n_embd // cfg.n_head
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.n_embd)
+        self.layers = nn.ModuleList([LlamaStyleBlock(cfg) for _ in range(cfg.n_layer)])
+        self.norm = RMSNorm(cfg.n_embd, cfg.eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
+        # Non-persistent like HF: derived from the config, so not part of the state dict.
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _, T = input_ids.shape
+        # RoPE tables from the positions of this call, so the graph derives them from the sequence length.
+        pos = torch.arange(T, device=input_ids.device, dtype=torch.float32)  # (T,)
+        freqs = torch.outer(pos, self.inv_freq)  # (T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+        cos, sin = emb.cos(), emb.sin()  # (T, hs), broadcast over (B, nh, T, hs)
+        x = self.embed_tokens(input_ids)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))  # (B, T, vocab)
+
+
+def build_llama_model(
+    n_layer: int = N_LAYER,
+    n_embd: int = HIDDEN,
+    n_head: int = N_HEAD,
+    n_kv_head: int = N_KV_HEAD,
+    vocab: int = VOCAB,
+    seq: int = MAX_POS,
+    ffn: int = FFN,
+    device: str | torch.device = "cpu",
+) -> LlamaStyle:
+    """A Llama-style decoder of any shape (Llama-7B: 32 layers, 4096 hidden, 32 heads, ffn 11008, vocab 32000)."""
+    cfg = LlamaStyleConfig(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, vocab=vocab, seq=seq, ffn=ffn
+    )
+    with torch.device(device):
+        return LlamaStyle(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# BERT-style encoder
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BertConfig:
+    n_layer: int = N_LAYER
+    n_embd: int = HIDDEN
+    n_head: int = N_HEAD
+    vocab: int = VOCAB
+    seq: int = MAX_POS
+    ffn: int = FFN
+    type_vocab: int = 2
+    eps: float = 1e-12
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.query = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.key = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.value = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dense = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.LayerNorm = nn.LayerNorm(cfg.n_embd, eps=cfg.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.query(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.key(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.value(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        # Explicit attention (no SDPA) so the zoo has the matmul/softmax pattern; bidirectional, no mask.
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
+        probs = torch.softmax(scores, dim=-1)  # (B, nh, T, T)
+        y = torch.matmul(probs, v)  # (B, nh, T, hs)
+        y = y.permute(0, 2, 1, 3).contiguous().view(B, T, C)  # (B, T, C)
+        return self.LayerNorm(self.dense(y) + x)  # post-LN
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertSelfAttention(cfg)
+        self.intermediate = nn.Linear(cfg.n_embd, cfg.ffn)
+        self.output = nn.Linear(cfg.ffn, cfg.n_embd)
+        self.LayerNorm = nn.LayerNorm(cfg.n_embd, eps=cfg.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return self.LayerNorm(self.output(F.gelu(self.intermediate(x))) + x)  # post-LN
+
+
+class Bert(nn.Module):
+    """A BERT encoder with its masked-language-model head: forward returns logits (B, T, vocab)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab, cfg.n_embd)
+        self.position_embeddings = nn.Embedding(cfg.seq, cfg.n_embd)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab, cfg.n_embd)
+        self.emb_LayerNorm = nn.LayerNorm(cfg.n_embd, eps=cfg.eps)
+        # As in HF BERT: positions and default token types are slices of buffers, not arange.
+        self.register_buffer("position_ids", torch.arange(cfg.seq).expand((1, -1)), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros((1, cfg.seq), dtype=torch.long), persistent=False)
+        self.layers = nn.ModuleList([BertLayer(cfg) for _ in range(cfg.n_layer)])
+        # MLM head: transform (dense, GELU, LayerNorm) then decoder to the vocabulary.
+        self.head_dense = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.head_LayerNorm = nn.LayerNorm(cfg.n_embd, eps=cfg.eps)
+        self.decoder = nn.Linear(cfg.n_embd, cfg.vocab)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        position_ids = self.position_ids[:, :T]  # (1, T)
+        if token_type_ids is None:
+            token_type_ids = self.token_type_ids[:, :T].expand(B, T)  # (B, T)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(position_ids)
+            + self.token_type_embeddings(token_type_ids)
+        )  # (B, T, C)
+        x = self.emb_LayerNorm(x)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.head_LayerNorm(F.gelu(self.head_dense(x)))
+        return self.decoder(x)  # (B, T, vocab)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Plain MLP
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = MLP_IN, d_hidden: int = FFN, d_hidden2: int = HIDDEN, d_out: int = MLP_OUT) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden2)
+        self.fc3 = nn.Linear(d_hidden2, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.gelu(self.fc2(F.relu(self.fc1(x)))))  # (batch, d_out)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# HuggingFace models (imported lazily: transformers costs seconds to import)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=MAX_POS,
+        n_embd=HIDDEN,
+        n_layer=N_LAYER,
+        n_head=N_HEAD,
+        n_inner=FFN,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=N_LAYER,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_KV_HEAD,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Losses and data
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over (B*T, V), mean over the non-ignored tokens of the whole batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def hf_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Token loss on a transformers ModelOutput (its ``logits``)."""
+    return token_loss(output.logits, target)
+
+
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def token_data(
+    generator: torch.Generator, batch: int = BATCH, seq: int = SEQ, vocab: int = VOCAB
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and targets with ignored entries spread unevenly over rows and positions."""
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    target = torch.randint(0, vocab, (batch, seq), generator=generator)
+    target[0, :5] = IGNORE_INDEX  # a prompt-like prefix in the first row
+    if batch > 3:
+        target[3, seq // 2] = IGNORE_INDEX  # one in the middle of row 3
+    target[batch - 1, seq - 6 :] = IGNORE_INDEX  # padding-like tail in the last row
+    return input_ids, target
+
+
+def _perturb_constant_params(model: nn.Module, generator: torch.Generator) -> None:
+    """Add small noise to parameters that start constant (norm weights of ones, biases of zeros)."""
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.numel() > 1 and bool(p.min() == p.max()):
+                p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device))
+
+
+def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> ZooCase:
+    """Build zoo entry ``name``: the same seed gives bit-identical parameters, inputs and target."""
+    if name not in ZOO_NAMES:
+        raise ValueError(f"unknown zoo model {name!r}; choose from {ZOO_NAMES}")
+    device = torch.device(device)
+    constructors: dict[str, Callable[[], nn.Module]] = {
+        "gpt": lambda: GPT(GPTConfig()),
+        "llama": lambda: LlamaStyle(LlamaStyleConfig()),
+        "bert": lambda: Bert(BertConfig()),
+        "mlp": MLP,
+        "hf_gpt2": _hf_gpt2,
+        "hf_llama": _hf_llama,
+    }
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = constructors[name]()
+    # Data and perturbation draw from generators of their own, so the data does not depend on how much of
+    # the global RNG a constructor consumed, and a meta build gets the same data as a CPU build.
+    if device.type != "meta":
+        _perturb_constant_params(model, torch.Generator().manual_seed(seed + 1))
+    gen = torch.Generator().manual_seed(seed + 2)
+    if name == "mlp":
+        x = torch.randn(BATCH, MLP_IN, generator=gen)
+        target = torch.randn(BATCH, MLP_OUT, generator=gen)
+        inputs: tuple = (x,)
+        loss_fn: Callable = mse_loss
+    else:
+        input_ids, target = token_data(gen)
+        inputs = (input_ids,)
+        loss_fn = hf_token_loss if name.startswith("hf_") else token_loss
+    inputs = tuple(t.to(device) for t in inputs)
+    return ZooCase(name=name, model=model, inputs=inputs, target=target.to(device), loss_fn=loss_fn)
