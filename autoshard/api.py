@@ -58,6 +58,7 @@ def parallelize(
         )
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} is not valid: it must be an integer >= 1")
+    _check_supported(mesh)
     if groups is None:
         groups = _groups_for(mesh, timeout)
     elif groups.mesh != mesh:
@@ -89,3 +90,15 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timeout)
     return mesh.create_groups(timeout=timeout)
+
+
+_NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context"}
+
+
+def _check_supported(mesh: Mesh) -> None:
+    for axis, kind in _NOT_YET.items():
+        if mesh.degree(axis) > 1:
+            raise NotImplementedError(
+                f"{mesh} asks for {kind} parallelism ({axis}={mesh.degree(axis)}), which this version of autoshard "
+                f"does not provide yet: use {axis}=1 and put the ranks on dp (Mesh(dp={mesh.world_size}))"
+            )

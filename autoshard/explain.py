@@ -40,7 +40,8 @@ def _parameters(pm) -> list[str]:
     width = max((len(n) for n, _ in params), default=10)
     for name, p in params:
         extra = f"  tied with {', '.join(tied[name])}" if name in tied else ""
-        lines.append(f"  {name:<{width}}  {str(tuple(p.shape)):<14} {placement}: whole tensor (no pattern applies){extra}")
+        shape = str(tuple(p.shape))
+        lines.append(f"  {name:<{width}}  {shape:<14} {placement}: whole tensor (no pattern applies){extra}")
     return lines
 
 
@@ -64,7 +65,8 @@ def _collectives(pm) -> list[str]:
         grad_bytes = sum(p.numel() * p.element_size() for p in pm.model.parameters() if p.requires_grad)
         lines.append(f"  dp all-reduce (sum) of gradients over {pm.mesh.dp} ranks: {_bytes(grad_bytes)} "
                      "(bucketed by DistributedDataParallel, overlapped with backward)")
-        lines.append(f"  dp all-reduce (sum) of the loss: 4 B{' and of the token count: 4 B' if pm.local_batch else ''}")
+        count = " and of the token count: 4 B" if pm.local_batch else ""
+        lines.append(f"  dp all-reduce (sum) of the loss: 4 B{count}")
     if len(lines) == 2:
         lines.append("  none")
     return lines

@@ -147,7 +147,7 @@ class Mesh:
         others = [a for a in AXES if a != axis]
         result = []
         for fixed in itertools.product(*(range(self.degree(a)) for a in others)):
-            base = dict(zip(others, fixed))
+            base = dict(zip(others, fixed, strict=False))
             result.append([self.rank_of(**base, **{axis: i}) for i in range(self.degree(axis))])
         return result
 
@@ -183,7 +183,7 @@ class Mesh:
             raise ValueError(f"DeviceMesh dim names {unknown} are not mesh axes: the accepted names are {AXES}")
         if list(names) != [a for a in AXES if a in names]:
             raise ValueError(f"DeviceMesh dims {names} are out of order: autoshard lays out ranks as {AXES}")
-        mesh = cls(**dict(zip(names, device_mesh.mesh.shape)))
+        mesh = cls(**dict(zip(names, device_mesh.mesh.shape, strict=False)))
         if device_mesh.mesh.flatten().tolist() != list(range(mesh.world_size)):
             raise ValueError(
                 f"the DeviceMesh's ranks {device_mesh.mesh.tolist()} are not ranks 0 .. {mesh.world_size - 1} "

@@ -9,6 +9,12 @@ Written by autoshard:
 - ``SOURCE``: set by passes on the nodes they insert (the name of the pass), read by ``explain()``.
 """
 
+import os
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
 VAL = "val"
 MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
@@ -16,15 +22,16 @@ SOURCE = "autoshard_source"
 
 
 def source_line(node) -> str:
-    """The last line of the model's source that produced ``node``, or '' when unknown."""
+    """The innermost line of the model's own source (not torch's) that produced ``node``, or ''."""
     trace = node.meta.get(STACK_TRACE) or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
-    files = [line for line in lines if line.startswith("File ")]
-    if not files:
-        return ""
-    last = files[-1]
-    code = lines[lines.index(last) + 1] if lines.index(last) + 1 < len(lines) else ""
-    return f"{last}: {code}" if code and not code.startswith("File ") else last
+    for i in reversed(range(len(lines))):
+        line = lines[i]
+        if not line.startswith("File ") or _TORCH_DIR in line:
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        return f"{line}: {code}" if code else line
+    return ""
 
 
 def module_path(node) -> str:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import autoshard  # noqa: E402
+
 from models import build  # noqa: E402
 
 

@@ -44,7 +44,8 @@ def find_token_loss(gm: fx.GraphModule) -> TokenLoss | None:
     node = returned[0] if isinstance(returned, (tuple, list)) and len(returned) == 1 else returned
     if not isinstance(node, fx.Node) or node.target not in _TOKEN_LOSSES:
         return None
-    reduction, ignore, weight = (_arg(node, i, d) for i, d in zip(_TOKEN_LOSSES[node.target], (_MEAN, -100, None)))
+    positions = _TOKEN_LOSSES[node.target]
+    reduction, ignore, weight = (_arg(node, i, d) for i, d in zip(positions, (_MEAN, -100, None), strict=True))
     if reduction != _MEAN or weight is not None:
         return None
     return TokenLoss(node=node.name, ignore_index=int(ignore))

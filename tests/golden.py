@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+
 from launcher import GROUP_TIMEOUT
 from models import build
 

@@ -13,6 +13,7 @@ that failed is torn down and the next ``run`` starts a fresh one.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import itertools
 import multiprocessing as mp
@@ -132,10 +133,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for q in self._tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 3
         for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.01))

@@ -251,3 +251,25 @@ def test_world_of_one_creates_groups_and_device_mesh() -> None:
         assert Mesh.from_device_mesh(device_mesh) == Mesh()
     finally:
         dist.destroy_process_group()
+
+
+# --- process groups on real gloo worlds -------------------------------------------------------------
+
+GROUP_MESHES = [
+    {"dp": 2, "tp": 2},
+    {"tp": 2, "pp": 2},
+    {"cp": 2, "tp": 2},
+    {"pp": 2, "dp": 2},
+    {"dp": 2, "tp": 2, "pp": 2},
+]
+
+
+@pytest.mark.parametrize("mesh_kwargs", GROUP_MESHES, ids=lambda k: str(Mesh(**k)))
+def test_groups_reduce_over_their_axis(pools, mesh_kwargs: dict) -> None:
+    mesh = Mesh(**mesh_kwargs)
+    for result in pools.get(mesh.world_size).run(check_groups_on_rank, mesh_kwargs):
+        rank = result["rank"]
+        assert result["coords"] == mesh.coords(rank)
+        for axis in AXES:
+            assert result["ranks"][axis] == mesh.group_of(axis, rank)
+            assert result["sums"][axis] == sum(mesh.group_of(axis, rank))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import DECODERS, IGNORE_INDEX, ZOO_NAMES, ZooCase, build, build_gpt_model, build_llama_model
 from torch import nn
+
+from models import DECODERS, IGNORE_INDEX, ZOO_NAMES, ZooCase, build, build_gpt_model, build_llama_model
 
 
 class LossWrapper(nn.Module):
@@ -46,7 +47,7 @@ def test_build_is_reproducible(name: str) -> None:
     assert pa.keys() == pb.keys()
     for n in pa:
         assert torch.equal(pa[n], pb[n]), n
-    for x, y in zip(a.inputs, b.inputs):
+    for x, y in zip(a.inputs, b.inputs, strict=False):
         assert torch.equal(x, y)
     assert torch.equal(a.target, b.target)
     other = build(name, seed=1)

@@ -28,7 +28,6 @@ from autoshard.capture import Captured, capture, shapes_of
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
 
-
 # Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
 _NO_BUFFER_SYNC = (
     {"forward_sync_buffers": False}

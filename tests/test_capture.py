@@ -1,0 +1,75 @@
+"""Capture: every zoo model as one graph with its loss, on CPU and on the meta device; clear failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import meta
+
+from models import ZOO_NAMES, build
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_capture_with_loss_matches_eager(name):
+    case = build(name)
+    captured = autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    expected = case.loss_fn(case.model(*case.inputs), case.target)
+    torch.testing.assert_close(captured.gm(*case.inputs, case.target), expected, rtol=0, atol=0)
+    calls = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert all(meta.VAL in n.meta for n in calls if n.target.__module__ != "_operator")
+    assert any(meta.module_path(n) for n in calls), "nodes know the module they came from"
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_capture_on_meta_allocates_nothing(name):
+    case = build(name, device="meta")
+    captured = autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    assert all(p.is_meta for p in captured.gm.parameters())
+    assert captured.num_nodes > 5
+
+
+def test_parameters_keep_their_names_and_ties():
+    case = build("gpt")
+    captured = autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    names = [n for names in captured.names.values() for n in names]
+    assert set(names) == {n for n, _ in case.model.named_parameters(remove_duplicate=False)}
+    tied = [names for names in captured.names.values() if len(names) > 1]
+    assert tied == [["transformer.wte.weight", "lm_head.weight"]]
+
+
+def test_huggingface_cache_is_turned_off_only_during_capture():
+    case = build("hf_gpt2")
+    assert case.model.config.use_cache
+    captured = autoshard.capture(case.model, case.inputs)
+    assert case.model.config.use_cache, "the user's config is restored"
+    torch.testing.assert_close(captured.gm(*case.inputs).logits, case.model(*case.inputs).logits, rtol=0, atol=0)
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum() > 0:  # a Python branch on a tensor's value: not capturable
+            y = y * 2
+        return y
+
+
+def test_capture_failure_names_the_models_source_line():
+    with pytest.raises(autoshard.CaptureError) as info:
+        autoshard.capture(_BranchesOnValues(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "_BranchesOnValues" in message
+    assert f"{__file__}:" in message and "if y.sum() > 0:" in message
+    assert "torch.where" in message  # the fix
+
+
+def test_capture_rejects_a_loss_without_target():
+    case = build("mlp")
+    with pytest.raises(ValueError, match="needs an example target"):
+        autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn)

@@ -1,0 +1,93 @@
+"""The golden harness itself: it must fail when the parallel program is wrong, and never hang."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.verify import _replicas_identical, compare
+
+import golden
+from launcher import WorkerError, WorkerTimeout
+from models import build
+
+
+def _perturbed_gradient_report(name: str, dp: int) -> str:
+    case, reference = build(name), build(name).model
+    pm = autoshard.parallelize(case.model, autoshard.Mesh(dp=dp) if dp > 1 else None, example_inputs=case.inputs,
+                               loss_fn=case.loss_fn, target=case.target)
+    victim = dict(case.model.named_parameters())["transformer.h.1.mlp.c_fc.weight"]
+    victim.register_hook(lambda g: g * (1 + 1e-3))  # a gradient off by 0.1%
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn)
+    return str(report), report.ok
+
+
+def test_a_perturbed_gradient_is_caught():
+    text, ok = _perturbed_gradient_report("gpt", 1)
+    assert not ok
+    assert "grad transformer.h.1.mlp.c_fc.weight" in text
+    assert "grad transformer.h.0" not in text, "only the perturbed gradient differs"
+    # The forward is right: the search from the initial parameters finds no diverging node.
+    assert "first diverging node" not in text
+
+
+def test_a_corrupted_graph_names_the_first_diverging_node():
+    case, reference = build("llama"), build("llama").model
+    pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
+    gm = next(iter(pm._train.values())).gm
+    victim = next(n for n in gm.graph.nodes if n.op == "call_function" and "silu" in str(n.target))
+    with gm.graph.inserting_after(victim):
+        wrong = gm.graph.call_function(torch.ops.aten.mul.Tensor, (victim, 1.01))
+    victim.replace_all_uses_with(wrong, delete_user_cb=lambda user: user is not wrong)
+    gm.recompile()
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn)
+    assert not report.ok
+    # The inserted node has no counterpart in the reference graph: its consumer is the first to differ.
+    consumer = next(iter(wrong.users))
+    assert report.divergence.startswith(f"{consumer.name} "), report.divergence
+    assert "in model.layers.0.mlp" in report.divergence and "models.py" in report.divergence
+
+
+def _raise_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    return dist.get_rank()
+
+
+def test_a_failing_rank_shows_its_traceback(pools):
+    with pytest.raises(WorkerError, match=r"rank\(s\) \[1\](.|\n)*ValueError: rank one is broken"):
+        pools.get(2).run(_raise_on_rank_one)
+
+
+def _stall_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        dist.all_reduce(torch.ones(1))  # rank 0 never joins: a hang
+
+
+def test_a_stalled_rank_is_named_with_its_line(pools):
+    with pytest.raises(WorkerTimeout) as info:
+        pools.get(2).run(_stall_on_rank_one, timeout=3)
+    message = str(info.value)
+    assert "rank(s) [1]" in message and "finished: [0]" in message
+    assert "_stall_on_rank_one" in message, "the stalled rank's stack shows where it waits"
+    assert pools.get(2).run(os.getpid) != [None, None], "a fresh pool replaces the broken one"
+
+
+def _replicas_after_drift() -> tuple[bool, bool]:
+    case = build("mlp")
+    mesh = autoshard.Mesh(dp=2)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=golden.groups_for(mesh))
+    before = _replicas_identical(pm)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            next(pm.parameters()).view(-1)[0] += 1e-7  # the smallest drift still shows
+    return before, _replicas_identical(pm)
+
+
+def test_replicas_that_drift_apart_are_caught(pools):
+    assert pools.get(2).run(_replicas_after_drift) == [(True, False), (True, False)]
