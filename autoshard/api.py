@@ -31,6 +31,7 @@ def parallelize(
     local_batch: bool = False,
     groups: MeshGroups | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    tp_indivisible: str = "error",
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -47,6 +48,9 @@ def parallelize(
         groups: process groups already created by ``mesh.create_groups()``; created here when absent,
             initialising torch.distributed from torchrun's environment if nothing is initialised yet.
         timeout: how long any collective may wait before the step fails, naming the rank and step.
+        tp_indivisible: what to do with a block whose heads or width the tp degree does not divide:
+            ``"error"`` (the default: an error naming the layer and the degrees that work) or
+            ``"replicate"`` (keep that block replicated, with a warning).
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -72,6 +76,7 @@ def parallelize(
         target=target,
         microbatches=microbatches,
         local_batch=local_batch,
+        tp_indivisible=tp_indivisible,
     )
 
 
@@ -92,7 +97,7 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
     return mesh.create_groups(timeout=timeout)
 
 
-_NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context"}
+_NOT_YET = {"pp": "pipeline", "cp": "context"}
 
 
 def _check_supported(mesh: Mesh) -> None:
@@ -100,5 +105,5 @@ def _check_supported(mesh: Mesh) -> None:
         if mesh.degree(axis) > 1:
             raise NotImplementedError(
                 f"{mesh} asks for {kind} parallelism ({axis}={mesh.degree(axis)}), which this version of autoshard "
-                f"does not provide yet: use {axis}=1 and put the ranks on dp (Mesh(dp={mesh.world_size}))"
+                f"does not provide yet: use {axis}=1 and put the ranks on dp or tp (Mesh(dp={mesh.world_size}))"
             )

@@ -101,6 +101,7 @@ def capture(
         except Exception as e:  # noqa: BLE001 - every export failure is re-raised with the model's line
             raise CaptureError(_explain_failure(model, e)) from e
     gm = exported.module()
+    _canonical_parameter_names(gm)
     seconds = time.perf_counter() - start
     return Captured(
         gm=gm,
@@ -114,6 +115,29 @@ def capture(
 def shapes_of(values) -> tuple:
     """The shapes (or the values, for non-tensors) of a flat tuple: the key of a capture cache."""
     return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def _canonical_parameter_names(gm: fx.GraphModule) -> None:
+    """Make every ``get_attr`` of a parameter use the name ``named_parameters()`` gives it.
+
+    A tied weight has several names; export may read it under any of them. With one name per tensor,
+    plans and placements keyed by name see every use.
+    """
+    canonical = {id(p): name for name, p in gm.named_parameters()}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        try:
+            value = gm.get_parameter(node.target)
+        except AttributeError:
+            continue
+        name = canonical.get(id(value), node.target)
+        if not node.users:
+            gm.graph.erase_node(node)
+        elif name != node.target:
+            node.target = name
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _original_names(gm: fx.GraphModule, model: nn.Module) -> dict[str, list[str]]:

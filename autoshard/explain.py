@@ -7,7 +7,8 @@ normalised; the collectives that run per training step with their bytes.
 
 from __future__ import annotations
 
-from autoshard.mesh import AXES
+from autoshard.passes.collectives import COLLECTIVES, GatherFromParallel, VocabParallelCrossEntropy
+from autoshard.passes.tensor_parallel import FALLBACKS
 
 
 def explain(pm) -> str:
@@ -32,16 +33,19 @@ def _graphs(pm) -> list[str]:
 
 
 def _parameters(pm) -> list[str]:
-    params = list(pm.model.named_parameters())
-    tied = _tied_names(pm.model)
-    total = sum(p.numel() * p.element_size() for _, p in params)
-    lines = ["", f"parameters: {len(params)} tensors, {_bytes(total)} on this rank"]
-    placement = ", ".join(f"{axis}=Replicate" for axis in AXES if pm.mesh.degree(axis) > 1) or "single rank"
-    width = max((len(n) for n, _ in params), default=10)
-    for name, p in params:
-        extra = f"  tied with {', '.join(tied[name])}" if name in tied else ""
-        shape = str(tuple(p.shape))
-        lines.append(f"  {name:<{width}}  {shape:<14} {placement}: whole tensor (no pattern applies){extra}")
+    names = pm._names() if (pm._train or pm._infer) else {}
+    store = pm.replica.store
+    local_total = sum(p.numel() * p.element_size() for p in store.parameters())
+    lines = ["", f"parameters: {len(names)} tensors, {_bytes(local_total)} on this rank"]
+    width = max((len(", ".join(n)) for n in names.values()), default=10)
+    for target, originals in names.items():
+        local = store.get_parameter(target)
+        full = pm.plan.params[target] if pm.plan is not None else None
+        role = f"tp {full.role} {full.placement!r}" if full is not None else "replicated"
+        why = f" ({full.reason})" if full is not None and full.reason else ""
+        shape = "x".join(map(str, local.shape))
+        lines.append(f"  {', '.join(originals):<{width}}  {role:<24} local {shape:<10}{why}")
+    lines += [f"  note: {note}" for note in (pm.plan.notes if pm.plan is not None else [])]
     return lines
 
 
@@ -61,8 +65,15 @@ def _loss(pm) -> list[str]:
 
 def _collectives(pm) -> list[str]:
     lines = ["", "collectives per training step:"]
+    if pm._train:
+        program = next(reversed(pm._train.values()))
+        for (direction, kind, op), (calls, size) in communication(program.gm).items():
+            total = calls * pm.microbatches
+            lines.append(f"  tp {direction:<8} {kind:<10} x{total:<3} {_bytes(size * pm.microbatches):>10}  ({op})")
+        for note in program.gm.meta.get(FALLBACKS, []):
+            lines.append(f"  fallback: {note}")
     if pm.mesh.dp > 1:
-        grad_bytes = sum(p.numel() * p.element_size() for p in pm.model.parameters() if p.requires_grad)
+        grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
         lines.append(f"  dp all-reduce (sum) of gradients over {pm.mesh.dp} ranks: {_bytes(grad_bytes)} "
                      "(bucketed by DistributedDataParallel, overlapped with backward)")
         count = " and of the token count: 4 B" if pm.local_batch else ""
@@ -72,11 +83,27 @@ def _collectives(pm) -> list[str]:
     return lines
 
 
-def _tied_names(model) -> dict[str, list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+def communication(gm) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """Collectives one run of ``gm`` (forward and backward) makes: (direction, kind, op) -> (calls, bytes)."""
+    found: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, COLLECTIVES) or module.size == 1:
+            continue
+        shape = list(node.args[0].meta["val"].shape) if "val" in node.args[0].meta else []
+        if isinstance(module, GatherFromParallel) and shape:
+            shape[module.dim] //= module.size
+        if isinstance(module, VocabParallelCrossEntropy) and shape:
+            shape[-1] //= module.size
+        elem = node.args[0].meta["val"].element_size() if "val" in node.args[0].meta else 4
+        forward, backward = module.comm_bytes(shape, elem)
+        for direction, kind, size in (("forward", module.kind, forward), ("backward", module.backward_kind, backward)):
+            if size:
+                calls, total = found.get((direction, kind, type(module).__name__), (0, 0))
+                found[(direction, kind, type(module).__name__)] = (calls + 1, total + size)
+    return found
 
 
 def _shapes(key: tuple) -> str:

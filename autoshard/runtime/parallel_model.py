@@ -1,10 +1,10 @@
 """The parallel model a rank runs: captured programs, data-parallel replicas and the training step.
 
 One ``ParallelModel`` per rank. It owns the captures of the model (a training graph with the loss and
-an inference graph, each cached by input shapes), wraps them for data parallelism with PyTorch's
-DistributedDataParallel over the mesh's dp group, and runs ``step()``: slice the global batch for
-this dp rank, cut it into microbatches, run each forward and backward, and return the loss of the
-whole global batch on every rank.
+an inference graph, each cached by input shapes), the tensor-parallel plan and this rank's programs
+built from them, wraps the parameters for data parallelism with PyTorch's DistributedDataParallel
+over the mesh's dp group, and runs ``step()``: slice the global batch for this dp rank, cut it into
+microbatches, run each forward and backward, and return the loss of the whole global batch.
 
 Loss normalisation: every microbatch's loss term is divided by one global divisor (the number of
 counted tokens of the global batch for token losses, the number of microbatches in the global batch
@@ -24,9 +24,15 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from autoshard import codegen
 from autoshard.capture import Captured, capture, shapes_of
 from autoshard.mesh import Mesh, MeshGroups
+from autoshard.passes.collectives import unshard
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
+from autoshard.passes.placements import Shard
+from autoshard.passes.tensor_parallel import plan_tensor_parallel
+from autoshard.plan import TensorParallelPlan
+from autoshard.runtime import batching
 
 # Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
 _NO_BUFFER_SYNC = (
@@ -42,23 +48,24 @@ class StepError(RuntimeError):
 
 @dataclass
 class TrainProgram:
-    """A training capture and how its loss is normalised."""
+    """A training capture, this rank's program built from it, and how its loss is normalised."""
 
     captured: Captured
+    program: codegen.RankProgram
     token_loss: TokenLoss | None
     count_gm: fx.GraphModule | None
 
     @property
     def gm(self) -> fx.GraphModule:
-        return self.captured.gm
+        return self.program.gm
 
 
 class _Replica(nn.Module):
-    """The module DDP wraps: the user's parameters, and a forward that runs a given captured graph."""
+    """The module DDP wraps: this rank's parameters, and a forward that runs a given program."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, store: codegen.ParamStore) -> None:
         super().__init__()
-        self.model = model
+        self.store = store
 
     def forward(self, gm: fx.GraphModule, *args):
         return gm(*args)
@@ -84,6 +91,7 @@ class ParallelModel(nn.Module):
         target: torch.Tensor | None,
         microbatches: int,
         local_batch: bool,
+        tp_indivisible: str = "error",
     ) -> None:
         super().__init__()
         self.mesh = mesh
@@ -91,9 +99,12 @@ class ParallelModel(nn.Module):
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.local_batch = local_batch
-        self.replica = _Replica(model)
+        self.tp_indivisible = tp_indivisible
+        self.plan: TensorParallelPlan | None = None
+        self.replica = _Replica(codegen.ParamStore())
+        object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self._train: dict[tuple, TrainProgram] = {}
-        self._infer: dict[tuple, Captured] = {}
+        self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
         self._ddp: DistributedDataParallel | None = None
         self._steps = 0
         self._check_batch(example_inputs)
@@ -104,15 +115,15 @@ class ParallelModel(nn.Module):
 
     @property
     def model(self) -> nn.Module:
-        return self.replica.model
+        """The user's unmodified model (its replicated parameters are the ones trained here)."""
+        return self._model
 
     @property
     def rank(self) -> int:
         return self.groups.rank if self.groups is not None else 0
 
-    @property
-    def dp_rank(self) -> int:
-        return self.groups.coords["dp"] if self.groups is not None else 0
+    def coord(self, axis: str) -> int:
+        return self.groups.coords[axis] if self.groups is not None else 0
 
     def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
         """Forward and backward over this rank's microbatches; returns the global batch's loss.
@@ -132,7 +143,8 @@ class ParallelModel(nn.Module):
             program = self._program(mb_inputs, mb_target)
             last = index == len(microbatches) - 1
             with self._stall_guard("forward/backward", index), self._sync(last):
-                loss = replicated(program.gm, *mb_inputs, mb_target) / divisor
+                (loss,) = replicated(program.gm, *mb_inputs, mb_target)
+                loss = loss / divisor
                 loss.backward()
             total = total + loss.detach().float().cpu()
         with self._stall_guard("loss all-reduce", None):
@@ -142,27 +154,27 @@ class ParallelModel(nn.Module):
         """Inference: the model's outputs for ``inputs`` (every dp rank computes the whole batch)."""
         key = shapes_of(inputs)
         if key not in self._infer:
-            self._infer[key] = capture(self.model, inputs, training=self.model.training)
-        return self._infer[key].gm(*inputs)
+            captured = capture(self.model, inputs, training=self.model.training)
+            self._infer[key] = (captured, self._build(captured))
+        return self._infer[key][1](*inputs)
 
     def code(self, rank: int | None = None) -> str:
         """The Python code of the graph module that ``rank`` runs (this rank by default)."""
         rank = self.rank if rank is None else rank
         if not 0 <= rank < self.mesh.world_size:
             raise ValueError(f"rank {rank} is not in {self.mesh}: ranks are 0..{self.mesh.world_size - 1}")
-        captured = self._latest()
-        return captured.gm.code
+        captured, program = self._latest()
+        if rank == self.rank:
+            return program.code
+        return codegen.build(captured, self.plan, rank=self.mesh.coords(rank)["tp"]).code
 
-    def gradients(self) -> dict[str, torch.Tensor]:
+    def gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient at full shape, keyed by all of the original model's names."""
-        grads = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            grads[name] = p.grad
-        return grads
+        return self._full(lambda p: p.grad)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter at full shape, keyed by all of the original model's names."""
-        return dict(self.model.named_parameters(remove_duplicate=False))
+        """Every parameter at full shape (gathered over tp), keyed by all of the original model's names."""
+        return self._full(lambda p: p.detach())
 
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""
@@ -172,12 +184,41 @@ class ParallelModel(nn.Module):
 
     # ----------------------------------------------------------------------------------- internals
 
-    def _latest(self) -> Captured:
+    def _latest(self) -> tuple[Captured, codegen.RankProgram]:
         if self._train:
-            return next(reversed(self._train.values())).captured
+            program = next(reversed(self._train.values()))
+            return program.captured, program.program
         if self._infer:
             return next(reversed(self._infer.values()))
         raise ValueError("nothing is captured yet: run step() or pass target=... to autoshard.parallelize")
+
+    def _names(self) -> dict[str, list[str]]:
+        captured, _ = self._latest()
+        return captured.names
+
+    def _full(self, read: Callable) -> dict[str, torch.Tensor | None]:
+        full = {}
+        for target, names in self._names().items():
+            local = read(self.replica.store.get_parameter(target))
+            value = self._gather(target, local)
+            for name in names:
+                full[name] = value
+        return full
+
+    def _gather(self, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
+        placement = self.plan.params[target].placement if self.plan is not None else None
+        if local is None or not isinstance(placement, Shard):
+            return local
+        group = self.groups.group("tp")
+        parts = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return unshard(parts, placement.dim, placement.blocks)
+
+    def _build(self, captured: Captured) -> codegen.RankProgram:
+        if self.mesh.tp > 1 and self.plan is None:
+            self.plan = plan_tensor_parallel(captured.gm, self.mesh.tp, indivisible=self.tp_indivisible)
+        group = self.groups.group("tp") if self.groups is not None and self.mesh.tp > 1 else None
+        return codegen.build(captured, self.plan, rank=self.coord("tp"), group=group, store=self.replica.store)
 
     def _program(self, mb_inputs: tuple, mb_target: torch.Tensor) -> TrainProgram:
         key = shapes_of((*mb_inputs, mb_target))
@@ -188,7 +229,7 @@ class ParallelModel(nn.Module):
             if token_loss is not None:
                 count_gm = token_count_graph(captured.gm, token_loss)
                 sum_loss_pass(captured.gm, token_loss)
-            self._train[key] = TrainProgram(captured, token_loss, count_gm)
+            self._train[key] = TrainProgram(captured, self._build(captured), token_loss, count_gm)
         return self._train[key]
 
     def _replicated(self) -> nn.Module:
@@ -209,7 +250,7 @@ class ParallelModel(nn.Module):
     def _has_unused_parameters(self) -> bool:
         gm = next(iter(self._train.values())).gm
         used = {id(_attribute(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
-        return any(id(p) not in used for p in gm.parameters())
+        return any(id(p) not in used for p in self.replica.parameters())
 
     def _sync(self, last: bool):
         if self._ddp is None or last:
@@ -223,7 +264,7 @@ class ParallelModel(nn.Module):
         if self.local_batch:
             local = sum(program.count_gm(*mb_inputs, mb_target) for mb_inputs, mb_target in microbatches)
             return self._sum_over_dp(local.float())
-        views = self._split((*inputs, target), self.mesh.dp * self.microbatches)
+        views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
@@ -234,33 +275,14 @@ class ParallelModel(nn.Module):
         return value
 
     def _check_batch(self, inputs: tuple) -> None:
-        batch = _batch_size(inputs)
-        parts = self.microbatches * (1 if self.local_batch else self.mesh.dp)
-        if batch is None or batch % parts == 0:
-            return
-        what = "local batch" if self.local_batch else "global batch"
-        valid = [m for m in range(1, batch + 1) if batch % (m * (1 if self.local_batch else self.mesh.dp)) == 0]
-        raise ValueError(
-            f"a {what} of {batch} cannot be cut into {self.microbatches} microbatches"
-            + ("" if self.local_batch else f" on each of dp={self.mesh.dp} ranks")
-            + f": the batch must be divisible by {parts}; with this batch use microbatches in {valid}"
-            + ("" if self.local_batch else f" or a global batch divisible by {parts}")
-        )
+        batching.check(batching.batch_size(inputs), microbatches=self.microbatches, dp=self.mesh.dp,
+                       local=self.local_batch)
 
     def _microbatch_views(self, inputs: tuple, target: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
         values = (*inputs, target)
         if not self.local_batch and self.mesh.dp > 1:
-            values = self._split(values, self.mesh.dp)[self.dp_rank]
-        return [(view[:-1], view[-1]) for view in self._split(values, self.microbatches)]
-
-    @staticmethod
-    def _split(values: tuple, parts: int) -> list[tuple]:
-        """Cut every batch-shaped tensor of ``values`` into ``parts`` along dim 0; others are shared."""
-        batch = _batch_size(values)
-        if parts == 1:
-            return [values]
-        chunks = [v.chunk(parts) if _is_batched(v, batch) else [v] * parts for v in values]
-        return [tuple(c[i] for c in chunks) for i in range(parts)]
+            values = batching.split(values, self.mesh.dp)[self.coord("dp")]
+        return [(view[:-1], view[-1]) for view in batching.split(values, self.microbatches)]
 
     @contextlib.contextmanager
     def _stall_guard(self, phase: str, microbatch: int | None):
@@ -270,25 +292,14 @@ class ParallelModel(nn.Module):
             if not _is_distributed_failure(e):
                 raise
             where = f"microbatch {microbatch} " if microbatch is not None else ""
-            raise StepError(
-                f"rank {self.rank} ({self.groups.coords if self.groups else {}}) failed in step {self._steps}, "
-                f"{where}{phase}: {e}".strip()
-            ) from e
+            coords = self.groups.coords if self.groups else {}
+            raise StepError(f"rank {self.rank} ({coords}) failed in step {self._steps}, {where}{phase}: {e}") from e
 
 
 def _attribute(module: nn.Module, target: str):
     for part in target.split("."):
         module = getattr(module, part)
     return module
-
-
-def _is_batched(value, batch: int | None) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
-
-
-def _batch_size(values: tuple) -> int | None:
-    sizes = [v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return sizes[0] if sizes else None
 
 
 def _is_distributed_failure(error: RuntimeError) -> bool:

@@ -1,0 +1,98 @@
+"""Codegen: from a captured graph and a plan to the graph module one rank runs.
+
+A ``RankProgram`` is a ``torch.fx.GraphModule`` that takes the flat inputs (and target) and returns
+the flat outputs, with readable code (``.code``) whose node names lead back to the model, and holding
+only this rank's parameter shards. Every program of a rank (the training graph, the inference graph,
+captures at other shapes) reads its parameters from one ``ParamStore``, so an optimizer built on the
+store's parameters trains all of them. Replicated parameters are the model's own tensors; sharded
+ones are new tensors holding this rank's part.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autoshard.capture import Captured
+from autoshard.passes.tensor_parallel import tensor_parallel_pass
+from autoshard.plan import TensorParallelPlan
+
+aten = torch.ops.aten
+
+
+class ParamStore(nn.Module):
+    """This rank's parameters, under their names in the captured graphs (``model.<original name>``)."""
+
+    def adopt(self, gm: fx.GraphModule) -> None:
+        """Make ``gm`` read the store's parameters; parameters the store lacks are taken from ``gm``."""
+        for name, param in list(gm.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            mine = self._lookup(name)
+            if mine is None:
+                self._register(name, param)
+            elif mine is not param:
+                setattr(gm.get_submodule(owner) if owner else gm, attr, mine)
+
+    def _lookup(self, name: str) -> nn.Parameter | None:
+        try:
+            return self.get_parameter(name)
+        except AttributeError:
+            return None
+
+    def _register(self, name: str, param: nn.Parameter) -> None:
+        module: nn.Module = self
+        *path, attr = name.split(".")
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(attr, param)
+
+
+@dataclass
+class RankProgram:
+    """The graph module a rank runs, and how its flat outputs fold back into the model's output."""
+
+    gm: fx.GraphModule
+    out_spec: pytree.TreeSpec | None
+
+    def __call__(self, *args):
+        flat = self.gm(*pytree.tree_leaves(args))
+        return pytree.tree_unflatten(list(flat), self.out_spec) if self.out_spec is not None else flat
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def build(
+    captured: Captured, plan: TensorParallelPlan | None, *, rank: int, group=None, store: ParamStore | None = None
+) -> RankProgram:
+    """The program of tp rank ``rank``: a copy of the captured graph, sharded by ``plan``."""
+    source = captured.gm
+    gm = fx.GraphModule(source, copy.deepcopy(source.graph))
+    out_spec = getattr(source, "_out_spec", None)
+    _strip_export_wrappers(gm)
+    if plan is not None and plan.size > 1:
+        tensor_parallel_pass(gm, plan, rank=rank, group=group)
+    if store is not None:
+        store.adopt(gm)
+    return RankProgram(gm, out_spec)
+
+
+def _strip_export_wrappers(gm: fx.GraphModule) -> None:
+    """Flat inputs and outputs, no shape guards or metadata asserts (the runtime keys captures by shape)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        if guard or node.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    graph._codegen = fx.graph.CodeGen()
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    graph.lint()
+    gm.recompile()

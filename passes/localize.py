@@ -1,0 +1,176 @@
+"""Local rewrites: once placements are final, make every node compute what one rank holds.
+
+Export bakes global sizes into ``view``/``reshape``/``expand``/``split`` arguments; these are rewritten
+to the local sizes (computed from the recorded global shape and the output placement, so it works
+whatever the model wrote: constants, ``-1`` or sizes computed in the graph). A row-parallel linear
+becomes a local matmul, an all-reduce, and its bias added once after the sum; a vocab-parallel
+embedding and cross-entropy become their parallel modules. The ``Rewriter`` inserts collective
+modules as ``call_module`` nodes, one per (value, kind), so every consumer shares it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from autoshard import meta
+from autoshard.passes.collectives import ReduceFromParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
+from autoshard.passes.placements import R, Shard, local_shape
+from autoshard.passes.propagate import Propagation
+from autoshard.passes.rules import LOCALIZERS, localizer
+
+aten = torch.ops.aten
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+class Rewriter:
+    """Graph edits for one rank: placements to read, collectives to insert, nodes replaced so far."""
+
+    def __init__(self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set) -> None:
+        self.gm = gm
+        self.grad = grad
+        self.prop = prop
+        self.size = size
+        self.rank = rank
+        self.group = group
+        self._cache: dict[tuple[fx.Node, str], fx.Node] = {}
+        self._replaced: dict[fx.Node, fx.Node] = {}
+        self._original: dict[fx.Node, fx.Node] = {}
+        self._count = 0
+
+    @property
+    def collective_args(self) -> dict:
+        return {"group": self.group, "size": self.size, "rank": self.rank}
+
+    def placement(self, node):
+        return self.prop.placements.get(node, self.prop.placements.get(self._original.get(node), R))
+
+    def local_shape(self, node: fx.Node) -> tuple[int, ...]:
+        return local_shape(tuple(node.meta["val"].shape), self.placement(node), self.size)
+
+    def current(self, node: fx.Node) -> fx.Node:
+        while node in self._replaced:
+            node = self._replaced[node]
+        return node
+
+    def cached(self, value: fx.Node, kind: str, make: Callable[[dict], torch.nn.Module], before: fx.Node) -> fx.Node:
+        """One collective node per (value, kind), inserted before its first consumer."""
+        value = self.current(value)
+        key = (value, kind)
+        if key not in self._cache:
+            self._cache[key] = self.module(make(self.collective_args), (value,), before=before, like=value)
+        return self._cache[key]
+
+    def module(self, module: torch.nn.Module, args: tuple, *, before: fx.Node, like: fx.Node) -> fx.Node:
+        name = f"tp_{type(module).__name__.lower()}_{self._count}"
+        self._count += 1
+        self.gm.add_submodule(name, module)
+        with self.gm.graph.inserting_before(before):
+            node = self.gm.graph.call_module(name, args)
+        node.meta.update({k: v for k, v in like.meta.items() if k in (meta.VAL, meta.MODULE_STACK, meta.STACK_TRACE)})
+        node.meta[meta.SOURCE] = "tensor_parallel"
+        return node
+
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        old.replace_all_uses_with(new)
+        self._replaced[old] = new
+        self._original[new] = self._original.get(old, old)
+        if old in self.grad:
+            self.grad.add(new)
+        self.gm.graph.erase_node(old)
+
+
+def localize(node: fx.Node, rw: Rewriter) -> None:
+    fn = LOCALIZERS.get(node.target)
+    if fn is None and hasattr(node.target, "overloadpacket"):
+        fn = LOCALIZERS.get(node.target.overloadpacket)
+    if fn is not None:
+        fn(node, rw)
+
+
+@localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+def _sizes(node: fx.Node, rw: Rewriter) -> None:
+    if isinstance(rw.placement(node), Shard):
+        node.args = (node.args[0], list(rw.local_shape(node)), *node.args[2:])
+
+
+@localizer(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(node: fx.Node, rw: Rewriter) -> None:
+    source = rw.placement(node.args[0])
+    if not isinstance(source, Shard):
+        return
+    ndim = len(node.args[0].meta["val"].shape)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if dim % ndim != source.dim:
+        return
+    sizes = node.args[1]
+    local = [s // rw.size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // rw.size
+    node.args = (node.args[0], local, *node.args[2:])
+
+
+@localizer(aten.repeat_interleave.self_int)
+def _repeat_interleave(node: fx.Node, rw: Rewriter) -> None:
+    placement = rw.placement(node)
+    if isinstance(placement, Shard) and node.kwargs.get("output_size") is not None:
+        node.kwargs = {**node.kwargs, "output_size": rw.local_shape(node)[placement.dim]}
+
+
+@localizer(aten.linear.default, aten.addmm.default)
+def _row_linear(node: fx.Node, rw: Rewriter) -> None:
+    """x @ W_local is a partial sum: all-reduce it, then add the bias once."""
+    if node.target is aten.linear.default:
+        x, w, b, out_dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
+    else:
+        b, x, w, out_dim = node.args[0], node.args[1], node.args[2], 1
+    placement = rw.placement(w)
+    if not isinstance(placement, Shard) or placement.dim == out_dim:
+        return
+    graph = node.graph
+    with graph.inserting_before(node):
+        op = aten.linear.default if node.target is aten.linear.default else aten.mm.default
+        partial = graph.call_function(op, (x, w))
+        partial.meta.update(node.meta)
+    out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)
+    if b is not None:
+        with graph.inserting_before(node):
+            biased = graph.call_function(aten.add.Tensor, (out, b))
+            biased.meta.update(node.meta)
+        out = biased
+    rw.replace(node, out)
+
+
+@localizer(aten.embedding.default)
+def _vocab_embedding(node: fx.Node, rw: Rewriter) -> None:
+    w, ids = node.args[0], node.args[1]
+    if rw.placement(w) != Shard(0):
+        return
+    start, end = _vocab_range(w.meta["val"].shape[0], rw)
+    lookup = rw.module(
+        VocabParallelEmbedding(vocab_start=start, vocab_end=end, **rw.collective_args), (ids, w), before=node, like=node
+    )
+    rw.replace(node, rw.module(ReduceFromParallel(**rw.collective_args), (lookup,), before=node, like=node))
+
+
+@localizer(aten.cross_entropy_loss.default)
+def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
+    logits, target = node.args[0], node.args[1]
+    if rw.placement(logits) != Shard(1):
+        return
+    args = list(node.args) + [None] * (6 - len(node.args))
+    reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
+    ignore_index = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
+    smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
+    vocab = logits.meta["val"].shape[1]
+    start, end = _vocab_range(vocab, rw)
+    module = VocabParallelCrossEntropy(
+        vocab_start=start, vocab_end=end, vocab_size=vocab, ignore_index=ignore_index,
+        reduction=_REDUCTIONS[reduction], label_smoothing=smoothing, **rw.collective_args,
+    )
+    rw.replace(node, rw.module(module, (logits, target), before=node, like=node))
+
+
+def _vocab_range(vocab: int, rw: Rewriter) -> tuple[int, int]:
+    per_rank = vocab // rw.size
+    return rw.rank * per_rank, (rw.rank + 1) * per_rank

@@ -1,0 +1,72 @@
+"""Placements: how a value is laid out over the ranks of one mesh axis.
+
+- ``Replicate()``: every rank holds the whole value.
+- ``Shard(dim)``: rank r holds the r-th of ``size`` equal contiguous chunks along tensor dim ``dim``.
+  A *blocked* shard ``Shard(dim, blocks=(48, 48, 48))`` splits the dim into consecutive blocks first
+  (fused q, k, v) and gives rank r the r-th chunk of every block, concatenated: each rank then holds
+  whole heads of q, of k and of v.
+- ``Partial()``: every rank holds a summand; the value is the sum over ranks (a row-parallel matmul).
+
+Placements are plain frozen data, printed as ``R``, ``S(2)``, ``S(2, blocks=(48, 48, 48))``, ``P``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    blocks: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})" if self.blocks is None else f"S({self.dim}, blocks={self.blocks})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __repr__(self) -> str:
+        return "P"
+
+
+Placement = Replicate | Shard | Partial
+
+R = Replicate()
+P = Partial()
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[int, ...]:
+    """The shape one rank holds of a value of global ``shape``."""
+    if not isinstance(placement, Shard):
+        return tuple(shape)
+    out = list(shape)
+    out[placement.dim] //= size
+    return tuple(out)
+
+
+def to_json(placement: Placement) -> str:
+    return repr(placement)
+
+
+def from_json(text: str) -> Placement:
+    """Parse what ``repr`` printed: ``R``, ``P``, ``S(0)``, ``S(0, blocks=(48, 24, 24))``."""
+    text = text.strip()
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    if text.startswith("S(") and text.endswith(")"):
+        inner = text[2:-1]
+        if ", blocks=" in inner:
+            dim, blocks = inner.split(", blocks=")
+            sizes = tuple(int(b) for b in blocks.strip("()").split(",") if b.strip())
+            return Shard(int(dim), sizes)
+        return Shard(int(inner))
+    raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim) or S(dim, blocks=(...)))")

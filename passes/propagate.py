@@ -1,0 +1,162 @@
+"""Sharding propagation: the placement of every value of a graph on one mesh axis, from its parameters'.
+
+``propagate(gm, seeds, size)`` walks the graph in order. Placeholders (the model's inputs) are
+replicated, parameters take their placement from ``seeds`` (keyed by ``get_attr`` target), and every
+other node takes the decision of its rule (``rules.decide``). The result records, per node, the
+output placement and the decision, from which ``redistributions`` lists every collective the graph
+needs and ``cost`` counts the expensive ones.
+
+Propagation is incremental: given a previous result, only the nodes downstream of parameters whose
+seed changed are decided again, so the planner can try a candidate region in time proportional to
+the region, not to the model.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
+from autoshard.passes.rules import Context, Decision, decide
+
+
+@dataclass
+class Propagation:
+    size: int
+    seeds: dict[str, Placement]
+    placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
+    decisions: dict[fx.Node, Decision] = field(default_factory=dict)
+    changed: set[fx.Node] = field(default_factory=set)
+
+    def of(self, node: fx.Node) -> Placement | tuple:
+        return self.placements.get(node, R)
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A value that a consumer needs in another placement: the collective the pass inserts."""
+
+    value: fx.Node
+    consumer: fx.Node
+    src: Placement
+    dst: Placement
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.src, Partial):
+            return "all_reduce" if self.dst == R else "reduce_scatter"
+        if isinstance(self.src, Shard) and self.dst == R:
+            return "all_gather"
+        if isinstance(self.src, Replicate) and isinstance(self.dst, Shard):
+            return "split"
+        return "all_to_all"
+
+
+def propagate(
+    gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *, base: Propagation | None = None
+) -> Propagation:
+    """Placements of every node of ``gm`` given the parameters' placements ``seeds``."""
+    result = Propagation(size=size, seeds=dict(seeds))
+    nodes = list(gm.graph.nodes)
+    if base is None:
+        todo = nodes
+    else:
+        result.placements = dict(base.placements)
+        result.decisions = dict(base.decisions)
+        changed = {t for t in set(seeds) | set(base.seeds) if seeds.get(t, R) != base.seeds.get(t, R)}
+        todo = [n for n in nodes if n.op == "get_attr" and n.target in changed]
+    _run(result, nodes, todo)
+    return result
+
+
+def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
+    ctx = Context(result.size, result.placements)
+    if len(todo) == len(nodes):
+        for node in nodes:
+            _store(result, node, ctx)
+        return
+    # Incremental: graph order is a topological order, so popping by position decides every input first.
+    order = {n: i for i, n in enumerate(nodes)}
+    heap = sorted(order[n] for n in todo)
+    done: set[int] = set()
+    while heap:
+        index = heapq.heappop(heap)
+        if index in done:
+            continue
+        done.add(index)
+        node = nodes[index]
+        before = result.placements.get(node)
+        if _store(result, node, ctx) != before or node.op == "get_attr":
+            for user in node.users:
+                heapq.heappush(heap, order[user])
+
+
+def _store(result: Propagation, node: fx.Node, ctx: Context):
+    placement, decision = _decide(node, ctx, result.seeds)
+    result.placements[node] = placement
+    result.changed.add(node)
+    if decision is not None:
+        result.decisions[node] = decision
+    else:
+        result.decisions.pop(node, None)
+    return placement
+
+
+def _decide(node: fx.Node, ctx: Context, seeds: dict[str, Placement]):
+    if node.op == "placeholder":
+        return R, None
+    if node.op == "get_attr":
+        return seeds.get(node.target, R), None
+    if node.op == "output":
+        flat = [n for n in node.all_input_nodes if not isinstance(ctx.placements.get(n, R), Replicate)]
+        return R, Decision(R, {n: R for n in flat if not isinstance(ctx.placements.get(n, R), tuple)})
+    if node.op == "call_function" and node.target.__name__ == "getitem" and isinstance(node.args[0], fx.Node):
+        parent = ctx.placements.get(node.args[0], R)
+        return (parent[node.args[1]] if isinstance(parent, tuple) else parent), None
+    if node.op != "call_function":
+        return R, None
+    decision = decide(node, ctx)
+    return decision.out, decision
+
+
+def redistributions(prop: Propagation) -> list[Redistribution]:
+    """Every (value, consumer) pair whose placements differ, in graph order."""
+    found = []
+    for node, decision in prop.decisions.items():
+        for value, dst in decision.want.items():
+            src = prop.of(value)
+            if not isinstance(src, tuple) and src != dst:
+                found.append(Redistribution(value, node, src, dst))
+    return found
+
+
+def cost(prop: Propagation, nodes=None) -> tuple[int, int, list[str]]:
+    """(all-gathers of sharded values, fallbacks, conflicts) among ``nodes`` (all decided nodes by default)."""
+    gathers = fallbacks = 0
+    conflicts: list[str] = []
+    for node in prop.decisions if nodes is None else nodes:
+        decision = prop.decisions.get(node)
+        if decision is None:
+            continue
+        gathers += sum(1 for v, dst in decision.want.items() if isinstance(prop.of(v), Shard) and dst == R)
+        fallbacks += decision.fallback
+        if decision.conflict:
+            conflicts.append(decision.conflict)
+    return gathers, fallbacks, conflicts
+
+
+def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value depends on a trainable parameter (their gradient flows back)."""
+    params = {name for name, p in gm.named_parameters() if p.requires_grad}
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            found.add(node)
+        elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.is_floating_point():
+                found.add(node)
+    return found

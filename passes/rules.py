@@ -1,0 +1,486 @@
+"""Sharding rules: for each op, the placement of its output and the local rewrite, as one table.
+
+A rule looks at a node and the placements of its inputs (on one mesh axis of ``size`` ranks) and
+returns a ``Decision``: the output placement, the placements it *wants* for inputs that must change
+first (the pass inserts the collective), and, when a shard cannot continue, why (``conflict``: a
+head count the degree does not divide; ``blocks_hint``: a split that needs a blocked shard).
+Rules decide; ``LOCALIZERS`` rewrite a node's arguments to the sizes one rank holds (12 heads become
+12/t heads) once the placements are final. An op without a rule gets replicated inputs: correct,
+slower, and reported.
+
+Rules never match on names or size values: dims come from the placements of the inputs and the
+shapes that capture recorded (``node.meta["val"]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Decision:
+    out: Placement | tuple[Placement, ...]
+    want: dict[fx.Node, Placement] = field(default_factory=dict)
+    conflict: str | None = None
+    blocks_hint: tuple[int, ...] | None = None
+    fallback: bool = False
+
+
+class Context:
+    """What a rule may read: the degree, the placement of each value, and each value's global shape."""
+
+    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple]) -> None:
+        self.size = size
+        self.placements = placements
+
+    def of(self, value) -> Placement:
+        if not isinstance(value, fx.Node):
+            return R
+        placement = self.placements.get(value, R)
+        return R if isinstance(placement, tuple) else placement
+
+    @staticmethod
+    def shape(value) -> tuple[int, ...]:
+        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+Rule = Callable[[fx.Node, Context], Decision]
+RULES: dict[object, Rule] = {}
+LOCALIZERS: dict[object, Callable] = {}
+
+
+def rule(*ops) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+def localizer(*ops) -> Callable:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            LOCALIZERS[op] = fn
+        return fn
+
+    return register
+
+
+def decide(node: fx.Node, ctx: Context) -> Decision:
+    """The decision for ``node``: its rule's, or the general fallback (replicate every input)."""
+    fn = RULES.get(node.target)
+    if fn is None and hasattr(node.target, "overloadpacket"):
+        fn = RULES.get(node.target.overloadpacket)
+    if fn is not None:
+        return fn(node, ctx)
+    return replicate_all(node, ctx)
+
+
+def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint=None) -> Decision:
+    """All inputs replicated, output replicated; a fallback only if some input was not replicated."""
+    want = {n: R for n in tensor_inputs(node) if not isinstance(ctx.of(n), Replicate)}
+    return Decision(_replicated_like(node), want, conflict=conflict, blocks_hint=hint, fallback=bool(want))
+
+
+def _replicated_like(node: fx.Node):
+    val = node.meta.get("val")
+    return tuple(R for _ in val) if isinstance(val, (list, tuple)) else R
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# ------------------------------------------------------------------------------------------ element-wise
+
+_POINTWISE = (
+    "add", "sub", "rsub", "mul", "div", "pow", "neg", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "gelu",
+    "silu", "relu", "cos", "sin", "erf", "abs", "clamp", "where", "masked_fill", "eq", "ne", "lt", "le", "gt", "ge",
+    "__and__", "__or__", "logical_not", "bitwise_not", "to", "_to_copy", "type_as", "contiguous", "clone", "alias",
+    "dropout", "detach", "lift_fresh_copy", "reciprocal", "square", "maximum", "minimum", "fill", "zeros_like",
+    "ones_like", "full_like", "native_dropout", "hardtanh", "leaky_relu", "elu", "softplus", "mish",
+)
+
+
+def _pointwise(node: fx.Node, ctx: Context) -> Decision:
+    out_ndim = len(ctx.shape(node))
+    inputs = tensor_inputs(node)
+    shards: set[tuple[int, tuple | None]] = set()
+    for n in inputs:
+        p = ctx.of(n)
+        if isinstance(p, Shard):
+            shards.add((p.dim + out_ndim - len(ctx.shape(n)), p.blocks))
+    if len(shards) > 1:
+        return replicate_all(node, ctx)
+    if not shards:
+        return Decision(R, {n: R for n in inputs if isinstance(ctx.of(n), Partial)})
+    ((dim, blocks),) = shards
+    want: dict[fx.Node, Placement] = {}
+    for n in inputs:
+        p, shape = ctx.of(n), ctx.shape(n)
+        if isinstance(p, Shard):
+            continue
+        d = dim - (out_ndim - len(shape))
+        if d >= 0 and shape[d] != 1:
+            want[n] = Shard(d, blocks)  # a full-size replicated operand: each rank takes its part
+        elif isinstance(p, Partial):
+            want[n] = R
+    return Decision(Shard(dim, blocks), want)
+
+
+for _name in _POINTWISE:
+    if hasattr(aten, _name):
+        RULES[getattr(aten, _name)] = _pointwise
+
+
+# --------------------------------------------------------------------------------------- dims and views
+
+
+def _one_input_shard(node: fx.Node, ctx: Context) -> Shard | None:
+    p = ctx.of(node.args[0])
+    return p if isinstance(p, Shard) else None
+
+
+@rule(aten.transpose.int, aten.swapaxes.default)
+def _transpose(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node))
+    a, b = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
+    dim = b if p.dim == a else a if p.dim == b else p.dim
+    return Decision(Shard(dim, p.blocks))
+
+
+@rule(aten.t.default)
+def _t(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    return Decision(Shard(1 - p.dim, p.blocks)) if p else _pointwise(node, ctx)
+
+
+@rule(aten.permute.default)
+def _permute(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node))
+    order = [_dim(d, ndim) for d in node.args[1]]
+    return Decision(Shard(order.index(p.dim), p.blocks))
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    k = _dim(node.args[1], len(ctx.shape(node)))
+    return Decision(Shard(p.dim + (1 if k <= p.dim else 0), p.blocks))
+
+
+@rule(aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    in_shape = ctx.shape(node.args[0])
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    removed = [d for d in (_dim(d, len(in_shape)) for d in dims) if in_shape[d] == 1]
+    return Decision(Shard(p.dim - sum(d < p.dim for d in removed), p.blocks))
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _reshape(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
+    group = _dim_group(in_shape, out_shape, p.dim)
+    if group is None:
+        return replicate_all(node, ctx)
+    ins, outs = group
+    if len(ins) == 1 and len(outs) == 1:
+        return Decision(Shard(outs[0], p.blocks))
+    if len(ins) == 1:  # one dim split into several: the shard moves to the outermost that is not a block index
+        return _split_dim(node, ctx, p, [out_shape[o] for o in outs], outs)
+    if len(outs) == 1 and ins[0] == p.dim and p.blocks is None:  # dims merged; the outermost one is sharded
+        return Decision(Shard(outs[0]))
+    return replicate_all(node, ctx)
+
+
+def _split_dim(node: fx.Node, ctx: Context, p: Shard, sizes: list[int], outs: list[int]) -> Decision:
+    lead = 0
+    if p.blocks is not None:
+        if len(set(p.blocks)) != 1 or not sizes or sizes[0] != len(p.blocks):
+            return replicate_all(node, ctx)
+        lead = 1  # the outermost output dim indexes the blocks; the shard moves to the next one
+    target = next((i for i in range(lead, len(sizes)) if sizes[i] != 1), None)
+    if target is None:
+        return replicate_all(node, ctx)
+    if sizes[target] % ctx.size:
+        what = f"heads (a dim of {math.prod(sizes)} viewed as {tuple(sizes)})"
+        reason = _indivisible(sizes[target], ctx.size, what)
+        return replicate_all(node, ctx, conflict=reason)
+    return Decision(Shard(outs[target]))
+
+
+def _indivisible(count: int, size: int, what: str) -> str:
+    """A conflict message; it starts with the count that does not divide (the planner ranks by it)."""
+    works = [d for d in range(1, count + 1) if count % d == 0]
+    return f"{count} {what} do not divide over {size} ranks; degrees that divide {count}: {works}"
+
+
+def _dim_group(in_shape, out_shape, dim: int) -> tuple[list[int], list[int]] | None:
+    """The input dims and output dims of a reshape that hold the same elements as input ``dim``."""
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        ins, outs = [], []
+        pi = pj = 1
+        while True:
+            if pi == pj and ins and outs:
+                break
+            if (pi <= pj or j >= len(out_shape)) and i < len(in_shape):
+                pi *= in_shape[i]
+                ins.append(i)
+                i += 1
+            elif j < len(out_shape):
+                pj *= out_shape[j]
+                outs.append(j)
+                j += 1
+            else:
+                break
+        ins = [d for d in ins if in_shape[d] != 1] or ins
+        outs = [d for d in outs if out_shape[d] != 1] or outs
+        if dim in ins:
+            return ins, outs
+        if not ins and not outs:
+            return None
+    return None
+
+
+@rule(aten.expand.default)
+def _expand(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
+    return Decision(Shard(p.dim + offset, p.blocks))
+
+
+@rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
+def _slice(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node.args[0]))
+    dim = _dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    if dim == p.dim:
+        return replicate_all(node, ctx)
+    removed = node.target is aten.select.int and dim < p.dim
+    return Decision(Shard(p.dim - removed, p.blocks))
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def _split(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    pieces = node.meta["val"]
+    if p is None:
+        if isinstance(ctx.of(node.args[0]), Partial):
+            return replicate_all(node, ctx)
+        return Decision(_replicated_like(node))
+    in_shape = ctx.shape(node.args[0])
+    default = 0
+    dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default)
+    if node.target is aten.unbind.int:
+        dim_arg = node.args[1] if len(node.args) > 1 else 0
+    dim = _dim(dim_arg, len(in_shape))
+    if dim != p.dim:
+        shift = node.target is aten.unbind.int and dim < p.dim
+        return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in pieces))
+    sizes = tuple(int(piece.shape[dim]) for piece in pieces)
+    if node.target is aten.unbind.int:
+        return replicate_all(node, ctx)
+    if p.blocks == sizes:
+        if any(s % ctx.size for s in sizes):
+            reason = _indivisible(math.gcd(*sizes), ctx.size, f"(the common width of a fused projection {sizes})")
+            return replicate_all(node, ctx, conflict=reason)
+        return Decision(tuple(Shard(dim) for _ in pieces))
+    return replicate_all(node, ctx, hint=sizes if p.blocks is None and len(sizes) > 1 else None)
+
+
+@rule(aten.cat.default)
+def _cat(node: fx.Node, ctx: Context) -> Decision:
+    tensors = node.args[0]
+    ndim = len(ctx.shape(node))
+    dim = _dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
+    if not shards:
+        return _pointwise(node, ctx)
+    (p,) = shards if len(shards) == 1 else (None,)
+    if p is None or p.dim == dim:
+        return replicate_all(node, ctx)
+    return Decision(p, {t: p for t in tensors if ctx.of(t) != p})
+
+
+@rule(aten.repeat_interleave.self_int)
+def _repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None or p.blocks is not None:
+        return _pointwise(node, ctx) if p is None else replicate_all(node, ctx)
+    return Decision(p)  # repeating each of this rank's heads gives exactly its share of the repeated heads
+
+
+# ------------------------------------------------------------------------------------------- reductions
+
+
+@rule(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+def _softmax(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    dim = _dim(node.args[1], len(ctx.shape(node)))
+    return Decision(p) if dim != p.dim else replicate_all(node, ctx)
+
+
+@rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction)
+def _reduce(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(ndim))
+    dims = [_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if p.dim in dims:
+        return replicate_all(node, ctx)
+    return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
+
+
+@rule(aten.layer_norm.default)
+def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node))
+    if p.dim >= ndim - len(node.args[1]):
+        return replicate_all(node, ctx)
+    return Decision(p, {n: R for n in tensor_inputs(node)[1:] if not isinstance(ctx.of(n), Replicate)})
+
+
+# ------------------------------------------------------------------------------------- matmuls and attention
+
+
+@rule(aten.linear.default)
+def _linear(node: fx.Node, ctx: Context) -> Decision:
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else None
+    return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=0)
+
+
+@rule(aten.addmm.default)
+def _addmm(node: fx.Node, ctx: Context) -> Decision:
+    b, x, w = node.args[0], node.args[1], node.args[2]
+    return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=1)
+
+
+def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> Decision:
+    """A linear layer: column-parallel when the weight's output dim is sharded, row when its input dim is."""
+    px, pw = ctx.of(x), ctx.of(w)
+    x_last = len(ctx.shape(x)) - 1
+    out_last = len(ctx.shape(node)) - 1
+    if isinstance(pw, Shard) and pw.dim == out_dim_of_weight:
+        bias_ok = b is None or ctx.of(b) == Shard(0, pw.blocks)
+        if not bias_ok:
+            return replicate_all(node, ctx)
+        return Decision(Shard(out_last, pw.blocks), {x: R} if px != R else {})
+    if isinstance(pw, Shard) and pw.blocks is None:  # row-parallel: input sharded on its last dim; summed inside
+        want = {} if px == Shard(x_last) else {x: Shard(x_last)}
+        if b is not None and ctx.of(b) != R:
+            want[b] = R
+        return Decision(R, want)
+    if b is not None and ctx.of(b) != R or isinstance(px, Partial):
+        return replicate_all(node, ctx)
+    if isinstance(px, Shard) and px.dim != x_last:
+        return Decision(Shard(px.dim + out_last - x_last, px.blocks))
+    return replicate_all(node, ctx)
+
+
+@rule(aten.matmul.default, aten.bmm.default)
+def _matmul(node: fx.Node, ctx: Context) -> Decision:
+    a, b = node.args[0], node.args[1]
+    pa, pb = ctx.of(a), ctx.of(b)
+    na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
+    if na < 2 or nb < 2:
+        return replicate_all(node, ctx)
+    batch_a = pa.dim + nout - na if isinstance(pa, Shard) and pa.dim < na - 2 else None
+    batch_b = pb.dim + nout - nb if isinstance(pb, Shard) and pb.dim < nb - 2 else None
+    dim = batch_a if batch_a is not None else batch_b
+    if dim is None:
+        if isinstance(pa, Shard) and pa.dim == na - 2 and pb == R:
+            return Decision(Shard(nout - 2, pa.blocks))
+        return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
+    want = {}
+    for n, p, nd in ((a, pa, na), (b, pb, nb)):
+        d = dim - (nout - nd)
+        if isinstance(p, Shard) and p.dim == d:
+            continue
+        if d >= 0 and ctx.shape(n)[d] != 1:
+            want[n] = Shard(d)
+        elif not isinstance(p, Replicate):
+            want[n] = R
+    return Decision(Shard(dim), want)
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def _sdpa(node: fx.Node, ctx: Context) -> Decision:
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    heads = len(ctx.shape(q)) - 3
+    if not any(ctx.of(t) == Shard(heads) for t in (q, k, v)):
+        return _pointwise(node, ctx) if all(ctx.of(t) == R for t in (q, k, v)) else replicate_all(node, ctx)
+    want: dict[fx.Node, Placement] = {t: Shard(heads) for t in (q, k, v) if ctx.of(t) != Shard(heads)}
+    if isinstance(mask, fx.Node):
+        mshape = ctx.shape(mask)
+        d = heads - (len(ctx.shape(q)) - len(mshape))
+        if d >= 0 and mshape[d] != 1:
+            want[mask] = Shard(d)
+        elif ctx.of(mask) != R:
+            want[mask] = R
+    return Decision(Shard(heads), want)
+
+
+# ----------------------------------------------------------------------------------- embedding and loss
+
+
+@rule(aten.embedding.default)
+def _embedding(node: fx.Node, ctx: Context) -> Decision:
+    w, ids = node.args[0], node.args[1]
+    pw, pids = ctx.of(w), ctx.of(ids)
+    if pw == Shard(0):
+        return Decision(R, {ids: R} if pids != R else {})
+    if pw == R and isinstance(pids, Shard):
+        return Decision(Shard(pids.dim))
+    return replicate_all(node, ctx)
+
+
+@rule(aten.cross_entropy_loss.default)
+def _cross_entropy(node: fx.Node, ctx: Context) -> Decision:
+    logits, target = node.args[0], node.args[1]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    if ctx.of(logits) == Shard(1) and weight is None:
+        return Decision(R, {target: R} if ctx.of(target) != R else {})
+    return replicate_all(node, ctx)

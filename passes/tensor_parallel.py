@@ -1,0 +1,354 @@
+"""Tensor parallelism: find Megatron's patterns from graph structure, then shard the graph for one rank.
+
+Planning (``plan_tensor_parallel``) never looks at names. A *region* is a set of column-parallel
+linears whose sharded outputs flow, through ops that keep the shard (activations, views that split
+heads, attention, RoPE arithmetic), into one row-parallel linear whose sum ends the region. For
+every linear, the linears feeding its input (its *cone*, walking back through values that depend on
+parameters) are tried as columns with it as the row; a candidate is kept when propagation shows no
+all-gather of a sharded value. The same propagation discovers what the pattern needs:
+
+- a fused projection (q, k, v in one linear) that the graph splits gets a blocked shard, so every
+  rank holds whole heads of q, of k and of v;
+- a column whose heads the degree does not divide (grouped-query k and v with fewer heads than
+  ranks) is dropped from the region and stays replicated; each rank takes its share of the heads;
+- a head count no column can be split over is an error naming the layer and the degrees that work.
+
+Then the token embedding (fed by a graph input) is tried vocab-parallel, which also makes a tied LM
+head column-parallel, and any remaining linear is tried alone as a column (an LM head whose logits
+go to a vocab-parallel cross-entropy). Everything else stays replicated.
+
+``tensor_parallel_pass`` applies a plan for one rank: it inserts the collectives the placements
+need (Megatron's f before column regions, one per value; all-reduces closing row linears), rewrites
+sizes to local ones, and replaces sharded parameters by this rank's shards.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import fx
+
+from autoshard import meta
+from autoshard.passes import localize
+from autoshard.passes.collectives import (
+    CopyToParallel,
+    GatherFromParallel,
+    ReduceFromParallel,
+    ScatterToParallel,
+    local_indices,
+)
+from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
+from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
+from autoshard.plan import ParamPlan, TensorParallelPlan
+
+aten = torch.ops.aten
+_LINEARS = {aten.linear.default: (1, 2, 0), aten.addmm.default: (2, 0, 1)}  # op -> (weight arg, bias arg, out dim)
+_CONE_LIMIT = 300
+FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
+
+
+class TensorParallelError(ValueError):
+    """A layer cannot be split over the requested degree; the message names it and the degrees that work."""
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+
+def plan_tensor_parallel(gm: fx.GraphModule, size: int, *, indivisible: str = "error") -> TensorParallelPlan:
+    """Decide the tp placement of every parameter of ``gm`` for ``size`` ranks."""
+    params = {name for name, _ in gm.named_parameters()}
+    plan = TensorParallelPlan(size=size)
+    state = propagate(gm, {}, size)
+    if size == 1:
+        return _finish(gm, plan, params)
+    grad = requires_grad(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    state = _plan_vocab(gm, plan, state, params)
+    for row in _linears(gm, params):
+        if _weight(row) in plan.params:
+            continue
+        columns = sorted((c for c in _cone(_input(row), grad) if _is_free(c, plan, state)), key=order.__getitem__)
+        if columns and _is_free(row, plan, None):
+            state = _try_region(gm, plan, state, columns, row, indivisible)
+    for lone in _linears(gm, params):
+        if _is_free(lone, plan, state):
+            state = _try_region(gm, plan, state, [lone], None, "replicate")
+    return _finish(gm, plan, params)
+
+
+def _finish(gm: fx.GraphModule, plan: TensorParallelPlan, params: set[str]) -> TensorParallelPlan:
+    for name in sorted(params - set(plan.params), key=list(params).index):
+        plan.params[name] = ParamPlan(R, "replicated", "no pattern shards it")
+    ordered = {n: plan.params[n] for n, _ in gm.named_parameters()}
+    plan.params = ordered
+    return plan
+
+
+def _linears(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in _LINEARS and _weight(n) in params]
+
+
+def _weight(node: fx.Node) -> str | None:
+    w = node.args[_LINEARS[node.target][0]]
+    return w.target if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+
+def _bias(node: fx.Node) -> str | None:
+    index = _LINEARS[node.target][1]
+    b = node.args[index] if index < len(node.args) else None
+    return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
+
+
+def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None) -> bool:
+    if _weight(node) in plan.params or (_bias(node) in plan.params):
+        return False
+    return state is None or state.of(_input(node)) == R
+
+
+def _input(node: fx.Node) -> fx.Node:
+    """The activation a linear multiplies: linear(x, w, b) and addmm(b, x, w)."""
+    return node.args[_LINEARS[node.target][0] - 1]
+
+
+def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
+    """The linears that feed ``x`` through values that carry gradients (not masks, not positions)."""
+    found, seen, todo = [], set(), [x]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _CONE_LIMIT:
+            return []
+        if node.target in _LINEARS:
+            found.append(node)
+        elif node in grad and node.op == "call_function":
+            todo.extend(node.all_input_nodes)
+    return found
+
+
+def _column_seeds(node: fx.Node, blocks) -> dict[str, Placement]:
+    out_dim = _LINEARS[node.target][2]
+    seeds = {_weight(node): Shard(out_dim, blocks)}
+    if _bias(node):
+        seeds[_bias(node)] = Shard(0, blocks)
+    return seeds
+
+
+def _row_seeds(node: fx.Node) -> dict[str, Placement]:
+    seeds = {_weight(node): Shard(1 - _LINEARS[node.target][2])}
+    if _bias(node):
+        seeds[_bias(node)] = R
+    return seeds
+
+
+def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
+    """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
+    blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
+    dropped: dict[fx.Node, str] = {}
+    for _ in range(2 * len(columns) + 2):
+        live = [c for c in columns if c not in dropped]
+        if not live:
+            break
+        seeds = dict(state.seeds)
+        for c in live:
+            seeds.update(_column_seeds(c, blocks[c]))
+        if row is not None:
+            seeds.update(_row_seeds(row))
+        problem = _width_problem(gm, live, blocks, plan.size)
+        prop = propagate(gm, seeds, plan.size, base=state)
+        gathers, fallbacks, conflicts = cost(prop, prop.changed)
+        old = cost(state, prop.changed)
+        if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
+            _record(gm, plan, prop, live, row, blocks, dropped)
+            return prop
+        hint = _hint(prop, live)
+        if hint is not None and blocks[hint[0]] is None:
+            blocks[hint[0]] = hint[1]
+            continue
+        culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
+        if not culprits:
+            break
+        if len(culprits) == len(live) and row is not None:
+            reason = max(culprits.values(), key=lambda text: int(text.split()[0]))
+            _indivisible(gm, row, reason, plan.size, indivisible)
+            break
+        dropped.update(culprits)
+    return state
+
+
+def _width_problem(gm, columns, blocks, size) -> tuple[fx.Node, str] | None:
+    for c in columns:
+        out_dim = _LINEARS[c.target][2]
+        width = gm.get_parameter(_weight(c)).shape[out_dim]
+        pieces = blocks[c] or (width,)
+        if any(p % size for p in pieces):
+            works = [d for d in range(1, width + 1) if width % d == 0]
+            return c, (f"{width} output features of {meta.module_path(c) or c.name} do not divide over {size} ranks; "
+                       f"degrees that divide {width}: {works}")
+    return None
+
+
+def _hint(prop: Propagation, columns) -> tuple[fx.Node, tuple] | None:
+    for node in prop.changed:
+        decision = prop.decisions.get(node)
+        if decision is not None and decision.blocks_hint:
+            for c in columns:
+                if _reaches(c, node, prop.changed):
+                    return c, decision.blocks_hint
+    return None
+
+
+def _conflicted(prop: Propagation, columns) -> dict[fx.Node, str]:
+    culprits = {}
+    for node in prop.changed:
+        decision = prop.decisions.get(node)
+        if decision is not None and decision.conflict:
+            for c in columns:
+                if _reaches(c, node, prop.changed):
+                    culprits[c] = decision.conflict
+    return culprits
+
+
+def _reaches(src: fx.Node, dst: fx.Node, within: set[fx.Node]) -> bool:
+    seen, todo = set(), [src]
+    while todo:
+        node = todo.pop()
+        if node is dst:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(u for u in node.users if u in within)
+    return False
+
+
+def _indivisible(gm, row: fx.Node, reason: str, size: int, mode: str) -> None:
+    layer = meta.module_path(row) or row.name
+    message = f"tensor parallelism over {size} ranks cannot split the block ending in {layer}: {reason}"
+    if mode == "error":
+        raise TensorParallelError(message + "; or pass tp_indivisible='replicate' to keep such layers replicated")
+    warnings.warn(message + "; the layer stays replicated", stacklevel=3)
+
+
+def _record(gm, plan, prop, columns, row, blocks, dropped) -> None:
+    kind = "attention" if any(_is_attention(n) for n in prop.changed) else "MLP" if row is not None else "output"
+    closed = f"{kind} block closed by {meta.module_path(row) or row.name}" if row is not None else ""
+    for c in columns:
+        layout = f", blocked {blocks[c]}" if blocks[c] else ""
+        reason = f"column of {closed}{layout}" if row is not None else "column-parallel output (vocab-parallel loss)"
+        for name, placement in _column_seeds(c, blocks[c]).items():
+            plan.params[name] = ParamPlan(placement, "column", reason)
+    if row is not None:
+        for name, placement in _row_seeds(row).items():
+            role = "row" if isinstance(placement, Shard) else "replicated"
+            why = f"row of {closed}" if role == "row" else "bias added after the sum"
+            plan.params[name] = ParamPlan(placement, role, why)
+    for c, why in dropped.items():
+        plan.notes.append(f"{meta.module_path(c) or c.name} kept replicated ({why}); each rank takes its heads")
+
+
+def _is_attention(node: fx.Node) -> bool:
+    return node.target in (aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default)
+
+
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+             aten.unsqueeze.default, aten.contiguous.default, aten.clone.default, aten.alias.default}
+
+
+def _is_input(ids: fx.Node) -> bool:
+    """Token ids: a graph input, perhaps reshaped (positions and token types are computed in the graph)."""
+    while ids.op == "call_function" and ids.target in _RESHAPES:
+        ids = ids.args[0]
+    return ids.op == "placeholder"
+
+
+def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[str]) -> Propagation:
+    for node in gm.graph.nodes:
+        if node.target is not aten.embedding.default:
+            continue
+        w, ids = node.args[0], node.args[1]
+        if w.op != "get_attr" or w.target not in params or not _is_input(ids) or w.target in plan.params:
+            continue
+        vocab = gm.get_parameter(w.target).shape[0]
+        if vocab % plan.size:
+            plan.notes.append(f"vocab {vocab} of {w.target} does not divide over {plan.size} ranks: kept replicated")
+            continue
+        prop = propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
+        new, old = cost(prop, prop.changed), cost(state, prop.changed)
+        if new[0] <= old[0] and new[1] <= old[1]:
+            plan.params[w.target] = ParamPlan(Shard(0), "vocab", "token embedding: vocab-parallel lookup")
+            state = prop
+    return state
+
+
+# ------------------------------------------------------------------------------------------------- applying
+
+
+def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
+    """Rewrite ``gm`` into what tp rank ``rank`` runs: collectives inserted, sizes local, parameters sharded."""
+    size = plan.size
+    if size == 1:
+        return gm
+    prop = propagate(gm, plan.placements(), size)
+    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm))
+    for node in list(gm.graph.nodes):
+        decision = prop.decisions.get(node)
+        if decision is None:
+            continue
+        if decision.fallback:
+            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node))
+        for value, dst in decision.want.items():
+            if prop.of(value) != dst:
+                node.replace_input_with(rw.current(value), _redistribute(rw, value, prop.of(value), dst, node))
+        if _has_shard(prop.of(node)):
+            for value in node.all_input_nodes:
+                if value in rw.grad and rw.placement(value) == R and decision.want.get(value, R) == R:
+                    node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
+        localize.localize(node, rw)
+    _shard_parameters(gm, plan, rank)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _has_shard(placement) -> bool:
+    if isinstance(placement, tuple):
+        return any(isinstance(p, Shard) for p in placement)
+    return isinstance(placement, Shard)
+
+
+def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: fx.Node) -> fx.Node:
+    """The collectives that turn ``value`` from ``src`` into ``dst``, shared by every consumer."""
+    if isinstance(src, Partial):
+        value = rw.cached(value, "reduce", lambda a: ReduceFromParallel(**a), consumer)
+        src = R
+    if isinstance(src, Shard) and src != dst:
+        make = lambda a, s=src: GatherFromParallel(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
+        value = rw.cached(value, f"gather{src.dim}", make, consumer)
+        src = R
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        make = lambda a, d=dst: ScatterToParallel(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
+        value = rw.cached(value, f"split{dst.dim}", make, consumer)
+    return rw.current(value)
+
+
+def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -> None:
+    for name, p in plan.params.items():
+        if not isinstance(p.placement, Shard):
+            continue
+        full = gm.get_parameter(name)
+        index = local_indices(full.shape[p.placement.dim], rank, plan.size, p.placement.blocks).to(full.device)
+        local = torch.nn.Parameter(full.detach().index_select(p.placement.dim, index), full.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, attr, local)
+
+
+def _warn_fallback(node: fx.Node) -> str:
+    where = meta.source_line(node) or meta.module_path(node) or "unknown source"
+    message = (f"no sharding rule for {node.target} ({node.name}, from {where}): its sharded inputs are gathered "
+               "and it runs replicated (correct, but slower)")
+    warnings.warn(f"autoshard: {message}", stacklevel=2)
+    return message

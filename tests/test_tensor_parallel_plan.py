@@ -1,0 +1,155 @@
+"""Tensor-parallel planning and rewriting without processes: patterns from structure, counts, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import codegen
+from autoshard.capture import capture
+from autoshard.explain import communication
+from autoshard.passes.placements import R, Shard
+from autoshard.passes.tensor_parallel import TensorParallelError, plan_tensor_parallel
+from autoshard.plan import TensorParallelPlan
+
+from models import build, build_llama_model, token_loss
+
+
+def _captured(name: str, batch: int = 2):
+    case = build(name)
+    inputs = tuple(x[:batch] for x in case.inputs)
+    return capture(case.model, inputs, loss_fn=case.loss_fn, example_target=case.target[:batch])
+
+
+def _roles(plan: TensorParallelPlan) -> dict[str, str]:
+    return {name.removeprefix("model."): p.role for name, p in plan.params.items()}
+
+
+def test_gpt_fused_qkv_gets_whole_heads_and_megatron_roles():
+    plan = plan_tensor_parallel(_captured("gpt").gm, 2)
+    roles = _roles(plan)
+    assert roles["transformer.h.0.attn.c_attn.weight"] == "column"
+    assert plan.params["model.transformer.h.0.attn.c_attn.weight"].placement == Shard(0, (48, 48, 48))
+    assert roles["transformer.h.0.attn.c_proj.weight"] == "row"
+    assert roles["transformer.h.0.mlp.c_fc.weight"] == "column"
+    assert roles["transformer.h.0.mlp.c_proj.weight"] == "row"
+    assert roles["transformer.h.0.attn.c_proj.bias"] == "replicated"
+    assert roles["transformer.wte.weight"] == "vocab", "the tied embedding and LM head share one vocab shard"
+    assert roles["transformer.wpe.weight"] == roles["transformer.ln_f.weight"] == "replicated"
+
+
+def test_hf_gpt2_conv1d_weights_stored_in_out_are_sharded_on_the_right_dim():
+    plan = plan_tensor_parallel(_captured("hf_gpt2").gm, 2)
+    assert plan.params["model.transformer.h.0.attn.c_attn.weight"].placement == Shard(1, (48, 48, 48))
+    assert plan.params["model.transformer.h.0.mlp.c_proj.weight"].placement == Shard(0)
+
+
+@pytest.mark.parametrize("tp,kv_role", [(2, "column"), (4, "replicated")])
+def test_grouped_query_kv_heads_shard_when_divisible_else_duplicate(tp, kv_role):
+    plan = plan_tensor_parallel(_captured("llama").gm, tp)
+    roles = _roles(plan)
+    assert roles["layers.0.self_attn.q_proj.weight"] == "column"
+    assert roles["layers.0.self_attn.k_proj.weight"] == kv_role
+    assert roles["layers.0.mlp.gate_proj.weight"] == roles["layers.0.mlp.up_proj.weight"] == "column"
+    assert roles["layers.0.mlp.down_proj.weight"] == "row"
+    assert roles["lm_head.weight"] == "column", "logits stay sharded into the vocab-parallel cross-entropy"
+    if tp == 4:
+        why = "2 heads (a dim of 24 viewed as (2, 12)) do not divide over 4"
+        assert any("k_proj kept replicated" in note and why in note for note in plan.notes)
+
+
+def test_heads_the_degree_does_not_divide_name_the_layer_and_the_degrees_that_work():
+    message = r"layers\.0\.self_attn\.o_proj: 4 heads.*degrees that divide 4: \[1, 2, 4\]"
+    with pytest.raises(TensorParallelError, match=message):
+        plan_tensor_parallel(_captured("llama").gm, 8)
+
+
+def test_indivisible_layers_can_be_kept_replicated_on_request():
+    with pytest.warns(UserWarning, match="stays replicated"):
+        plan = plan_tensor_parallel(_captured("llama").gm, 8, indivisible="replicate")
+    assert _roles(plan)["layers.0.self_attn.q_proj.weight"] == "replicated"
+    assert _roles(plan)["layers.0.mlp.gate_proj.weight"] == "column", "the MLP (ffn 128) still splits 8 ways"
+
+
+def test_plan_round_trips_through_json():
+    plan = plan_tensor_parallel(_captured("gpt").gm, 2)
+    again = TensorParallelPlan.from_json(plan.to_json())
+    assert again == plan
+    assert "S(0, blocks=(48, 48, 48))" in str(again)
+
+
+class _NoBlocks(nn.Module):
+    """Norm -> linear -> norm: no column feeds a row, so nothing is sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(12)
+        self.proj = nn.Linear(12, 12)
+        self.out = nn.LayerNorm(12)
+
+    def forward(self, x):
+        return self.out(self.proj(self.norm(x)))
+
+
+def test_a_model_without_blocks_stays_replicated():
+    model = _NoBlocks()
+    captured = capture(model, (torch.randn(3, 12),), loss_fn=lambda y, t: (y - t).square().mean(),
+                       example_target=torch.randn(3, 12))
+    plan = plan_tensor_parallel(captured.gm, 2)
+    assert {p.placement for p in plan.params.values()} == {R}
+
+
+def _per_rank_counts(name: str, tp: int) -> dict:
+    captured = _captured(name)
+    plan = plan_tensor_parallel(captured.gm, tp)
+    gm = codegen.build(captured, plan, rank=0).gm
+    counts: dict[tuple[str, str], int] = {}
+    for (direction, _kind, op), (calls, _) in communication(gm).items():
+        counts[(direction, op)] = counts.get((direction, op), 0) + calls
+    return counts
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "hf_gpt2", "hf_llama"])
+def test_collectives_per_layer_are_megatrons_minimum(name):
+    counts = _per_rank_counts(name, 2)
+    layers = 2
+    # Forward: one all-reduce after attention and one after the MLP per layer, one for the vocab-parallel
+    # embedding. Backward: one all-reduce of the input gradient of each block, and one for the LM head.
+    assert counts[("forward", "ReduceFromParallel")] == 2 * layers + 1
+    assert counts[("backward", "CopyToParallel")] == 2 * layers + 1
+    assert counts[("forward", "VocabParallelCrossEntropy")] == 1
+    assert set(counts) == {("forward", "ReduceFromParallel"), ("backward", "CopyToParallel"),
+                           ("forward", "VocabParallelCrossEntropy")}
+
+
+def test_sharded_parameters_hold_one_tpth_of_the_matrices():
+    captured = _captured("llama")
+    plan = plan_tensor_parallel(captured.gm, 2)
+    gm = codegen.build(captured, plan, rank=1).gm
+    local = dict(gm.named_parameters())
+    assert local["model.layers.0.mlp.gate_proj.weight"].shape == (64, 48)
+    assert local["model.layers.0.mlp.down_proj.weight"].shape == (48, 64)
+    assert local["model.layers.0.self_attn.k_proj.weight"].shape == (12, 48)
+    full = dict(captured.gm.named_parameters())
+    torch.testing.assert_close(local["model.layers.0.mlp.down_proj.weight"],
+                               full["model.layers.0.mlp.down_proj.weight"][:, 64:], rtol=0, atol=0)
+
+
+def test_code_of_a_rank_has_local_sizes():
+    case = build("gpt")
+    pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
+    assert "[8, 16, 4, 12]" in pm.code(0), "one rank runs all 4 heads"
+
+
+def test_seven_billion_shape_plans_on_meta_quickly():
+    model = build_llama_model(
+        n_layer=2, n_embd=4096, n_head=32, n_kv_head=8, ffn=11008, vocab=32000, seq=64, device="meta"
+    )
+    tokens = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    captured = capture(model, (tokens,), loss_fn=token_loss, example_target=tokens)
+    plan = plan_tensor_parallel(captured.gm, 8)
+    assert _roles(plan)["layers.1.self_attn.k_proj.weight"] == "column", "8 kv heads shard 8 ways"
+    gm = codegen.build(captured, plan, rank=3).gm
+    assert dict(gm.named_parameters())["model.layers.0.mlp.up_proj.weight"].shape == (11008 // 8, 4096)
