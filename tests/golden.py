@@ -56,3 +56,47 @@ def local_batch_step(name: str, dp: int) -> dict:
     for n, p in reference.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
     return {"loss": loss.item()}
+
+
+def state_dict_round_trip(name: str, mesh_kwargs: dict) -> tuple[bool, bool]:
+    """``pm.state_dict()`` loads into the unmodified model and gives its outputs."""
+    case, fresh = build(name), build(name, seed=1).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    state = pm.state_dict()
+    expected = build(name).model.state_dict()
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(*case.inputs), build(name).model(*case.inputs), rtol=0, atol=0)
+    return set(state) >= set(expected), all(state[k].shape == v.shape for k, v in expected.items())
+
+
+class _NoBlocks(torch.nn.Module):
+    """Norm -> linear -> norm: no column feeds a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(12)
+        self.proj = torch.nn.Linear(12, 12)
+        self.out = torch.nn.LayerNorm(12)
+
+    def forward(self, x):
+        return self.out(self.proj(self.norm(x)))
+
+
+def _mse(y, t):
+    return (y - t).square().mean()
+
+
+def no_blocks(tp: int) -> tuple[list[str], bool]:
+    """A model with nothing to split still trains exactly at tp > 1, with a warning saying so."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _NoBlocks()
+    x, t = torch.randn(4, 12), torch.randn(4, 12)
+    mesh = autoshard.Mesh(tp=tp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = autoshard.verify(model, mesh, (x,), _mse, target=t, groups=groups_for(mesh))
+    return [str(w.message) for w in caught if "autoshard" in str(w.message)], report.ok

@@ -13,3 +13,20 @@ from models import ZOO_NAMES
 def test_golden_tensor_parallel(pools, name, tp):
     for rank, result in enumerate(pools.get(tp).run(golden.golden, name, {"tp": tp})):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_golden_data_and_tensor_parallel(pools, name):
+    for rank, result in enumerate(pools.get(4).run(golden.golden, name, {"dp": 2, "tp": 2}, microbatches=2)):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_state_dict_has_the_original_keys_and_full_shapes(pools):
+    for state_keys, shapes_match in pools.get(2).run(golden.state_dict_round_trip, "gpt", {"tp": 2}):
+        assert state_keys and shapes_match
+
+
+def test_a_model_without_blocks_runs_replicated_with_a_warning(pools):
+    for messages, ok in pools.get(2).run(golden.no_blocks, 2):
+        assert ok
+        assert any("found no block to split over tp=2 in _NoBlocks" in m for m in messages), messages

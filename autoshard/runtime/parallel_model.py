@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -176,6 +177,12 @@ class ParallelModel(nn.Module):
         """Every parameter at full shape (gathered over tp), keyed by all of the original model's names."""
         return self._full(lambda p: p.detach())
 
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature
+        """The original model's state: every parameter at full shape under its original names, and buffers."""
+        state = {name: value.detach() for name, value in self.full_parameters().items()}
+        state.update({name: b.detach() for name, b in self.model.named_buffers()})
+        return state
+
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""
         from autoshard.explain import explain
@@ -217,6 +224,12 @@ class ParallelModel(nn.Module):
     def _build(self, captured: Captured) -> codegen.RankProgram:
         if self.mesh.tp > 1 and self.plan is None:
             self.plan = plan_tensor_parallel(captured.gm, self.mesh.tp, indivisible=self.tp_indivisible)
+            if all(not isinstance(p.placement, Shard) for p in self.plan.params.values()):
+                warnings.warn(
+                    f"autoshard found no block to split over tp={self.mesh.tp} in {type(self.model).__name__} (no "
+                    "column -> row pattern, no vocab-parallel embedding): it runs fully replicated on the tp ranks",
+                    stacklevel=4,
+                )
         group = self.groups.group("tp") if self.groups is not None and self.mesh.tp > 1 else None
         return codegen.build(captured, self.plan, rank=self.coord("tp"), group=group, store=self.replica.store)
 
