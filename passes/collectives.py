@@ -13,22 +13,25 @@ Terms:
 - **partial**: a value of which each rank holds a summand; the full value is the sum over the group
   (the output of a row-parallel matmul or of a vocab-parallel embedding lookup).
 
-Every op is an ``nn.Module`` (a readable ``call_module`` node) whose forward runs through a
-``torch.autograd.Function`` that carries the backward twin:
+Every op is an ``nn.Module`` (a readable ``call_module`` node); those that communicate run through a
+``torch.autograd.Function`` that carries the backward twin. Each class names its forward and backward
+communication in ``kind`` and ``backward_kind`` (one of "identity", "all_reduce", "all_gather", "split",
+"local"):
 
-| module                      | forward                              | backward                            |
-|-----------------------------|--------------------------------------|-------------------------------------|
-| ``CopyToParallel``          | identity                             | all-reduce (sum)                    |
-| ``ReduceFromParallel``      | all-reduce (sum) of a partial        | identity                            |
-| ``GatherFromParallel``      | all-gather along ``dim`` (blocked)   | split: keep this rank's shard       |
-| ``ScatterToParallel``       | split: keep this rank's shard        | all-gather along ``dim`` (blocked)  |
-| ``VocabParallelEmbedding``  | local lookup of own rows -> partial  | local (grads for own rows only)     |
-| ``VocabParallelCrossEntropy`` | all-reduce max, all-reduce sums    | local (softmax - one-hot)           |
+| module                        | forward                              | backward                            |
+|-------------------------------|--------------------------------------|-------------------------------------|
+| ``CopyToParallel``            | identity                             | all-reduce (sum)                    |
+| ``ReduceFromParallel``        | all-reduce (sum) of a partial        | identity                            |
+| ``GatherFromParallel``        | all-gather along ``dim`` (blocked)   | split: keep this rank's shard       |
+| ``ScatterToParallel``         | split: keep this rank's shard        | all-gather along ``dim`` (blocked)  |
+| ``VocabParallelEmbedding``    | lookup of own rows -> partial        | local (grads for own rows only)     |
+| ``VocabParallelCrossEntropy`` | all-reduce max, then all-reduce sums | local: (softmax - one-hot) * scale  |
 
 ``torch.distributed.nn.functional.all_reduce`` cannot serve as ``ReduceFromParallel``: its backward
 all-reduces again, which multiplies replicated gradients by the degree.
 
-With ``size == 1`` every op is an exact local computation and needs no group. ``comm_bytes`` counts the
+With ``size == 1`` every op is an exact local computation and needs no group; with ``size > 1`` and no
+group, every op that communicates raises (the embedding lookup, being local, still runs). ``comm_bytes`` counts the
 bytes each op's collectives produce per rank, so a graph's communication can be counted without processes.
 """
 

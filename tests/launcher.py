@@ -161,6 +161,8 @@ def _worker(rank, world_size, port, path, tasks, results, logs) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
     )
+    from multiprocessing.reduction import ForkingPickler
+
     import torch
     import torch.distributed as dist
 
@@ -175,7 +177,9 @@ def _worker(rank, world_size, port, path, tasks, results, logs) -> None:
             break
         task_id, fn, args, kwargs = task
         try:
-            results.put((task_id, rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            ForkingPickler.dumps(value)  # the queue pickles in a thread that drops its errors: fail here instead
+            results.put((task_id, rank, True, value))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test with its traceback
             results.put((task_id, rank, False, traceback.format_exc()))
     dist.destroy_process_group()

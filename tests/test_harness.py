@@ -91,3 +91,12 @@ def _replicas_after_drift() -> tuple[bool, bool]:
 
 def test_replicas_that_drift_apart_are_caught(pools):
     assert pools.get(2).run(_replicas_after_drift) == [(True, False), (True, False)]
+
+
+def _unpicklable_result():
+    return lambda: None  # cannot cross the process boundary
+
+
+def test_a_result_that_cannot_be_sent_back_fails_instead_of_hanging(pools):
+    with pytest.raises(WorkerError, match="pickle"):
+        pools.get(2).run(_unpicklable_result, timeout=30)
