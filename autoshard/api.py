@@ -32,6 +32,9 @@ def parallelize(
     groups: MeshGroups | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     tp_indivisible: str = "error",
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    pipeline_starts: list[str] | None = None,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -51,6 +54,10 @@ def parallelize(
         tp_indivisible: what to do with a block whose heads or width the tp degree does not divide:
             ``"error"`` (the default: an error naming the layer and the degrees that work) or
             ``"replicate"`` (keep that block replicated, with a warning).
+        schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
+        chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
+        pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
+            stage after the first begins.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -77,6 +84,10 @@ def parallelize(
         microbatches=microbatches,
         local_batch=local_batch,
         tp_indivisible=tp_indivisible,
+        schedule=schedule,
+        chunks=chunks,
+        pipeline_starts=pipeline_starts,
+        timeout=timeout,
     )
 
 
@@ -97,10 +108,15 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
     return mesh.create_groups(timeout=timeout)
 
 
-_NOT_YET = {"pp": "pipeline", "cp": "context"}
+_NOT_YET = {"cp": "context"}
 
 
 def _check_supported(mesh: Mesh) -> None:
+    if mesh.pp > 1 and mesh.dp > 1:
+        raise NotImplementedError(
+            f"{mesh} combines data and pipeline parallelism, which this version of autoshard does not provide yet: "
+            f"use dp=1 with pp={mesh.pp}, or pp=1 with dp={mesh.dp}"
+        )
     for axis, kind in _NOT_YET.items():
         if mesh.degree(axis) > 1:
             raise NotImplementedError(

@@ -18,6 +18,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoshard.capture import Captured
+from autoshard.passes.pipeline_split import Stage, split_pipeline
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
 
@@ -73,15 +74,44 @@ def build(
     captured: Captured, plan: TensorParallelPlan | None, *, rank: int, group=None, store: ParamStore | None = None
 ) -> RankProgram:
     """The program of tp rank ``rank``: a copy of the captured graph, sharded by ``plan``."""
-    source = captured.gm
-    gm = fx.GraphModule(source, copy.deepcopy(source.graph))
-    out_spec = getattr(source, "_out_spec", None)
+    gm = prepare(captured)
+    _shard(gm, plan, rank, group, store)
+    return RankProgram(gm, getattr(captured.gm, "_out_spec", None))
+
+
+def prepare(captured: Captured) -> fx.GraphModule:
+    """A copy of the captured graph with flat inputs and outputs, sharing the captured parameters."""
+    gm = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
     _strip_export_wrappers(gm)
+    return gm
+
+
+def build_stages(
+    captured: Captured,
+    plan: TensorParallelPlan | None,
+    stage_of: dict[str, int],
+    num_stages: int,
+    mine: list[int],
+    *,
+    rank: int,
+    group=None,
+    store: ParamStore | None = None,
+) -> tuple[list[Stage], dict[int, RankProgram]]:
+    """Every stage of the pipeline (to know what crosses each cut), and the programs of this rank's stages."""
+    stages = split_pipeline(prepare(captured), stage_of, num_stages)
+    programs = {}
+    for index in mine:
+        gm = stages[index].gm
+        _shard(gm, plan, rank, group, store)
+        programs[index] = RankProgram(gm, getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None)
+    return stages, programs
+
+
+def _shard(gm: fx.GraphModule, plan, rank: int, group, store: ParamStore | None) -> None:
     if plan is not None and plan.size > 1:
         tensor_parallel_pass(gm, plan, rank=rank, group=group)
     if store is not None:
         store.adopt(gm)
-    return RankProgram(gm, out_spec)
 
 
 def _strip_export_wrappers(gm: fx.GraphModule) -> None:

@@ -39,7 +39,10 @@ def _parameters(pm) -> list[str]:
     lines = ["", f"parameters: {len(names)} tensors, {_bytes(local_total)} on this rank"]
     width = max((len(", ".join(n)) for n in names.values()), default=10)
     for target, originals in names.items():
-        local = store.get_parameter(target)
+        local = store._lookup(target)
+        if local is None:
+            lines.append(f"  {', '.join(originals):<{width}}  on another pipeline stage")
+            continue
         full = pm.plan.params[target] if pm.plan is not None else None
         role = f"tp {full.role} {full.placement!r}" if full is not None else "replicated"
         why = f" ({full.reason})" if full is not None and full.reason else ""

@@ -101,7 +101,9 @@ def compare(
     report = VerifyReport()
     initial = _snapshot(reference, pm)
     _compare_tree(report, "output", reference(*inputs), pm(*inputs))
-    ref_opt, par_opt = make_optimizer(reference.parameters()), make_optimizer(pm.parameters())
+    ref_opt = make_optimizer(reference.parameters())
+    # A pipeline rank may hold no parameters (a last stage that only computes the loss).
+    par_opt = make_optimizer(pm.parameters()) if any(True for _ in pm.parameters()) else _NoParameters()
     for step in range(1, steps + 1):
         ref_opt.zero_grad()
         par_opt.zero_grad()
@@ -136,6 +138,14 @@ def _restore(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for p, value in snapshot:
             p.copy_(value)
+
+
+class _NoParameters:
+    def zero_grad(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
 
 
 def first_divergence(reference: nn.Module, pm, inputs: tuple, target: torch.Tensor, *, loss_fn: Callable) -> str | None:

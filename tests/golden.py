@@ -27,13 +27,13 @@ def groups_for(mesh: autoshard.Mesh):
     return _GROUPS[mesh]
 
 
-def golden(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3) -> dict:
+def golden(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3, **options) -> dict:
     """``autoshard.verify`` on a zoo model: outputs, losses, gradients and parameters after ``steps`` steps."""
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(
         case.model, mesh, case.inputs, case.loss_fn, target=case.target, steps=steps,
-        microbatches=microbatches, groups=groups_for(mesh),
+        microbatches=microbatches, groups=groups_for(mesh), **options,
     )
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
 

@@ -15,6 +15,7 @@ replaced by a summing communication hook.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import warnings
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree as pytree
 
 from autoshard import codegen
 from autoshard.capture import Captured, capture, shapes_of
@@ -34,6 +36,7 @@ from autoshard.passes.placements import Shard
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 from autoshard.runtime import batching
+from autoshard.runtime.pipeline import Pipeline
 
 # Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
 _NO_BUFFER_SYNC = (
@@ -55,6 +58,7 @@ class TrainProgram:
     program: codegen.RankProgram
     token_loss: TokenLoss | None
     count_gm: fx.GraphModule | None
+    runners: dict | None = None  # under pipeline parallelism: this rank's stages, by stage index
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -93,6 +97,10 @@ class ParallelModel(nn.Module):
         microbatches: int,
         local_batch: bool,
         tp_indivisible: str = "error",
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        pipeline_starts: list[str] | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     ) -> None:
         super().__init__()
         self.mesh = mesh
@@ -106,8 +114,13 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self._train: dict[tuple, TrainProgram] = {}
         self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
+        self._stages: dict[tuple, list] = {}  # under pipeline parallelism: every stage, by capture
         self._ddp: DistributedDataParallel | None = None
         self._steps = 0
+        self.pipeline = None
+        if mesh.pp > 1:
+            self.pipeline = Pipeline(mesh, groups, schedule=schedule, chunks=chunks, microbatches=microbatches,
+                                     starts=pipeline_starts, timeout=timeout)
         self._check_batch(example_inputs)
         if target is not None:
             self._program(*self._microbatch_views(example_inputs, target)[0])
@@ -138,6 +151,11 @@ class ParallelModel(nn.Module):
         microbatches = self._microbatch_views(inputs, target)
         self._steps += 1
         divisor = self._divisor(inputs, target, microbatches)
+        if self.pipeline is not None:
+            runners = self._program(*microbatches[0]).runners
+            total = self.pipeline.run_step(runners, microbatches, divisor, self._steps)
+            self.pipeline.sum_tied_gradients(self.replica.store)
+            return self._sum_over_dp(total)
         total = torch.zeros((), dtype=torch.float32)
         replicated = self._replicated()
         for index, (mb_inputs, mb_target) in enumerate(microbatches):
@@ -157,7 +175,11 @@ class ParallelModel(nn.Module):
         if key not in self._infer:
             captured = capture(self.model, inputs, training=self.model.training)
             self._infer[key] = (captured, self._build(captured))
-        return self._infer[key][1](*inputs)
+        captured, program = self._infer[key]
+        if self.pipeline is None:
+            return program(*inputs)
+        _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+        return pytree.tree_unflatten(flat, captured.gm._out_spec)
 
     def code(self, rank: int | None = None) -> str:
         """The Python code of the graph module that ``rank`` runs (this rank by default)."""
@@ -204,13 +226,18 @@ class ParallelModel(nn.Module):
         return captured.names
 
     def _full(self, read: Callable) -> dict[str, torch.Tensor | None]:
-        full = {}
-        for target, names in self._names().items():
-            local = read(self.replica.store.get_parameter(target))
-            value = self._gather(target, local)
-            for name in names:
-                full[name] = value
-        return full
+        """Full tensors gathered over tp; under pp every rank contributes the parameters of its stages."""
+        store = self.replica.store
+        mine = {}
+        for target in sorted(self._names()):
+            if store._lookup(target) is not None:
+                mine[target] = self._gather(target, read(store.get_parameter(target)))
+        if self.pipeline is not None:
+            everyone: list = [None] * self.mesh.pp
+            dist.all_gather_object(everyone, {t: v.detach() if v is not None else None for t, v in mine.items()},
+                                   group=self.groups.group("pp"))
+            mine = {t: v for part in everyone for t, v in part.items()}
+        return {name: mine[target] for target, names in self._names().items() for name in names}
 
     def _gather(self, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
         placement = self.plan.params[target].placement if self.plan is not None else None
@@ -231,7 +258,11 @@ class ParallelModel(nn.Module):
                     stacklevel=4,
                 )
         group = self.groups.group("tp") if self.groups is not None and self.mesh.tp > 1 else None
-        return codegen.build(captured, self.plan, rank=self.coord("tp"), group=group, store=self.replica.store)
+        if self.pipeline is None:
+            return codegen.build(captured, self.plan, rank=self.coord("tp"), group=group, store=self.replica.store)
+        stages, programs = self.pipeline.build(captured, self.plan, self.replica.store, self.coord("tp"), group)
+        self._stages[captured.input_shapes] = stages
+        return programs
 
     def _program(self, mb_inputs: tuple, mb_target: torch.Tensor) -> TrainProgram:
         key = shapes_of((*mb_inputs, mb_target))
@@ -242,7 +273,14 @@ class ParallelModel(nn.Module):
             if token_loss is not None:
                 count_gm = token_count_graph(captured.gm, token_loss)
                 sum_loss_pass(captured.gm, token_loss)
-            self._train[key] = TrainProgram(captured, self._build(captured), token_loss, count_gm)
+            built = self._build(captured)
+            if self.pipeline is None:
+                self._train[key] = TrainProgram(captured, built, token_loss, count_gm)
+            else:
+                stages = self._stages[key]
+                first = built[min(built)]
+                runners = self.pipeline.runners(stages, built)
+                self._train[key] = TrainProgram(captured, first, token_loss, count_gm, runners)
         return self._train[key]
 
     def _replicated(self) -> nn.Module:

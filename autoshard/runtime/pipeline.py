@@ -1,0 +1,150 @@
+"""Pipeline parallelism for a ParallelModel: stages, schedule, executor and tied-weight gradients.
+
+The first training capture is partitioned into ``p * v`` stages (``passes.partition``); later
+captures (other shapes, inference) are cut after the same nodes, so every capture places every
+parameter on the same rank. Stage s runs on pp rank ``s % p``. A parameter read by stages on two
+ranks (a tied embedding and LM head) has one copy per rank; their gradients are summed over a
+process group of exactly those ranks before the step returns, so the copies stay identical.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autoshard import codegen
+from autoshard.capture import Captured
+from autoshard.mesh import AXES, Mesh, MeshGroups
+from autoshard.passes.partition import Partition, partition
+from autoshard.passes.pipeline_split import Stage
+from autoshard.plan import TensorParallelPlan
+from autoshard.runtime import schedules
+from autoshard.runtime.executor import PipelineExecutor, StageRunner
+
+
+class Pipeline:
+    """This rank's part of the pipeline: its stages per capture, the schedule, and the executor."""
+
+    def __init__(
+        self, mesh: Mesh, groups: MeshGroups, *, schedule: str, chunks: int, microbatches: int,
+        starts: list[str] | None, timeout: datetime.timedelta,
+    ) -> None:
+        self.mesh = mesh
+        self.groups = groups
+        self.p = mesh.pp
+        self.v = chunks
+        self.num_stages = self.p * chunks
+        self.schedule_name = schedule
+        self.starts = starts
+        self.timeout = timeout
+        self.partition: Partition | None = None
+        self.pp_index = groups.coords["pp"]
+        self.mine = [s for s in range(self.num_stages) if s % self.p == self.pp_index]
+        self.actions = schedules.schedule(schedule, self.p, microbatches, self.v)
+        schedules.validate(self.actions, self.p, self.v)
+        self._tied_groups: dict[frozenset[int], object] = {}
+        self.tied: dict[str, frozenset[int]] = {}
+        self.executor: PipelineExecutor | None = None
+        if microbatches < self.p and schedule != "gpipe":
+            warnings.warn(
+                f"{microbatches} microbatches on {self.p} pipeline stages leave a bubble of "
+                f"{(self.p - 1) / (microbatches + self.p - 1):.0%}: use at least {4 * self.p} microbatches",
+                stacklevel=4,
+            )
+
+    def build(self, captured: Captured, plan: TensorParallelPlan | None, store: codegen.ParamStore, tp_rank: int,
+              tp_group) -> tuple[list[Stage], dict[int, codegen.RankProgram]]:
+        gm = codegen.prepare(captured)
+        if self.partition is None:
+            self.partition = result = partition(gm, self.num_stages, starts=self.starts)
+        else:
+            result = partition(gm, self.num_stages, cut_after=self.partition.cut_after)
+        stages, programs = codegen.build_stages(
+            captured, plan, result.stage_of, self.num_stages, self.mine, rank=tp_rank, group=tp_group, store=store
+        )
+        self._find_tied(stages)
+        return stages, programs
+
+    def runners(self, stages: list[Stage], programs: dict[int, codegen.RankProgram]) -> dict[int, StageRunner]:
+        return {s: StageRunner(s, programs[s], stages[s].receive_specs, stages[s].send_specs) for s in programs}
+
+    def run_step(self, runners, microbatches, divisor, step: int) -> torch.Tensor:
+        """One training step's actions on this rank; returns the global loss (on every pp rank)."""
+        self.executor = PipelineExecutor(
+            runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
+            group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout,
+        )
+        total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step)
+        dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
+        return total
+
+    def forward_only(self, stages: list[Stage], programs: dict[int, codegen.RankProgram], inputs: tuple):
+        """Inference through the stages in order; the last stage's outputs are broadcast to every pp rank."""
+        group, ranks = self.groups.group("pp"), self.groups.ranks("pp")
+        received: list[torch.Tensor] = []
+        flat_out: list[torch.Tensor] = []
+        for s in range(self.num_stages):
+            owner = ranks[s % self.p]
+            if s in programs:
+                if s > 0:
+                    received = [torch.empty(x.shape, dtype=x.dtype) for x in stages[s].receive_specs]
+                    for buffer in received:
+                        dist.recv(buffer, src=ranks[(s - 1) % self.p], group=group)
+                out = programs[s].gm(*inputs, *received)
+                if s < self.num_stages - 1:
+                    for tensor in out:
+                        dist.send(tensor.detach().contiguous(), dst=ranks[(s + 1) % self.p], group=group)
+                else:
+                    flat_out = [t.detach().contiguous() for t in out]
+            if s == self.num_stages - 1:
+                flat_out = self._broadcast_outputs(stages[s], flat_out, owner)
+        return programs, flat_out
+
+    def _broadcast_outputs(self, last: Stage, flat_out: list[torch.Tensor], owner: int) -> list[torch.Tensor]:
+        output = next(n for n in last.gm.graph.nodes if n.op == "output")
+        specs = [n.meta["val"] for n in pytree.tree_leaves(output.args[0]) if isinstance(n, fx.Node)]
+        if not flat_out:
+            flat_out = [torch.empty(v.shape, dtype=v.dtype) for v in specs]
+        for tensor in flat_out:
+            dist.broadcast(tensor, src=owner, group=self.groups.group("pp"))
+        return flat_out
+
+    def sum_tied_gradients(self, store: codegen.ParamStore) -> None:
+        for name, ranks in self.tied.items():
+            if self.pp_index not in ranks:
+                continue
+            param = store.get_parameter(name)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self._tied_groups[ranks])
+
+    def _find_tied(self, stages: list[Stage]) -> None:
+        holders: dict[str, set[int]] = {}
+        for stage in stages:
+            for name in stage.parameters:
+                holders.setdefault(name, set()).add(stage.index % self.p)
+        for name, ranks in sorted(holders.items()):
+            if len(ranks) > 1:
+                self.tied[name] = frozenset(ranks)
+                self._group_for(frozenset(ranks))
+
+    def _group_for(self, pp_indices: frozenset[int]):
+        """A group of the ranks at these pp coordinates; created on every rank, in the same order."""
+        if pp_indices in self._tied_groups:
+            return self._tied_groups[pp_indices]
+        others = [a for a in AXES if a != "pp"]
+        mine = None
+        for coords in itertools.product(*(range(self.mesh.degree(a)) for a in others)):
+            fixed = dict(zip(others, coords, strict=True))
+            ranks = [self.mesh.rank_of(pp=i, **fixed) for i in sorted(pp_indices)]
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.groups.rank in ranks:
+                mine = group
+        self._tied_groups[pp_indices] = mine
+        return mine

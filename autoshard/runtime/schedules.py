@@ -1,0 +1,474 @@
+"""Pipeline schedules as data: per pp rank, the ordered list of actions it runs in one training step.
+
+Terms:
+
+- ``p``: pipeline ranks (the pp degree); ``v``: chunks (virtual stages) per rank; ``m``: microbatches.
+- ``S = p * v`` *stages*, numbered ``0..S-1`` in model order. Stage ``s`` lives on pp rank ``s % p``, so rank
+  ``r`` holds stages ``r, r + p, r + 2p, ...`` (its chunks ``0..v-1``). A chunk is one stage; with ``v = 1`` the
+  two words name the same thing.
+- An ``Action(kind, microbatch, stage)`` is one thing a rank does. Compute actions: ``F`` runs stage ``stage``
+  forward on ``microbatch``, ``B`` runs its backward (input and weight gradients together). Communication
+  actions, each named by the stage on the rank that runs it:
+
+  ===========  ================================================================================
+  ``SEND_F``   send stage ``s``'s output to stage ``s+1``'s rank (after ``F`` of ``s``)
+  ``RECV_F``   receive stage ``s``'s input from stage ``s-1``'s rank (before ``F`` of ``s``)
+  ``SEND_B``   send the gradient of stage ``s``'s input to stage ``s-1``'s rank (after ``B`` of ``s``)
+  ``RECV_B``   receive the gradient of stage ``s``'s output from stage ``s+1``'s rank (before ``B`` of ``s``)
+  ===========  ================================================================================
+
+  So ``SEND_F(j, s)`` pairs with ``RECV_F(j, s+1)`` and ``SEND_B(j, s)`` with ``RECV_B(j, s-1)``. An action
+  prints as ``{stage}{kind}{microbatch}`` (``3F1``, ``3B1``, ``3SEND_F1``, ``3RECV_B1``) and parses back.
+- A *channel* is an ordered pair of ranks (sender, receiver). gloo matches equal-shaped messages on a channel
+  in send order, so every schedule here receives on each channel in exactly the order the peer sends.
+- Execution model: sends never block (an executor posts them with ``isend`` and waits for them by the end of
+  the step), a receive blocks until its matching send has run. The builders place each send right after the
+  compute that produces it and each receive just before the first compute that needs it (or an earlier receive
+  on that channel that must come first), so a rank waits only for data it is about to use.
+
+Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``schedule``) return ``dict[rank, list[Action]]``;
+``validate`` checks a schedule, ``simulate`` times it, ``render`` draws it as a grid of ranks by time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+Schedule = dict[int, list["Action"]]
+
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
+_CELL_PREFIX = {"F": "F", "B": "B", "SEND_F": ">F", "RECV_F": "<F", "SEND_B": ">B", "RECV_B": "<B"}
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute the wrong thing or hang; names the rank, step and action at fault."""
+
+    def __init__(self, message: str, *, rank: int | None = None, step: int | None = None,
+                 action: Action | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.step, self.action = rank, step, action
+
+
+@dataclass(frozen=True, repr=False)
+class Action:
+    kind: str
+    microbatch: int
+    stage: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        if self.microbatch < 0 or self.stage < 0:
+            raise ValueError(f"microbatch and stage must be >= 0, got {self.microbatch} and {self.stage}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``"3SEND_F1"`` -> ``Action("SEND_F", 1, 3)``."""
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} such as '3F1' "
+                             f"or '2SEND_B0', with kind one of {', '.join(KINDS)}")
+        stage, kind, microbatch = match.groups()
+        return cls(kind, int(microbatch), int(stage))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in ("F", "B")
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind.startswith("SEND")
+
+    @property
+    def is_recv(self) -> bool:
+        return self.kind.startswith("RECV")
+
+    def rank(self, p: int) -> int:
+        """The pp rank that runs this action."""
+        return self.stage % p
+
+    def peer(self, p: int) -> int:
+        """The pp rank a send goes to or a receive comes from."""
+        if self.is_compute:
+            raise ValueError(f"{self} is a compute action and has no peer rank")
+        downstream = self.kind in ("SEND_F", "RECV_B")
+        return (self.stage + (1 if downstream else -1)) % p
+
+    def partner(self) -> Action:
+        """The receive that matches this send, or the send that matches this receive."""
+        step = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1), "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}
+        if self.is_compute:
+            raise ValueError(f"{self} is a compute action and has no partner")
+        kind, delta = step[self.kind]
+        return Action(kind, self.microbatch, self.stage + delta)
+
+
+# ---------------------------------------------------------------------------------------------------- builders
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: every rank runs all forwards, then all backwards in the same microbatch order."""
+    _check_sizes(p, m, 1)
+    orders = {r: [Action("F", j, r) for j in range(m)] + [Action("B", j, r) for j in range(m)] for r in range(p)}
+    return _with_comms(orders, p, 1)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-flush): ``min(p-1-r, m)`` warm-up forwards on rank r, then one forward and one backward in
+    turn, then the remaining backwards. Rank r holds at most ``min(p - r, m)`` microbatches' activations."""
+    _check_sizes(p, m, 1)
+    orders: dict[int, list[Action]] = {}
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [Action("F", j, r) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [Action("F", warmup + j, r), Action("B", j, r)]
+        order += [Action("B", j, r) for j in range(m - warmup, m)]
+        orders[r] = order
+    return _with_comms(orders, p, 1)
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B with ``v`` chunks per rank (``v = 1`` is plain 1F1B).
+
+    Microbatches go in rounds of ``m // rounds`` with ``rounds = max(1, m // p)``: each chunk runs forward on a
+    round's microbatches before the next chunk does (depth first). Rank r warms up with
+    ``(v-1) * (m // rounds) + 2 * (p-1-r)`` chunk forwards (at most ``m * v``), then alternates one forward and
+    one backward. Needs ``m`` divisible by ``rounds``: any ``m < 2p`` or multiple of ``p`` works.
+    """
+    _check_sizes(p, m, v)
+    if v == 1:
+        return one_f_one_b(p, m)
+    rounds = max(1, m // p)
+    if m % rounds:
+        ok = [n for n in range(1, 2 * m + 1) if n % max(1, n // p) == 0]
+        below, above = max(n for n in ok if n < m), min(n for n in ok if n > m)
+        raise ValueError(f"interleaved 1F1B with p={p} runs m={m} microbatches in max(1, m // p) = {rounds} rounds "
+                         f"and needs m divisible by that; use m={below} or m={above} (any m < 2p or multiple of p "
+                         f"works), or the '1f1b' schedule")
+    orders = {r: _interleaved_order(r, p, m, v, m // rounds) for r in range(p)}
+    return _with_comms(orders, p, v)
+
+
+def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule called ``name`` (one of ``SCHEDULES``) for p ranks, m microbatches and v chunks per rank."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names are {', '.join(map(repr, SCHEDULES))}")
+    if name == "interleaved":
+        return interleaved_1f1b(p, m, v)
+    if v != 1:
+        raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1 or 'interleaved'")
+    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+
+
+def _check_sizes(p: int, m: int, v: int) -> None:
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _interleaved_order(r: int, p: int, m: int, v: int, per_round: int) -> list[Action]:
+    total = m * v  # chunk forwards (and chunk backwards) on this rank
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - r), total)
+    next_mb = {("F", c): 0 for c in range(v)} | {("B", c): 0 for c in range(v)}
+
+    def take(kind: str, chunk: int) -> Action:
+        microbatch = next_mb[kind, chunk]
+        next_mb[kind, chunk] += 1
+        return Action(kind, microbatch, chunk * p + r)
+
+    def forward(i: int) -> Action:  # the i-th forward runs chunk 0 for a round, then chunk 1, ...
+        return take("F", (i // per_round) % v)
+
+    def backward(i: int) -> Action:  # backwards walk the chunks the other way round
+        return take("B", v - 1 - (i // per_round) % v)
+
+    order = [forward(i) for i in range(warmup)]
+    for i in range(total - warmup):
+        order += [forward(warmup + i), backward(i)]
+    return order + [backward(i) for i in range(total - warmup, total)]
+
+
+def _with_comms(orders: dict[int, list[Action]], p: int, v: int) -> Schedule:
+    """Add sends right after their producers and receives, in each channel's send order, before their consumers."""
+    if p == 1:
+        return {0: list(orders[0])}
+    last = p * v - 1
+    sends = {r: [_send_after(a, last) for a in orders[r]] for r in orders}
+    channels: dict[tuple[int, int], list[Action]] = {}
+    for r in orders:
+        for send in filter(None, sends[r]):
+            channels.setdefault((r, send.peer(p)), []).append(send)
+    received = dict.fromkeys(channels, 0)
+    result: Schedule = {}
+    for r in orders:
+        actions: list[Action] = []
+        for compute, send in zip(orders[r], sends[r], strict=True):
+            needed = _input_send(compute, last)
+            if needed is not None:
+                channel = (needed.rank(p), r)
+                queue = channels[channel]
+                while needed not in queue[:received[channel]]:
+                    actions.append(queue[received[channel]].partner())
+                    received[channel] += 1
+            actions += [compute] + ([send] if send else [])
+        result[r] = actions
+    return result
+
+
+def _send_after(compute: Action, last: int) -> Action | None:
+    if compute.kind == "F" and compute.stage < last:
+        return Action("SEND_F", compute.microbatch, compute.stage)
+    if compute.kind == "B" and compute.stage > 0:
+        return Action("SEND_B", compute.microbatch, compute.stage)
+    return None
+
+
+def _input_send(compute: Action, last: int) -> Action | None:
+    """The send whose data ``compute`` consumes, if it comes from another stage."""
+    if compute.kind == "F" and compute.stage > 0:
+        return Action("SEND_F", compute.microbatch, compute.stage - 1)
+    if compute.kind == "B" and compute.stage < last:
+        return Action("SEND_B", compute.microbatch, compute.stage + 1)
+    return None
+
+
+# -------------------------------------------------------------------------------------------------- validation
+
+
+def validate(actions: Schedule, p: int, v: int = 1) -> None:
+    """Raise ``ScheduleError`` unless ``actions`` is a complete, correctly ordered, FIFO-safe, deadlock-free
+    schedule for p ranks with v chunks each (the number of microbatches is read from the actions)."""
+    where = _check_placement(actions, p, v)
+    _check_complete(actions, p, v, where)
+    _check_order(actions, p, v, where)
+    _check_channels(actions, p, where)
+    _execute(actions, p)
+
+
+def _fail(actions: Schedule, p: int, rank: int, step: int, text: str) -> ScheduleError:
+    action = actions[rank][step]
+    grid = render(actions, p, mark=(rank, step), comms=True)
+    return ScheduleError(f"rank {rank}, step {step} ({action}): {text}\n\n{grid}", rank=rank, step=step, action=action)
+
+
+def _check_placement(actions: Schedule, p: int, v: int) -> dict[Action, tuple[int, int]]:
+    """Every action is an Action of a stage this rank holds, and appears once; returns action -> (rank, step)."""
+    if sorted(actions) != list(range(p)):
+        raise ScheduleError(f"the schedule has ranks {sorted(actions)}; expected exactly the ranks 0..{p - 1}")
+    for rank, steps in actions.items():
+        for step, action in enumerate(steps):
+            if not isinstance(action, Action):
+                raise ScheduleError(f"rank {rank}, step {step}: {action!r} is not an Action", rank=rank, step=step)
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, steps in actions.items():
+        for step, action in enumerate(steps):
+            if action.stage >= p * v:
+                raise _fail(actions, p, rank, step, f"stage {action.stage} does not exist with p={p}, v={v}")
+            if action.rank(p) != rank:
+                raise _fail(actions, p, rank, step, f"stage {action.stage} lives on rank {action.rank(p)}")
+            if not action.is_compute and (action.peer(p) == rank or _off_the_ends(action, p * v)):
+                raise _fail(actions, p, rank, step, "this message has no other rank to go to or come from")
+            if action in where:
+                raise _fail(actions, p, rank, step, f"duplicate of step {where[action][1]}")
+            where[action] = (rank, step)
+    return where
+
+
+def _off_the_ends(action: Action, stages: int) -> bool:
+    return (action.kind in ("SEND_F", "RECV_B") and action.stage == stages - 1) or (
+        action.kind in ("RECV_F", "SEND_B") and action.stage == 0)
+
+
+def _check_complete(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]]) -> None:
+    m = 1 + max((a.microbatch for a in where), default=-1)
+    for stage in range(p * v):
+        for j in range(m):
+            f, b = Action("F", j, stage), Action("B", j, stage)
+            if f in where and b not in where:
+                raise _fail(actions, p, *where[f], f"microbatch {j} never runs backward ({b}) on stage {stage}")
+            if b in where and f not in where:
+                raise _fail(actions, p, *where[b], f"microbatch {j} never runs forward ({f}) on stage {stage}")
+            if f not in where:
+                raise ScheduleError(f"rank {stage % p}: stage {stage} never runs microbatch {j} ({f}, {b} missing); "
+                                    f"microbatches 0..{m - 1} appear elsewhere", rank=stage % p)
+
+
+def _check_order(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]]) -> None:
+    """Each action runs after what it depends on, on its own rank."""
+    last = p * v - 1
+    for rank, steps in actions.items():
+        for step, action in enumerate(steps):
+            for needed in _needs(action, p, last):
+                if needed not in where:
+                    raise _fail(actions, p, rank, step, f"needs {needed}, which is missing from this rank")
+                if where[needed][1] > step:
+                    later = f"{needed} (step {where[needed][1]})"
+                    raise _fail(actions, p, rank, step, f"runs before {later}, which it needs")
+
+
+def _needs(action: Action, p: int, last: int) -> list[Action]:
+    j, s = action.microbatch, action.stage
+    if action.kind == "F" and s > 0:
+        return [Action("RECV_F", j, s) if p > 1 else Action("F", j, s - 1)]
+    if action.kind == "B":
+        before = [Action("RECV_B", j, s) if p > 1 else Action("B", j, s + 1)] if s < last else []
+        return [Action("F", j, s), *before]
+    if action.is_send:
+        return [Action(action.kind[-1], j, s)]
+    return []
+
+
+def _check_channels(actions: Schedule, p: int, where: dict[Action, tuple[int, int]]) -> None:
+    """Every message is received once, and on each channel in the order it was sent (a FIFO per rank pair)."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    got: dict[tuple[int, int], list[tuple[int, Action]]] = {}
+    for rank, steps in actions.items():
+        for step, action in enumerate(steps):
+            if action.is_compute:
+                continue
+            if action.partner() not in where:
+                what = "nothing receives it" if action.is_send else "nothing sends it"
+                raise _fail(actions, p, rank, step, f"{what}: {action.partner()} is missing on rank {action.peer(p)}")
+            if action.is_send:
+                sent.setdefault((rank, action.peer(p)), []).append(action)
+            else:
+                got.setdefault((action.peer(p), rank), []).append((step, action))
+    for (src, dst), receives in got.items():
+        for i, (step, recv) in enumerate(receives):
+            send = sent[src, dst][i]
+            if send.partner() != recv:
+                raise _fail(actions, p, dst, step, (
+                    f"receive #{i} from rank {src} expects {recv.partner()}, but message #{i} rank {src} sends to "
+                    f"rank {dst} is {send} (rank {src}, step {where[send][1]}); gloo matches messages between two "
+                    f"ranks in send order, so this receive would get the wrong tensor. Receive in send order"))
+
+
+def _execute(actions: Schedule, p: int) -> list[tuple[int, int]]:
+    """One order in which all ranks can run their lists (sends never block, receives wait for their send)."""
+    position = dict.fromkeys(actions, 0)
+    done: set[Action] = set()
+    order: list[tuple[int, int]] = []
+    progress = True
+    while progress:
+        progress = False
+        for rank in sorted(actions):
+            steps = actions[rank]
+            while position[rank] < len(steps):
+                action = steps[position[rank]]
+                if action.is_recv and action.partner() not in done:
+                    break
+                done.add(action)
+                order.append((rank, position[rank]))
+                position[rank] += 1
+                progress = True
+    blocked = [r for r in sorted(actions) if position[r] < len(actions[r])]
+    if blocked:
+        waits = "; ".join(f"rank {r} at step {position[r]} ({actions[r][position[r]]}) waits for "
+                          f"{actions[r][position[r]].partner()}" for r in blocked)
+        raise _fail(actions, p, blocked[0], position[blocked[0]], f"deadlock, no rank can progress: {waits}")
+    return order
+
+
+# -------------------------------------------------------------------------------------------------- simulation
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timing of one step. ``times[r][i]`` is the (start, end) of ``actions[r][i]``; a receive lasts from when its
+    rank reaches it until its send has ended. Activations in flight (forward done, backward not yet) are counted
+    per rank at their peak: ``peak_in_flight`` in stage-equivalents (a chunk counts 1/v),
+    ``peak_in_flight_chunks`` as (microbatch, chunk) pairs."""
+
+    times: dict[int, list[tuple[float, float]]]
+    makespan: float
+    bubble: float
+    peak_in_flight: dict[int, float]
+    peak_in_flight_chunks: dict[int, int]
+
+
+def simulate(actions: Schedule, p: int, v: int = 1, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
+             send_cost: float = 0.0) -> SimResult:
+    """Time a (validated) schedule: each chunk's F costs ``forward_cost / v`` and B ``backward_cost / v``, a send
+    occupies its rank for ``send_cost``; ranks run their lists in order. The bubble is the idle fraction
+    ``1 - compute time / (p * makespan)``."""
+    if forward_cost <= 0 or backward_cost <= 0 or send_cost < 0:
+        raise ValueError(f"costs must be positive (send_cost >= 0), got forward_cost={forward_cost}, "
+                         f"backward_cost={backward_cost}, send_cost={send_cost}")
+    validate(actions, p, v)
+    cost = {"F": forward_cost / v, "B": backward_cost / v, "SEND_F": send_cost, "SEND_B": send_cost}
+    clock = dict.fromkeys(actions, 0.0)
+    times: dict[int, list[tuple[float, float]]] = {r: [(0.0, 0.0)] * len(steps) for r, steps in actions.items()}
+    ended: dict[Action, float] = {}
+    for rank, step in _execute(actions, p):
+        action, start = actions[rank][step], clock[rank]
+        end = max(start, ended[action.partner()]) if action.is_recv else start + cost[action.kind]
+        times[rank][step] = (start, end)
+        ended[action] = clock[rank] = end
+    makespan = max(clock.values(), default=0.0)
+    compute = sum(cost[a.kind] for steps in actions.values() for a in steps if a.is_compute)
+    peaks = {r: _peak_in_flight(steps) for r, steps in actions.items()}
+    return SimResult(times=times, makespan=makespan, bubble=1 - compute / (p * makespan) if makespan else 0.0,
+                     peak_in_flight={r: n / v for r, n in peaks.items()}, peak_in_flight_chunks=peaks)
+
+
+def _peak_in_flight(steps: list[Action]) -> int:
+    live = peak = 0
+    for action in steps:
+        live += {"F": 1, "B": -1}.get(action.kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+# ----------------------------------------------------------------------------------------------------- drawing
+
+
+def render(actions: Schedule, p: int, *, sim: SimResult | None = None, mark: tuple[int, int] | None = None,
+           comms: bool = False) -> str:
+    """A grid with one row per rank. With ``sim``, one column per time slot (the shortest compute action) and
+    ``.`` for idle; without, one column per action in list order (compute only unless ``comms``).
+
+    Cells: ``F3`` / ``B3`` run microbatch 3 forward / backward; ``>F3`` / ``<F3`` send / receive its activation,
+    ``>B3`` / ``<B3`` its gradient. With v > 1 the stage follows: ``F3.5``. ``mark=(rank, step)`` brackets that
+    action's cells and points at its row.
+    """
+    v = 1 + max((a.stage for steps in actions.values() for a in steps), default=0) // p
+    rows = _time_cells(actions, sim) if sim is not None else {
+        r: [(i, a) for i, a in enumerate(steps) if comms or a.is_compute] for r, steps in actions.items()}
+    texts = {r: [_cell(a, v, (r, i) == mark) for i, a in row] for r, row in rows.items()}
+    width = max((len(t) for row in texts.values() for t in row), default=1)
+    label = len(str(max(actions, default=0)))
+    lines = []
+    for r in sorted(texts):
+        line = f"rank {r:>{label}}: " + " ".join(t.ljust(width) for t in texts[r])
+        if mark is not None and mark[0] == r:
+            line += f"  <-- step {mark[1]}: {actions[r][mark[1]]}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def _cell(action: Action | None, v: int, marked: bool) -> str:
+    if action is None:
+        return "."
+    text = f"{_CELL_PREFIX[action.kind]}{action.microbatch}" + (f".{action.stage}" if v > 1 else "")
+    return f"[{text}]" if marked else text
+
+
+def _time_cells(actions: Schedule, sim: SimResult) -> dict[int, list[tuple[int | None, Action | None]]]:
+    spans = [(r, i, *sim.times[r][i]) for r, steps in actions.items() for i, a in enumerate(steps) if a.is_compute]
+    slot = min((end - start for *_, start, end in spans if end > start), default=1.0)
+    rows: dict[int, list[tuple[int | None, Action | None]]] = {
+        r: [(None, None)] * round(sim.makespan / slot) for r in actions}
+    for r, i, start, end in spans:
+        for t in range(round(start / slot), round(end / slot)):
+            rows[r][t] = (i, actions[r][i])
+    return rows

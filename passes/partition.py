@@ -1,0 +1,196 @@
+"""Pipeline partitioner: where to cut a training graph into balanced stages.
+
+The graph's *activations* (values that depend on parameters) are taken in graph order, which is a
+topological order of the dependency graph (a networkx DiGraph of the activations). A cut after
+position i is *valid* when the fewest values possible cross it: in a transformer that is the
+residual stream alone, between blocks and between the attention and MLP halves of a block. Among the
+valid cuts the partitioner picks the ones that make the largest stage cost as small as possible
+(dynamic programming, exact), preferring cuts where fewer bytes cross. A stage's cost is the training
+FLOPs of its nodes plus a term for the parameters it reads, so the embedding and LM head stages are
+not treated as free. Nothing here looks at names; a user may instead name the modules stages start at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+from torch import fx
+
+from autoshard import meta
+from autoshard.passes.propagate import requires_grad
+
+# FLOP-equivalents charged per parameter byte a stage reads (its optimizer step and gradient traffic).
+_PARAM_BYTE_COST = 4.0
+
+
+@dataclass(frozen=True)
+class Partition:
+    stage_of: dict[str, int]
+    costs: tuple[float, ...]
+    cut_after: tuple[str, ...]  # the last activation of every stage but the last
+    crossing_bytes: tuple[int, ...]
+    candidates: int
+
+    @property
+    def balance(self) -> float:
+        """Largest stage cost over the mean: 1.0 is perfect balance."""
+        return max(self.costs) / (sum(self.costs) / len(self.costs))
+
+
+class PartitionError(ValueError):
+    """The graph cannot be cut as asked; the message says how many stages would work."""
+
+
+def partition(
+    gm: fx.GraphModule, num_stages: int, *, starts: list[str] | None = None, cut_after: tuple[str, ...] | None = None
+) -> Partition:
+    """Cut ``gm`` into ``num_stages`` stages.
+
+    ``starts`` names the module each later stage begins at; ``cut_after`` repeats an earlier partition's
+    cuts (by node name) on another capture of the same model, so its stages hold the same parameters.
+    """
+    order, dag = _activation_dag(gm)
+    if num_stages == 1:
+        return Partition({n.name: 0 for n in order}, (sum(_costs(gm, order)),), (), (), 0)
+    crossing = _crossing_sets(order, dag)
+    sendable = [i for i, c in enumerate(crossing[:-1]) if all(_is_tensor(n) for n in c)]
+    fewest = min((len(crossing[i]) for i in sendable), default=0)
+    candidates = [i for i in sendable if len(crossing[i]) == fewest]
+    if len(candidates) < num_stages - 1:
+        raise PartitionError(
+            f"{num_stages} stages need {num_stages - 1} cuts, but the graph has only {len(candidates)} places where "
+            f"{fewest} value(s) cross: use at most {len(candidates) + 1} stages (pipeline degree x chunks)"
+        )
+    costs = _costs(gm, order)
+    nbytes = [sum(_bytes(n) for n in c) for c in crossing]
+    if cut_after is not None:
+        position = {n.name: i for i, n in enumerate(order)}
+        cuts = [position[name] for name in cut_after]
+    elif starts is not None:
+        cuts = _cuts_at(order, candidates, starts, num_stages)
+    else:
+        cuts = _balanced_cuts(costs, candidates, nbytes, num_stages)
+    return _result(order, costs, cuts, nbytes, len(candidates))
+
+
+def _activation_dag(gm: fx.GraphModule) -> tuple[list[fx.Node], nx.DiGraph]:
+    grad = requires_grad(gm)
+    order = [n for n in gm.graph.nodes if n in grad and n.op == "call_function"]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(order)))
+    position = {n: i for i, n in enumerate(order)}
+    for i, node in enumerate(order):
+        for user in node.users:
+            dag.add_edge(i, position.get(user, len(order)))  # the graph's output sits after every activation
+    assert nx.is_directed_acyclic_graph(dag)
+    return order, dag
+
+
+def _crossing_sets(order: list[fx.Node], dag: nx.DiGraph) -> list[list[fx.Node]]:
+    """For each position i, the activations at or before i that are read after i."""
+    last_read = [max(dag.successors(i), default=i) for i in range(len(order))]
+    crossing: list[list[fx.Node]] = []
+    alive: set[int] = set()
+    for i in range(len(order)):
+        alive.add(i)
+        alive = {j for j in alive if last_read[j] > i}
+        crossing.append([order[j] for j in sorted(alive)])
+    return crossing
+
+
+def _costs(gm: fx.GraphModule, order: list[fx.Node]) -> list[float]:
+    """Training cost of each activation node, with each parameter charged to its first reader."""
+    charged: set[str] = set()
+    costs = []
+    for node in order:
+        cost = 3.0 * _flops(node)  # forward plus a backward of about twice the forward
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and source.target not in charged:
+                charged.add(source.target)
+                cost += _PARAM_BYTE_COST * _bytes(source)
+        costs.append(cost)
+    return costs
+
+
+def _flops(node: fx.Node) -> float:
+    cost = node.meta.get("autoshard_cost")
+    if cost is not None:
+        return float(cost.flops)
+    out = node.meta.get(meta.VAL)
+    numel = out.numel() if isinstance(out, torch.Tensor) else 1
+    inner_of = {torch.ops.aten.linear.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.matmul.default: 0}
+    if node.target in inner_of:  # 2 x output elements x the contracted size
+        return 2.0 * numel * node.args[inner_of[node.target]].meta[meta.VAL].shape[-1]
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        q, k = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
+        return 4.0 * q.numel() * k.shape[-2]
+    return float(numel)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get(meta.VAL), torch.Tensor)
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get(meta.VAL)
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int], stages: int) -> list[int]:
+    """Choose ``stages - 1`` candidate cuts minimising the largest stage cost, then the bytes crossing."""
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    points = [-1, *candidates]  # position -1: before the first activation
+    end = len(costs) - 1
+    # best[k][j]: (largest stage cost, bytes crossing) of k stages ending at points[j]
+    best = [{0: (0.0, 0, [])}]
+    for k in range(1, stages):
+        layer = {}
+        for j in range(1, len(points)):
+            options = [
+                (max(prev[0], prefix[points[j] + 1] - prefix[points[i] + 1]), prev[1] + nbytes[points[j]], prev[2])
+                for i, prev in best[k - 1].items()
+                if i < j
+            ]
+            if options:
+                score, size, path = min(options, key=lambda o: (o[0], o[1]))
+                layer[j] = (score, size, [*path, points[j]])
+        best.append(layer)
+    finals = [
+        (max(prev[0], prefix[end + 1] - prefix[points[i] + 1]), prev[1], prev[2])
+        for i, prev in best[stages - 1].items()
+    ]
+    return min(finals, key=lambda o: (o[0], o[1]))[2]
+
+
+def _cuts_at(order: list[fx.Node], candidates: list[int], starts: list[str], stages: int) -> list[int]:
+    if len(starts) != stages - 1:
+        raise PartitionError(f"{stages} stages start at {stages - 1} modules after the first, got {len(starts)}")
+    cuts = []
+    for name in starts:
+        first = next((i for i, n in enumerate(order) if meta.module_path(n).startswith(name)), None)
+        before = [c for c in candidates if first is not None and c < first]
+        if not before:
+            raise PartitionError(
+                f"no valid cut before module {name!r}: name a module whose input is the residual stream"
+            )
+        cuts.append(before[-1])
+    if cuts != sorted(set(cuts)):
+        raise PartitionError(f"the modules {starts} do not give {stages} non-empty stages in model order")
+    return cuts
+
+
+def _result(order, costs, cuts, nbytes, candidates) -> Partition:
+    stage_of, stage_costs = {}, []
+    bounds = [-1, *cuts, len(order) - 1]
+    for stage in range(len(bounds) - 1):
+        members = range(bounds[stage] + 1, bounds[stage + 1] + 1)
+        for i in members:
+            stage_of[order[i].name] = stage
+        stage_costs.append(sum(costs[i] for i in members))
+    return Partition(
+        stage_of, tuple(stage_costs), tuple(order[c].name for c in cuts), tuple(nbytes[c] for c in cuts), candidates
+    )

@@ -1,0 +1,133 @@
+"""Pipeline split: cut a training graph into stage graphs at the partitioner's cuts.
+
+Terms: a *stage* is a contiguous piece of the model, numbered 0..S-1 in model order; the stage's
+*activations* are the values it computes that depend on parameters. Every node that depends on a
+parameter belongs to exactly one stage (``stage_of``). Parameter-free values (attention masks,
+position ids, RoPE tables, reshaped targets) are recomputed on every stage that reads them instead
+of being sent, since they are cheap and often not contiguous (a mask expanded over the batch).
+
+Each stage graph takes the model's flat inputs (every rank has the whole batch) followed by the
+activations received from the previous stage, and returns the activations later stages need, or,
+on the last stage, the loss. An activation read two stages later passes through the stage between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoshard import meta
+from autoshard.passes.propagate import requires_grad
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a value crossing a cut: what the receiver allocates."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Stage:
+    index: int
+    gm: fx.GraphModule
+    receives: list[str]  # names (in the whole graph) of the activations this stage gets from the previous one
+    sends: list[str]  # names of the activations it hands to the next stage (empty on the last)
+    receive_specs: list[TensorSpec]
+    send_specs: list[TensorSpec]
+
+    @property
+    def parameters(self) -> list[str]:
+        return [name for name, _ in self.gm.named_parameters()]
+
+
+def split_pipeline(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[Stage]:
+    """Cut ``gm`` into ``num_stages`` stage graphs; ``stage_of`` maps every activation's node name to its stage."""
+    grad = requires_grad(gm)
+    nodes = list(gm.graph.nodes)
+    activations = [n for n in nodes if n in grad and n.op == "call_function"]
+    missing = [n.name for n in activations if n.name not in stage_of]
+    if missing:
+        raise ValueError(f"no stage given for nodes {missing[:5]}: every activation needs one")
+    crossing = _crossing(activations, stage_of, num_stages)
+    stages = []
+    for index in range(num_stages):
+        receives = crossing[index - 1] if index > 0 else []
+        sends = crossing[index] if index < num_stages - 1 else []
+        stage_gm = _stage_graph(gm, nodes, grad, stage_of, index, receives, sends)
+        by_name = {n.name: n for n in nodes}
+        stages.append(Stage(index, stage_gm, receives, sends, _specs(by_name, receives), _specs(by_name, sends)))
+    return stages
+
+
+def _crossing(activations: list[fx.Node], stage_of: dict[str, int], num_stages: int) -> list[list[str]]:
+    """For each cut k (between stage k and k+1), the activations computed at or before k and read after."""
+    last_use: dict[str, int] = {}
+    for node in activations:
+        readers = [stage_of[u.name] if u.name in stage_of else num_stages - 1 for u in node.users]
+        last_use[node.name] = max(readers, default=stage_of[node.name])
+        if any(r < stage_of[node.name] for r in readers):
+            raise ValueError(f"{node.name} is read by an earlier stage: stages must follow the graph's order")
+    return [
+        [n.name for n in activations if stage_of[n.name] <= cut < last_use[n.name]]
+        for cut in range(num_stages - 1)
+    ]
+
+
+def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node)
+    by_name = {n.name: n for n in nodes}
+    for name in receives:
+        source = by_name[name]
+        env[source] = graph.placeholder(f"recv_{name}")
+        env[source].meta = dict(source.meta)
+    wanted = _needed(nodes, grad, stage_of, index, sends, by_name)
+    for node in nodes:
+        if node in env or node.op in ("placeholder", "output") or node not in wanted:
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    if sends:
+        graph.output(tuple(env[by_name[name]] for name in sends))
+    else:
+        output = next(n for n in nodes if n.op == "output")
+        graph.output(fx.node.map_arg(output.args[0], lambda n: env[n]))
+    graph.eliminate_dead_code()
+    stage = fx.GraphModule(gm, graph)
+    stage.graph.lint()
+    return stage
+
+
+def _needed(nodes, grad, stage_of, index, sends, by_name) -> set[fx.Node]:
+    """This stage's activations, plus the parameters and parameter-free values they read."""
+    own = {n for n in nodes if n.name in stage_of and stage_of[n.name] == index}
+    todo = list(own) + [by_name[s] for s in sends]
+    if not sends:
+        todo += [n for n in nodes if n.op == "output"]
+    needed: set[fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        for source in node.all_input_nodes:
+            if source in grad and source.op == "call_function" and stage_of.get(source.name) != index:
+                continue  # an activation of another stage: received, not recomputed
+            todo.append(source)
+    return needed
+
+
+def _specs(by_name: dict[str, fx.Node], names: list[str]) -> list[TensorSpec]:
+    specs = []
+    for name in names:
+        val = by_name[name].meta.get(meta.VAL)
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"{name} crosses a pipeline cut but is not a tensor; cut elsewhere")
+        specs.append(TensorSpec(tuple(val.shape), val.dtype))
+    return specs
