@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autoshard.passes.collectives import COLLECTIVES, GatherFromParallel, VocabParallelCrossEntropy
 from autoshard.passes.tensor_parallel import FALLBACKS
+from autoshard.runtime import schedules
 
 
 def explain(pm) -> str:
@@ -16,8 +17,35 @@ def explain(pm) -> str:
     lines += _graphs(pm)
     lines += _parameters(pm)
     lines += _loss(pm)
+    lines += _pipeline(pm)
     lines += _collectives(pm)
     return "\n".join(lines)
+
+
+def _pipeline(pm) -> list[str]:
+    pipe = pm.pipeline
+    if pipe is None or pipe.partition is None:
+        return []
+    part = pipe.partition
+    m = pm.microbatches
+    sim = schedules.simulate(pipe.actions, pipe.p, pipe.v)
+    formula = (pipe.p - 1) / (pipe.v * m + pipe.p - 1)
+    lines = [
+        "",
+        f"pipeline: {pipe.num_stages} stages on {pipe.p} ranks, schedule {pipe.schedule_name}, {m} microbatches"
+        + (f", {pipe.v} chunks per rank" if pipe.v > 1 else "")
+        + f"; this rank runs stages {pipe.mine}",
+        f"  cuts after {', '.join(part.cut_after)} (one of {part.candidates} places where the fewest values cross), "
+        f"sending {', '.join(_bytes(b) for b in part.crossing_bytes)} per microbatch",
+        f"  stage costs {', '.join(f'{c:.3g}' for c in part.costs)} (largest over mean: {part.balance:.2f})",
+        f"  simulated bubble {sim.bubble:.1%} (formula (p-1)/(v*m+p-1) = {formula:.1%}); activations in flight "
+        f"at most {max(sim.peak_in_flight.values()):.2g} stage-equivalents per rank",
+    ]
+    for name, ranks in pipe.tied.items():
+        lines.append(f"  {name.removeprefix('model.')} is used on pp ranks {sorted(ranks)}: gradients summed there")
+    lines.append("  " + schedules.render(pipe.actions, pipe.p, sim=schedules.simulate(
+        pipe.actions, pipe.p, pipe.v, forward_cost=1.0, backward_cost=1.0)).replace("\n", "\n  "))
+    return lines
 
 
 def _graphs(pm) -> list[str]:

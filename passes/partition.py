@@ -6,8 +6,9 @@ position i is *valid* when the fewest values possible cross it: in a transformer
 residual stream alone, between blocks and between the attention and MLP halves of a block. Among the
 valid cuts the partitioner picks the ones that make the largest stage cost as small as possible
 (dynamic programming, exact), preferring cuts where fewer bytes cross. A stage's cost is the training
-FLOPs of its nodes plus a term for the parameters it reads, so the embedding and LM head stages are
-not treated as free. Nothing here looks at names; a user may instead name the modules stages start at.
+FLOPs of its nodes plus a term for the parameters it reads (``autoshard.cost``), so the embedding
+and LM head stages are not treated as free. Nothing here looks at names; a user may instead name the
+modules that stages start at.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ import networkx as nx
 import torch
 from torch import fx
 
-from autoshard import meta
+from autoshard import cost, meta
 from autoshard.passes.propagate import requires_grad
-
-# FLOP-equivalents charged per parameter byte a stage reads (its optimizer step and gradient traffic).
-_PARAM_BYTE_COST = 4.0
 
 
 @dataclass(frozen=True)
@@ -102,31 +100,17 @@ def _crossing_sets(order: list[fx.Node], dag: nx.DiGraph) -> list[list[fx.Node]]
 
 def _costs(gm: fx.GraphModule, order: list[fx.Node]) -> list[float]:
     """Training cost of each activation node, with each parameter charged to its first reader."""
+    costs = cost.annotate(gm)
     charged: set[str] = set()
-    costs = []
+    result = []
     for node in order:
-        cost = 3.0 * _flops(node)  # forward plus a backward of about twice the forward
+        total = float(cost.training_flops(costs[node]))
         for source in node.all_input_nodes:
             if source.op == "get_attr" and source.target not in charged:
                 charged.add(source.target)
-                cost += _PARAM_BYTE_COST * _bytes(source)
-        costs.append(cost)
-    return costs
-
-
-def _flops(node: fx.Node) -> float:
-    cost = node.meta.get("autoshard_cost")
-    if cost is not None:
-        return float(cost.flops)
-    out = node.meta.get(meta.VAL)
-    numel = out.numel() if isinstance(out, torch.Tensor) else 1
-    inner_of = {torch.ops.aten.linear.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.matmul.default: 0}
-    if node.target in inner_of:  # 2 x output elements x the contracted size
-        return 2.0 * numel * node.args[inner_of[node.target]].meta[meta.VAL].shape[-1]
-    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-        q, k = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
-        return 4.0 * q.numel() * k.shape[-2]
-    return float(numel)
+                total += cost.PARAM_BYTE_COST * costs[source].param_bytes
+        result.append(total)
+    return result
 
 
 def _is_tensor(node: fx.Node) -> bool:

@@ -100,3 +100,25 @@ def no_blocks(tp: int) -> tuple[list[str], bool]:
         warnings.simplefilter("always")
         report = autoshard.verify(model, mesh, (x,), _mse, target=t, groups=groups_for(mesh))
     return [str(w.message) for w in caught if "autoshard" in str(w.message)], report.ok
+
+
+def explain(name: str, mesh_kwargs: dict, **options) -> str:
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    pm.step(*case.inputs, target=case.target)
+    return pm.explain()
+
+
+def warnings_of(name: str, mesh_kwargs: dict, **options) -> list[str]:
+    """The warnings ``parallelize`` gives for this configuration."""
+    import warnings
+
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                              target=case.target, groups=groups_for(mesh), **options)
+    return [str(w.message) for w in caught]

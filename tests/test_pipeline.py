@@ -32,3 +32,16 @@ def test_golden_pipeline(pools, name, pp, microbatches, schedule, chunks):
     results = run(golden.golden, name, {"pp": pp}, microbatches=microbatches, schedule=schedule, chunks=chunks)
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
+    report = pools.get(2).run(golden.explain, "gpt", {"pp": 2}, microbatches=4, schedule="1f1b")[0]
+    assert "pipeline: 2 stages on 2 ranks, schedule 1f1b, 4 microbatches; this rank runs stages [0]" in report
+    assert "simulated bubble 20.0% (formula (p-1)/(v*m+p-1) = 20.0%)" in report
+    assert "transformer.wte.weight is used on pp ranks [0, 1]" in report
+    assert "rank 0: F0 F1" in report
+
+
+def test_too_few_microbatches_warn_about_the_bubble(pools):
+    messages = pools.get(2).run(golden.warnings_of, "gpt", {"pp": 2}, microbatches=1)[0]
+    assert any("1 microbatches on 2 pipeline stages leave a bubble of 50%" in m for m in messages), messages

@@ -1,0 +1,73 @@
+"""Pipeline partitioning and splitting without processes: valid cuts from structure, balance, exact stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoshard import codegen
+from autoshard.capture import capture
+from autoshard.passes.partition import PartitionError, partition
+from autoshard.passes.pipeline_split import split_pipeline
+
+from models import ZOO_NAMES, build, build_gpt_model, token_loss
+
+
+def _prepared(name: str):
+    case = build(name)
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    return case, codegen.prepare(captured)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_stages_run_in_sequence_compute_the_whole_graph(name, stages):
+    case, gm = _prepared(name)
+    cut = partition(gm, stages)
+    pieces = split_pipeline(gm, cut.stage_of, stages)
+    args = (*case.inputs, case.target)
+    received: list = []
+    for stage in pieces:
+        received = list(stage.gm(*args, *received))
+    torch.testing.assert_close(received[0], gm(*args)[0], rtol=0, atol=0)
+    owners = [p for s in pieces for p in s.parameters]
+    assert set(owners) == {n for n, _ in gm.named_parameters()}, "every parameter lives on some stage"
+
+
+def test_cuts_fall_on_the_residual_stream_between_blocks():
+    case, gm = _prepared("gpt")
+    cut = partition(gm, 2)
+    stages = split_pipeline(gm, cut.stage_of, 2)
+    assert len(stages[0].sends) == 1 and stages[0].send_specs[0].shape == (8, 16, 48), "one (B, T, hidden) value"
+    assert cut.cut_after == ("add_2",), "after the second residual add: the end of block 0"
+    tied = set(stages[0].parameters) & set(stages[1].parameters)
+    assert tied == {"model.transformer.wte.weight"}, "the tied embedding and LM head live on both ends"
+
+
+def test_masks_and_positions_are_recomputed_not_sent():
+    case, gm = _prepared("hf_llama")
+    stages = split_pipeline(gm, partition(gm, 4).stage_of, 4)
+    for stage in stages[:-1]:
+        assert [s.shape for s in stage.send_specs] == [(8, 16, 48)], stage.sends
+
+
+def test_balance_beats_equal_layers_on_a_deeper_gpt():
+    model = build_gpt_model(n_layer=8, n_embd=64, n_head=4, vocab=512, seq=32)
+    tokens = torch.zeros(4, 32, dtype=torch.long)
+    gm = codegen.prepare(capture(model, (tokens,), loss_fn=token_loss, example_target=tokens))
+    balanced = partition(gm, 4)
+    equal = partition(gm, 4, starts=["model.transformer.h.2", "model.transformer.h.4", "model.transformer.h.6"])
+    assert balanced.balance <= equal.balance
+    assert balanced.balance < 1.35, balanced.costs
+
+
+def test_more_stages_than_cuts_says_how_many_work():
+    _, gm = _prepared("mlp")
+    with pytest.raises(PartitionError, match=r"8 stages need 7 cuts, but the graph has only 5 .* at most 6 stages"):
+        partition(gm, 8)
+
+
+def test_a_start_module_without_a_cut_before_it_is_refused():
+    _, gm = _prepared("gpt")
+    with pytest.raises(PartitionError, match="no valid cut before module 'model.transformer.wte'"):
+        partition(gm, 2, starts=["model.transformer.wte"])
