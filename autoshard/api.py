@@ -35,6 +35,8 @@ def parallelize(
     schedule: str = "1f1b",
     chunks: int = 1,
     pipeline_starts: list[str] | None = None,
+    cp_attention: str = "gather",
+    cp_load_balance: bool = False,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -58,6 +60,9 @@ def parallelize(
         chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
         pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
             stage after the first begins.
+        cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
+            values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
+        cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -87,6 +92,8 @@ def parallelize(
         schedule=schedule,
         chunks=chunks,
         pipeline_starts=pipeline_starts,
+        cp_attention=cp_attention,
+        cp_load_balance=cp_load_balance,
         timeout=timeout,
     )
 
@@ -108,18 +115,5 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
     return mesh.create_groups(timeout=timeout)
 
 
-_NOT_YET = {"cp": "context"}
-
-
 def _check_supported(mesh: Mesh) -> None:
-    if mesh.pp > 1 and mesh.dp > 1:
-        raise NotImplementedError(
-            f"{mesh} combines data and pipeline parallelism, which this version of autoshard does not provide yet: "
-            f"use dp=1 with pp={mesh.pp}, or pp=1 with dp={mesh.dp}"
-        )
-    for axis, kind in _NOT_YET.items():
-        if mesh.degree(axis) > 1:
-            raise NotImplementedError(
-                f"{mesh} asks for {kind} parallelism ({axis}={mesh.degree(axis)}), which this version of autoshard "
-                f"does not provide yet: use {axis}=1 and put the ranks on dp or tp (Mesh(dp={mesh.world_size}))"
-            )
+    """Every combination of the four axes is supported; kept as the one place to refuse one."""

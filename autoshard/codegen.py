@@ -18,6 +18,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoshard.capture import Captured
+from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
 from autoshard.passes.pipeline_split import Stage, split_pipeline
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
@@ -70,12 +71,23 @@ class RankProgram:
         return self.gm.code
 
 
-def build(
-    captured: Captured, plan: TensorParallelPlan | None, *, rank: int, group=None, store: ParamStore | None = None
-) -> RankProgram:
-    """The program of tp rank ``rank``: a copy of the captured graph, sharded by ``plan``."""
+@dataclass(frozen=True)
+class Sharding:
+    """What one rank applies to a captured graph: its tp plan and coordinate, its cp plan and coordinate."""
+
+    tp_plan: TensorParallelPlan | None = None
+    tp_rank: int = 0
+    tp_group: object = None
+    cp_plan: ContextParallelPlan | None = None
+    cp_rank: int = 0
+    cp_group: object = None
+    training: bool = True
+
+
+def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None) -> RankProgram:
+    """The program of one rank: a copy of the captured graph, sharded for its tp and cp coordinates."""
     gm = prepare(captured)
-    _shard(gm, plan, rank, group, store)
+    _shard(gm, sharding, store)
     return RankProgram(gm, getattr(captured.gm, "_out_spec", None))
 
 
@@ -88,13 +100,11 @@ def prepare(captured: Captured) -> fx.GraphModule:
 
 def build_stages(
     captured: Captured,
-    plan: TensorParallelPlan | None,
+    sharding: Sharding,
     stage_of: dict[str, int],
     num_stages: int,
     mine: list[int],
     *,
-    rank: int,
-    group=None,
     store: ParamStore | None = None,
 ) -> tuple[list[Stage], dict[int, RankProgram]]:
     """Every stage of the pipeline (to know what crosses each cut), and the programs of this rank's stages."""
@@ -102,14 +112,17 @@ def build_stages(
     programs = {}
     for index in mine:
         gm = stages[index].gm
-        _shard(gm, plan, rank, group, store)
+        _shard(gm, sharding, store)
         programs[index] = RankProgram(gm, getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None)
     return stages, programs
 
 
-def _shard(gm: fx.GraphModule, plan, rank: int, group, store: ParamStore | None) -> None:
-    if plan is not None and plan.size > 1:
-        tensor_parallel_pass(gm, plan, rank=rank, group=group)
+def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
+    if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
+        tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
+    if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
+        context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
+                              training=sharding.training)
     if store is not None:
         store.adopt(gm)
 

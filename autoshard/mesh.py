@@ -151,6 +151,16 @@ class Mesh:
             result.append([self.rank_of(**base, **{axis: i}) for i in range(self.degree(axis))])
         return result
 
+    def data_groups(self) -> list[list[int]]:
+        """The groups of ranks that differ only in their dp and cp coordinates: they hold the same parameter
+        shards and sum their gradients (data parallelism splits the batch, context parallelism the sequence)."""
+        fixed_axes = ("pp", "tp")
+        result = []
+        for fixed in itertools.product(*(range(self.degree(a)) for a in fixed_axes)):
+            base = dict(zip(fixed_axes, fixed, strict=True))
+            result.append([self.rank_of(**base, dp=d, cp=c) for d in range(self.dp) for c in range(self.cp)])
+        return result
+
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The ranks of ``rank``'s group along ``axis``, ordered by their ``axis`` coordinate."""
         coords = self.coords(rank)
@@ -235,8 +245,10 @@ class Mesh:
             )
         self.check_world_size(dist.get_world_size())
         rank = dist.get_rank()
-        groups = {axis: self._new_groups(axis, rank, timeout) for axis in AXES}
+        groups = {axis: self._new_groups(self.groups(axis), rank, timeout) for axis in AXES}
         ranks = {axis: self.group_of(axis, rank) for axis in AXES}
+        groups["data"] = self._new_groups(self.data_groups(), rank, timeout)
+        ranks["data"] = next(g for g in self.data_groups() if rank in g)
         return MeshGroups(
             mesh=self,
             rank=rank,
@@ -245,16 +257,16 @@ class Mesh:
             _ranks=types.MappingProxyType(ranks),
         )
 
-    def _new_groups(self, axis: str, rank: int, timeout: datetime.timedelta) -> ProcessGroup:
-        """Call new_group for every group along ``axis`` (collective); keep the one holding ``rank``."""
+    def _new_groups(self, all_ranks: list[list[int]], rank: int, timeout: datetime.timedelta) -> ProcessGroup:
+        """Call new_group for every group of ``all_ranks`` (collective); keep the one holding ``rank``."""
         import torch.distributed as dist
 
         mine = None
-        for ranks in self.groups(axis):
+        for ranks in all_ranks:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = group
-        assert mine is not None, f"rank {rank} is in no {axis} group of {self}"
+        assert mine is not None, f"rank {rank} is in no group of {all_ranks}"
         return mine
 
 
@@ -269,12 +281,15 @@ class MeshGroups:
     _ranks: Mapping[str, list[int]] = field(repr=False)
 
     def group(self, axis: str) -> ProcessGroup:
-        _check_axis(axis)
+        """The group along ``axis``; ``"data"`` is the group over dp and cp together (gradient sums)."""
+        if axis != "data":
+            _check_axis(axis)
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis``, ordered by their ``axis`` coordinate."""
-        _check_axis(axis)
+        if axis != "data":
+            _check_axis(axis)
         return list(self._ranks[axis])
 
     def local_rank_in(self, axis: str) -> int:
@@ -288,5 +303,5 @@ class MeshGroups:
         from torch.distributed.device_mesh import DeviceMesh
 
         layout = torch.arange(self.mesh.world_size, dtype=torch.int).reshape(self.mesh.shape)
-        groups = [self._groups[axis] for axis in AXES]
+        groups = [self._groups[axis] for axis in AXES]  # the "data" group is not a mesh dim
         return DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=AXES)

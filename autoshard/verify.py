@@ -157,7 +157,7 @@ def first_divergence(reference: nn.Module, pm, inputs: tuple, target: torch.Tens
         sum_loss_pass(ref.gm, program.token_loss)
     args = (*mb_inputs, mb_target)
     ref_values = _record(ref.gm, args)
-    par_values = _record(program.gm, args)
+    par_values = _record(program.gm, pm._cp_local(program.captured, args))
     for node in program.gm.graph.nodes:
         if node.op in ("placeholder", "output") or node.name not in ref_values or node.name not in par_values:
             continue

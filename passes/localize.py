@@ -38,6 +38,7 @@ class Rewriter:
         self._cache: dict[tuple[fx.Node, str], fx.Node] = {}
         self._replaced: dict[fx.Node, fx.Node] = {}
         self._original: dict[fx.Node, fx.Node] = {}
+        self.extras: dict[str, object] = {}  # what an axis's localizers need (the cp layout)
         self._count = 0
 
     @property
@@ -49,6 +50,10 @@ class Rewriter:
 
     def local_shape(self, node: fx.Node) -> tuple[int, ...]:
         return local_shape(tuple(node.meta["val"].shape), self.placement(node), self.size)
+
+    def original(self, node: fx.Node) -> fx.Node:
+        """The node of the propagated graph that ``node`` stands for (itself, unless it replaced one)."""
+        return self._original.get(node, node)
 
     def current(self, node: fx.Node) -> fx.Node:
         while node in self._replaced:

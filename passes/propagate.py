@@ -26,7 +26,9 @@ from autoshard.passes.rules import Context, Decision, decide
 @dataclass
 class Propagation:
     size: int
-    seeds: dict[str, Placement]
+    seeds: dict[str, Placement]  # by get_attr target (parameters) or placeholder name (inputs)
+    partial_outputs: bool = False  # the graph may return a pending sum (a loss summed over the axis later)
+    ring_attention: bool = False  # attention over a split sequence passes keys around instead of gathering
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
@@ -56,10 +58,12 @@ class Redistribution:
 
 
 def propagate(
-    gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *, base: Propagation | None = None
+    gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *, base: Propagation | None = None,
+    partial_outputs: bool = False,
+    ring_attention: bool = False,
 ) -> Propagation:
-    """Placements of every node of ``gm`` given the parameters' placements ``seeds``."""
-    result = Propagation(size=size, seeds=dict(seeds))
+    """Placements of every node of ``gm`` given the placements ``seeds`` of parameters and inputs."""
+    result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention)
     nodes = list(gm.graph.nodes)
     if base is None:
         todo = nodes
@@ -67,13 +71,13 @@ def propagate(
         result.placements = dict(base.placements)
         result.decisions = dict(base.decisions)
         changed = {t for t in set(seeds) | set(base.seeds) if seeds.get(t, R) != base.seeds.get(t, R)}
-        todo = [n for n in nodes if n.op == "get_attr" and n.target in changed]
+        todo = [n for n in nodes if n.op in ("get_attr", "placeholder") and n.target in changed]
     _run(result, nodes, todo)
     return result
 
 
 def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
-    ctx = Context(result.size, result.placements)
+    ctx = Context(result.size, result.placements, result.ring_attention)
     if len(todo) == len(nodes):
         for node in nodes:
             _store(result, node, ctx)
@@ -89,13 +93,13 @@ def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None
         done.add(index)
         node = nodes[index]
         before = result.placements.get(node)
-        if _store(result, node, ctx) != before or node.op == "get_attr":
+        if _store(result, node, ctx) != before or node.op in ("get_attr", "placeholder"):
             for user in node.users:
                 heapq.heappush(heap, order[user])
 
 
 def _store(result: Propagation, node: fx.Node, ctx: Context):
-    placement, decision = _decide(node, ctx, result.seeds)
+    placement, decision = _decide(node, ctx, result)
     result.placements[node] = placement
     result.changed.add(node)
     if decision is not None:
@@ -105,18 +109,21 @@ def _store(result: Propagation, node: fx.Node, ctx: Context):
     return placement
 
 
-def _decide(node: fx.Node, ctx: Context, seeds: dict[str, Placement]):
-    if node.op == "placeholder":
-        return R, None
-    if node.op == "get_attr":
-        return seeds.get(node.target, R), None
+def _decide(node: fx.Node, ctx: Context, result: Propagation):
+    if node.op in ("placeholder", "get_attr"):
+        return result.seeds.get(node.target, R), None
     if node.op == "output":
-        flat = [n for n in node.all_input_nodes if not isinstance(ctx.placements.get(n, R), Replicate)]
-        return R, Decision(R, {n: R for n in flat if not isinstance(ctx.placements.get(n, R), tuple)})
+        want = {}
+        for n in node.all_input_nodes:
+            p = ctx.placements.get(n, R)
+            if isinstance(p, (tuple, Replicate)) or (isinstance(p, Partial) and result.partial_outputs):
+                continue
+            want[n] = R
+        return R, Decision(R, want)
     if node.op == "call_function" and node.target.__name__ == "getitem" and isinstance(node.args[0], fx.Node):
         parent = ctx.placements.get(node.args[0], R)
         return (parent[node.args[1]] if isinstance(parent, tuple) else parent), None
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_module"):
         return R, None
     decision = decide(node, ctx)
     return decision.out, decision

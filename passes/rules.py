@@ -38,9 +38,10 @@ class Decision:
 class Context:
     """What a rule may read: the degree, the placement of each value, and each value's global shape."""
 
-    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple]) -> None:
+    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple], ring_attention: bool = False) -> None:
         self.size = size
         self.placements = placements
+        self.ring_attention = ring_attention
 
     def of(self, value) -> Placement:
         if not isinstance(value, fx.Node):
@@ -79,6 +80,9 @@ def localizer(*ops) -> Callable:
 
 def decide(node: fx.Node, ctx: Context) -> Decision:
     """The decision for ``node``: its rule's, or the general fallback (replicate every input)."""
+    if node.op == "call_module":
+        fn = RULES.get(type(node.graph.owning_module.get_submodule(node.target)))
+        return fn(node, ctx) if fn is not None else replicate_all(node, ctx)
     fn = RULES.get(node.target)
     if fn is None and hasattr(node.target, "overloadpacket"):
         fn = RULES.get(node.target.overloadpacket)
@@ -217,8 +221,13 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
         return Decision(Shard(outs[0], p.blocks))
     if len(ins) == 1:  # one dim split into several: the shard moves to the outermost that is not a block index
         return _split_dim(node, ctx, p, [out_shape[o] for o in outs], outs)
-    if len(outs) == 1 and ins[0] == p.dim and p.blocks is None:  # dims merged; the outermost one is sharded
-        return Decision(Shard(outs[0]))
+    if len(outs) == 1 and p.blocks is None:  # dims merged into one
+        if ins[0] == p.dim:  # the outermost is sharded: one contiguous shard
+            return Decision(Shard(outs[0]))
+        # an inner dim is sharded (tokens of a flattened batch): every outer index holds a block
+        outer = math.prod(in_shape[d] for d in ins if d < p.dim)
+        block = math.prod(in_shape[d] for d in ins if d >= p.dim)
+        return Decision(Shard(outs[0], (block,) * outer))
     return replicate_all(node, ctx)
 
 
@@ -430,8 +439,8 @@ def _matmul(node: fx.Node, ctx: Context) -> Decision:
     batch_b = pb.dim + nout - nb if isinstance(pb, Shard) and pb.dim < nb - 2 else None
     dim = batch_a if batch_a is not None else batch_b
     if dim is None:
-        if isinstance(pa, Shard) and pa.dim == na - 2 and pb == R:
-            return Decision(Shard(nout - 2, pa.blocks))
+        if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
+            return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
         return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
     want = {}
     for n, p, nd in ((a, pa, na), (b, pb, nb)):
@@ -448,19 +457,32 @@ def _matmul(node: fx.Node, ctx: Context) -> Decision:
 @rule(aten.scaled_dot_product_attention.default)
 def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     q, k, v = node.args[:3]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    heads = len(ctx.shape(q)) - 3
+    ndim = len(ctx.shape(q))
+    heads, seq = ndim - 3, ndim - 2
+    if ctx.of(q) == Shard(seq):  # queries split by position: every key is needed (gathered, or passed around a ring)
+        kv = Shard(seq) if ctx.ring_attention else R
+        want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
+        _mask_rows(node, ctx, want, seq, ndim)
+        return Decision(Shard(seq), want)
     if not any(ctx.of(t) == Shard(heads) for t in (q, k, v)):
         return _pointwise(node, ctx) if all(ctx.of(t) == R for t in (q, k, v)) else replicate_all(node, ctx)
-    want: dict[fx.Node, Placement] = {t: Shard(heads) for t in (q, k, v) if ctx.of(t) != Shard(heads)}
-    if isinstance(mask, fx.Node):
-        mshape = ctx.shape(mask)
-        d = heads - (len(ctx.shape(q)) - len(mshape))
-        if d >= 0 and mshape[d] != 1:
-            want[mask] = Shard(d)
-        elif ctx.of(mask) != R:
-            want[mask] = R
+    want = {t: Shard(heads) for t in (q, k, v) if ctx.of(t) != Shard(heads)}
+    _mask_rows(node, ctx, want, heads, ndim)
     return Decision(Shard(heads), want)
+
+
+def _mask_rows(node: fx.Node, ctx: Context, want: dict, dim: int, ndim: int) -> None:
+    """An explicit mask follows the queries' shard on ``dim`` unless it broadcasts there."""
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if not isinstance(mask, fx.Node):
+        return
+    mshape = ctx.shape(mask)
+    d = dim - (ndim - len(mshape))
+    if d >= 0 and mshape[d] != 1:
+        if ctx.of(mask) != Shard(d):
+            want[mask] = Shard(d)
+    elif ctx.of(mask) != R:
+        want[mask] = R
 
 
 # ----------------------------------------------------------------------------------- embedding and loss
@@ -483,4 +505,42 @@ def _cross_entropy(node: fx.Node, ctx: Context) -> Decision:
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     if ctx.of(logits) == Shard(1) and weight is None:
         return Decision(R, {target: R} if ctx.of(target) != R else {})
+    p = ctx.of(logits)
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    if isinstance(p, Shard) and p.dim == 0 and reduction in (0, 2):  # rows (tokens) split: a per-token loss
+        want = {target: Shard(0, p.blocks)} if ctx.of(target) != Shard(0, p.blocks) else {}
+        return Decision(Shard(0, p.blocks) if reduction == 0 else Partial(), want)
     return replicate_all(node, ctx)
+
+
+# ------------------------------------------------------------------- collectives inserted for another axis
+
+
+def _vocab_embedding_module(node: fx.Node, ctx: Context) -> Decision:
+    ids = node.args[0]
+    p = ctx.of(ids)
+    return Decision(Shard(p.dim, p.blocks)) if isinstance(p, Shard) else replicate_all(node, ctx)
+
+
+def _vocab_cross_entropy_module(node: fx.Node, ctx: Context) -> Decision:
+    p = ctx.of(node.args[0])
+    module = node.graph.owning_module.get_submodule(node.target)
+    if isinstance(p, Shard) and p.dim == 0 and module.reduction in ("sum", "none"):
+        target = node.args[1]
+        want = {target: Shard(0, p.blocks)} if ctx.of(target) != Shard(0, p.blocks) else {}
+        return Decision(Shard(0, p.blocks) if module.reduction == "none" else Partial(), want)
+    return replicate_all(node, ctx)
+
+
+def _register_collectives() -> None:
+    """Tensor-parallel collectives act on the tp dims only: on another axis they pass shards through."""
+    from autoshard.passes import collectives
+
+    for cls in (collectives.CopyToParallel, collectives.ReduceFromParallel, collectives.GatherFromParallel,
+                collectives.ScatterToParallel):
+        RULES[cls] = _pointwise
+    RULES[collectives.VocabParallelEmbedding] = _vocab_embedding_module
+    RULES[collectives.VocabParallelCrossEntropy] = _vocab_cross_entropy_module
+
+
+_register_collectives()

@@ -31,21 +31,15 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes import localize
-from autoshard.passes.collectives import (
-    CopyToParallel,
-    GatherFromParallel,
-    ReduceFromParallel,
-    ScatterToParallel,
-    local_indices,
-)
-from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
+from autoshard.passes.collectives import local_indices
+from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
+from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
 aten = torch.ops.aten
 _LINEARS = {aten.linear.default: (1, 2, 0), aten.addmm.default: (2, 0, 1)}  # op -> (weight arg, bias arg, out dim)
 _CONE_LIMIT = 300
-FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
 
 
 class TensorParallelError(ValueError):
@@ -293,46 +287,12 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
         return gm
     prop = propagate(gm, plan.placements(), size)
     rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm))
-    for node in list(gm.graph.nodes):
-        decision = prop.decisions.get(node)
-        if decision is None:
-            continue
-        if decision.fallback:
-            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node))
-        for value, dst in decision.want.items():
-            if prop.of(value) != dst:
-                node.replace_input_with(rw.current(value), _redistribute(rw, value, prop.of(value), dst, node))
-        if _has_shard(prop.of(node)):
-            for value in node.all_input_nodes:
-                if value in rw.grad and rw.placement(value) == R and decision.want.get(value, R) == R:
-                    node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
-        localize.localize(node, rw)
+    apply_placements(gm, prop, rw, AxisStyle("tp"))
     _shard_parameters(gm, plan, rank)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _has_shard(placement) -> bool:
-    if isinstance(placement, tuple):
-        return any(isinstance(p, Shard) for p in placement)
-    return isinstance(placement, Shard)
-
-
-def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: fx.Node) -> fx.Node:
-    """The collectives that turn ``value`` from ``src`` into ``dst``, shared by every consumer."""
-    if isinstance(src, Partial):
-        value = rw.cached(value, "reduce", lambda a: ReduceFromParallel(**a), consumer)
-        src = R
-    if isinstance(src, Shard) and src != dst:
-        make = lambda a, s=src: GatherFromParallel(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
-        value = rw.cached(value, f"gather{src.dim}", make, consumer)
-        src = R
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        make = lambda a, d=dst: ScatterToParallel(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
-        value = rw.cached(value, f"split{dst.dim}", make, consumer)
-    return rw.current(value)
 
 
 def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -> None:
@@ -344,11 +304,3 @@ def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -
         local = torch.nn.Parameter(full.detach().index_select(p.placement.dim, index), full.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, attr, local)
-
-
-def _warn_fallback(node: fx.Node) -> str:
-    where = meta.source_line(node) or meta.module_path(node) or "unknown source"
-    message = (f"no sharding rule for {node.target} ({node.name}, from {where}): its sharded inputs are gathered "
-               "and it runs replicated (correct, but slower)")
-    warnings.warn(f"autoshard: {message}", stacklevel=2)
-    return message

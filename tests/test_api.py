@@ -97,13 +97,6 @@ def test_example_inputs_must_be_a_tuple():
         autoshard.parallelize(case.model, None, example_inputs=case.inputs[0], loss_fn=case.loss_fn)
 
 
-@pytest.mark.parametrize("axis", ["cp"])
-def test_axes_not_yet_available_say_so(axis):
-    case = build("mlp")
-    with pytest.raises(NotImplementedError, match=rf"{axis}=2.*Mesh\(dp=2\)"):
-        autoshard.parallelize(case.model, autoshard.Mesh(**{axis: 2}), example_inputs=case.inputs)
-
-
 def test_step_without_a_loss():
     case = build("mlp")
     pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs)

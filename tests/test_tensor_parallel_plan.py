@@ -104,7 +104,7 @@ def test_a_model_without_blocks_stays_replicated():
 def _per_rank_counts(name: str, tp: int) -> dict:
     captured = _captured(name)
     plan = plan_tensor_parallel(captured.gm, tp)
-    gm = codegen.build(captured, plan, rank=0).gm
+    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0)).gm
     counts: dict[tuple[str, str], int] = {}
     for (direction, _kind, op), (calls, _) in communication(gm).items():
         counts[(direction, op)] = counts.get((direction, op), 0) + calls
@@ -127,7 +127,7 @@ def test_collectives_per_layer_are_megatrons_minimum(name):
 def test_sharded_parameters_hold_one_tpth_of_the_matrices():
     captured = _captured("llama")
     plan = plan_tensor_parallel(captured.gm, 2)
-    gm = codegen.build(captured, plan, rank=1).gm
+    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=1)).gm
     local = dict(gm.named_parameters())
     assert local["model.layers.0.mlp.gate_proj.weight"].shape == (64, 48)
     assert local["model.layers.0.mlp.down_proj.weight"].shape == (48, 64)
@@ -151,5 +151,5 @@ def test_seven_billion_shape_plans_on_meta_quickly():
     captured = capture(model, (tokens,), loss_fn=token_loss, example_target=tokens)
     plan = plan_tensor_parallel(captured.gm, 8)
     assert _roles(plan)["layers.1.self_attn.k_proj.weight"] == "column", "8 kv heads shard 8 ways"
-    gm = codegen.build(captured, plan, rank=3).gm
+    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=3)).gm
     assert dict(gm.named_parameters())["model.layers.0.mlp.up_proj.weight"].shape == (11008 // 8, 4096)

@@ -31,6 +31,7 @@ from autoshard import codegen
 from autoshard.capture import Captured, capture, shapes_of
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.passes.collectives import unshard
+from autoshard.passes.context_parallel import PARTIAL_OUTPUT, ContextParallelPlan, plan_context_parallel
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
 from autoshard.passes.placements import Shard
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
@@ -59,6 +60,7 @@ class TrainProgram:
     token_loss: TokenLoss | None
     count_gm: fx.GraphModule | None
     runners: dict | None = None  # under pipeline parallelism: this rank's stages, by stage index
+    cp_copies: int = 1  # cp ranks holding the whole loss (1 when each holds a partial sum of it)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -100,6 +102,8 @@ class ParallelModel(nn.Module):
         schedule: str = "1f1b",
         chunks: int = 1,
         pipeline_starts: list[str] | None = None,
+        cp_attention: str = "gather",
+        cp_load_balance: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     ) -> None:
         super().__init__()
@@ -110,6 +114,9 @@ class ParallelModel(nn.Module):
         self.local_batch = local_batch
         self.tp_indivisible = tp_indivisible
         self.plan: TensorParallelPlan | None = None
+        self.cp_plan: ContextParallelPlan | None = None
+        self.cp_attention = cp_attention
+        self.cp_load_balance = cp_load_balance
         self.replica = _Replica(codegen.ParamStore())
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self._train: dict[tuple, TrainProgram] = {}
@@ -152,9 +159,11 @@ class ParallelModel(nn.Module):
         self._steps += 1
         divisor = self._divisor(inputs, target, microbatches)
         if self.pipeline is not None:
-            runners = self._program(*microbatches[0]).runners
-            total = self.pipeline.run_step(runners, microbatches, divisor, self._steps)
+            program = self._program(*microbatches[0])
+            local = [self._cp_local(program.captured, (*i, t)) for i, t in microbatches]
+            total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps)
             self.pipeline.sum_tied_gradients(self.replica.store)
+            self._reduce_gradients_over_data()
             return self._sum_over_dp(total)
         total = torch.zeros((), dtype=torch.float32)
         replicated = self._replicated()
@@ -162,8 +171,8 @@ class ParallelModel(nn.Module):
             program = self._program(mb_inputs, mb_target)
             last = index == len(microbatches) - 1
             with self._stall_guard("forward/backward", index), self._sync(last):
-                (loss,) = replicated(program.gm, *mb_inputs, mb_target)
-                loss = loss / divisor
+                (loss,) = replicated(program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
+                loss = loss / (divisor * program.cp_copies)
                 loss.backward()
             total = total + loss.detach().float().cpu()
         with self._stall_guard("loss all-reduce", None):
@@ -177,7 +186,7 @@ class ParallelModel(nn.Module):
             self._infer[key] = (captured, self._build(captured))
         captured, program = self._infer[key]
         if self.pipeline is None:
-            return program(*inputs)
+            return program(*self._cp_local(captured, inputs))
         _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
         return pytree.tree_unflatten(flat, captured.gm._out_spec)
 
@@ -189,7 +198,7 @@ class ParallelModel(nn.Module):
         captured, program = self._latest()
         if rank == self.rank:
             return program.code
-        return codegen.build(captured, self.plan, rank=self.mesh.coords(rank)["tp"]).code
+        return codegen.build(captured, self._sharding(self.mesh.coords(rank), groups=False)).code
 
     def gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient at full shape, keyed by all of the original model's names."""
@@ -257,12 +266,37 @@ class ParallelModel(nn.Module):
                     "column -> row pattern, no vocab-parallel embedding): it runs fully replicated on the tp ranks",
                     stacklevel=4,
                 )
-        group = self.groups.group("tp") if self.groups is not None and self.mesh.tp > 1 else None
+        if self.mesh.cp > 1 and self.cp_plan is None:
+            self.cp_plan = plan_context_parallel(captured.gm, self.mesh.cp, load_balance=self.cp_load_balance,
+                                                 attention=self.cp_attention)
+        sharding = self._sharding(self.groups.coords if self.groups else {}, training=captured.with_loss)
         if self.pipeline is None:
-            return codegen.build(captured, self.plan, rank=self.coord("tp"), group=group, store=self.replica.store)
-        stages, programs = self.pipeline.build(captured, self.plan, self.replica.store, self.coord("tp"), group)
+            return codegen.build(captured, sharding, store=self.replica.store)
+        stages, programs = self.pipeline.build(captured, sharding, self.replica.store)
         self._stages[captured.input_shapes] = stages
         return programs
+
+    def _sharding(self, coords, *, training: bool = True, groups: bool = True) -> codegen.Sharding:
+        """How the rank at ``coords`` shards a captured graph (without process groups when ``groups`` is off)."""
+        live = groups and self.groups is not None
+        return codegen.Sharding(
+            tp_plan=self.plan, tp_rank=coords.get("tp", 0),
+            tp_group=self.groups.group("tp") if live and self.mesh.tp > 1 else None,
+            cp_plan=self.cp_plan, cp_rank=coords.get("cp", 0),
+            cp_group=self.groups.group("cp") if live and self.mesh.cp > 1 else None,
+            training=training,
+        )
+
+    def _cp_local(self, captured: Captured, args: tuple) -> tuple:
+        """This cp rank's tokens of the sequence-split inputs (all of every other input)."""
+        if self.cp_plan is None:
+            return args
+        names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
+        index = self.cp_plan.positions(self.coord("cp"))
+        return tuple(
+            a.index_select(self.cp_plan.inputs[name], index.to(a.device)) if name in self.cp_plan.inputs else a
+            for name, a in zip(names, args, strict=True)
+        )
 
     def _program(self, mb_inputs: tuple, mb_target: torch.Tensor) -> TrainProgram:
         key = shapes_of((*mb_inputs, mb_target))
@@ -275,7 +309,8 @@ class ParallelModel(nn.Module):
                 sum_loss_pass(captured.gm, token_loss)
             built = self._build(captured)
             if self.pipeline is None:
-                self._train[key] = TrainProgram(captured, built, token_loss, count_gm)
+                copies = self.mesh.cp if self.mesh.cp > 1 and not _returns_partial(built.gm) else 1
+                self._train[key] = TrainProgram(captured, built, token_loss, count_gm, cp_copies=copies)
             else:
                 stages = self._stages[key]
                 first = built[min(built)]
@@ -285,10 +320,10 @@ class ParallelModel(nn.Module):
 
     def _replicated(self) -> nn.Module:
         """The replica, wrapped by DDP over the dp group when there is more than one dp rank."""
-        if self.mesh.dp == 1:
+        if self.mesh.dp * self.mesh.cp == 1:
             return self.replica
         if self._ddp is None:
-            group = self.groups.group("dp")
+            group = self.groups.group("data")
             self._ddp = DistributedDataParallel(
                 self.replica,
                 process_group=group,
@@ -314,15 +349,27 @@ class ParallelModel(nn.Module):
             return float(self.microbatches * self.mesh.dp)
         if self.local_batch:
             local = sum(program.count_gm(*mb_inputs, mb_target) for mb_inputs, mb_target in microbatches)
-            return self._sum_over_dp(local.float())
+            return self._sum_over_dp(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
         views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
 
+    def _reduce_gradients_over_data(self) -> None:
+        """Sum every gradient over dp x cp once, after the last microbatch (pipelines; DDP does it otherwise)."""
+        if self.mesh.dp * self.mesh.cp == 1:
+            return
+        grads = [p.grad for p in self.replica.parameters() if p.grad is not None]
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.groups.group("data"))
+            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(summed)
+
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.mesh.dp == 1:
+        """Sum over the ranks that split the batch and the sequence (dp x cp)."""
+        if self.mesh.dp * self.mesh.cp == 1:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.groups.group("dp"))
+        dist.all_reduce(value, group=self.groups.group("data"))
         return value
 
     def _check_batch(self, inputs: tuple) -> None:
@@ -345,6 +392,11 @@ class ParallelModel(nn.Module):
             where = f"microbatch {microbatch} " if microbatch is not None else ""
             coords = self.groups.coords if self.groups else {}
             raise StepError(f"rank {self.rank} ({coords}) failed in step {self._steps}, {where}{phase}: {e}") from e
+
+
+def _returns_partial(gm: fx.GraphModule) -> bool:
+    """Whether the training graph's loss is a per-rank partial sum (split tokens) rather than the whole loss."""
+    return bool(gm.meta.get(PARTIAL_OUTPUT, False))
 
 
 def _attribute(module: nn.Module, target: str):

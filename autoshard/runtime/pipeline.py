@@ -23,7 +23,6 @@ from autoshard.capture import Captured
 from autoshard.mesh import AXES, Mesh, MeshGroups
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import Stage
-from autoshard.plan import TensorParallelPlan
 from autoshard.runtime import schedules
 from autoshard.runtime.executor import PipelineExecutor, StageRunner
 
@@ -58,15 +57,15 @@ class Pipeline:
                 stacklevel=4,
             )
 
-    def build(self, captured: Captured, plan: TensorParallelPlan | None, store: codegen.ParamStore, tp_rank: int,
-              tp_group) -> tuple[list[Stage], dict[int, codegen.RankProgram]]:
+    def build(self, captured: Captured, sharding: codegen.Sharding,
+              store: codegen.ParamStore) -> tuple[list[Stage], dict[int, codegen.RankProgram]]:
         gm = codegen.prepare(captured)
         if self.partition is None:
             self.partition = result = partition(gm, self.num_stages, starts=self.starts)
         else:
             result = partition(gm, self.num_stages, cut_after=self.partition.cut_after)
         stages, programs = codegen.build_stages(
-            captured, plan, result.stage_of, self.num_stages, self.mine, rank=tp_rank, group=tp_group, store=store
+            captured, sharding, result.stage_of, self.num_stages, self.mine, store=store
         )
         self._find_tied(stages)
         return stages, programs

@@ -1,0 +1,93 @@
+"""``autoshard plan``: the command line of the planner. Registered by ``autoshard.cli``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autoshard.mesh import Mesh
+from autoshard.planner import report
+from autoshard.planner.config import DEFAULT_PRESET, PRESETS, Cluster, PlanError, TransformerConfig
+from autoshard.planner.search import plan
+
+NAME = "plan"
+HELP = "choose dp, tp, pp and cp for a transformer on a cluster, and explain the choice"
+
+_EPILOG = f"""\
+cluster defaults come from --gpu (default {DEFAULT_PRESET}); any of them can be overridden:
+  h100: {', '.join(f'{k}={v}' for k, v in PRESETS['h100'].items())}
+  a100: {', '.join(f'{k}={v}' for k, v in PRESETS['a100'].items())}
+Bandwidths are per GPU and per direction; the network bandwidth is one GPU's network card. Units: 80GB, 96GiB,
+450GB/s, 400Gb/s (bits), 989TFLOPS, 5us. Compute reaches --efficiency of the peak; a plan may fill
+--usable-memory of each GPU.
+
+example (a 540B-parameter model on 4096 GPUs):
+  autoshard plan --layers 118 --hidden 18432 --heads 144 --vocab 256000 --seq 2048 --global-batch 2048 \\
+      --gpus 4096 --gpus-per-node 8 --gpu-memory 80GB
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(NAME, help=HELP, description=HELP, epilog=_EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = parser.add_argument_group("model")
+    for flag, what in (("--layers", "transformer blocks"), ("--hidden", "hidden size"),
+                       ("--heads", "attention heads"), ("--vocab", "vocabulary size"),
+                       ("--seq", "sequence length in tokens"), ("--global-batch", "sequences per training step")):
+        m.add_argument(flag, type=int, required=True, help=what)
+    m.add_argument("--kv-heads", type=int, help="kv heads for grouped-query attention (default: --heads)")
+    m.add_argument("--ffn", type=int, help="MLP hidden size (default: 4 * --hidden)")
+    m.add_argument("--gated", action="store_true", help="SwiGLU-style MLP with three matrices")
+    m.add_argument("--tied-embeddings", action="store_true", help="the LM head shares the embedding's weights")
+    m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype (bf16)")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (8)")
+    c.add_argument("--gpu", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="defaults for the rest")
+    for flag in ("--gpu-memory", "--intra-bandwidth", "--inter-bandwidth", "--intra-latency", "--inter-latency",
+                 "--peak-flops"):
+        c.add_argument(flag, metavar="QUANTITY", help="override the preset (e.g. 80GB, 450GB/s, 5us, 989TFLOPS)")
+    c.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0.5)")
+    c.add_argument("--usable-memory", type=float, default=0.9, help="fraction of GPU memory a plan may fill (0.9)")
+    p = parser.add_argument_group("plan")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="shard the Adam state over dp (ZeRO-1); by default every dp replica keeps it all")
+    p.add_argument("--mesh", type=Mesh.parse, help="only this mesh, e.g. dp=32,tp=8,pp=16 (searches m, b, v)")
+    p.add_argument("--top", type=int, default=5, help="splits to show (5)")
+    p.add_argument("--formulas", action="store_true", help="print every formula of the cost model")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                             seq=args.seq, global_batch=args.global_batch, kv_heads=args.kv_heads, ffn=args.ffn,
+                             gated=args.gated, tied_embeddings=args.tied_embeddings,
+                             dtype_bytes=4 if args.dtype == "fp32" else 2)
+
+
+def cluster_from(args: argparse.Namespace) -> Cluster:
+    overrides = {name: getattr(args, name) for name in ("gpu_memory", "intra_bandwidth", "inter_bandwidth",
+                                                        "intra_latency", "inter_latency", "peak_flops")}
+    return Cluster.preset(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency,
+                          usable_memory=args.usable_memory, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; a PlanError (bad or impossible input) becomes one line on stderr and exit code 2."""
+    try:
+        config, cluster = config_from(args), cluster_from(args)
+        if args.top < 1:
+            raise PlanError(f"--top {args.top}: show at least one split (--top 1)")
+        result = plan(config, cluster, shard_optimizer=args.shard_optimizer, mesh=args.mesh)
+        alternative = None
+        if not args.shard_optimizer and args.mesh is None and result.best.split.dp > 1:
+            alternative = plan(config, cluster, shard_optimizer=True)
+    except ValueError as e:  # PlanError, UnitError and Mesh's errors: the input was the problem
+        print(f"autoshard plan: error: {e}", file=sys.stderr)
+        return 2
+    data = report.build(result, top=args.top, alternative=alternative)
+    print(json.dumps(data, indent=2) if args.json else report.format_text(data, formulas=args.formulas))
+    return 0

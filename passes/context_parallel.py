@@ -1,0 +1,302 @@
+"""Context parallelism: split the sequence over the cp ranks and keep attention exact.
+
+Terms: the *layout* says which global token positions each cp rank holds. Contiguous: rank r holds
+the r-th of c equal chunks. Load-balanced (for causal attention): the sequence is cut into 2c chunks
+and rank r holds chunks r and 2c-1-r, so every rank does the same attention work.
+
+Planning finds the sequence dim of the inputs by propagation: the dim whose split reaches attention
+as a split of the queries; the target's dim is the one that makes the loss a per-rank sum. The pass
+seeds those inputs as ``Shard(dim)`` and propagates with the same rule table as tensor parallelism:
+token-wise ops run locally; values computed at full length from parameter-free inputs (positions,
+RoPE tables, masks) are indexed with the rank's global positions; attention gathers keys and values
+(or passes them around a ring) and masks by global positions; the loss is a per-rank partial sum.
+Gradients of parameters are summed over dp x cp by the data-parallel reduction, not in the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from autoshard.passes import localize
+from autoshard.passes.placements import Partial, Placement, Shard
+from autoshard.passes.propagate import cost, propagate, requires_grad
+from autoshard.passes.rules import LOCALIZERS
+from autoshard.passes.sharding import AxisStyle, apply_placements
+
+aten = torch.ops.aten
+
+
+PARTIAL_OUTPUT = "autoshard_partial_output"  # GraphModule.meta: the loss is this rank's partial sum
+
+
+class ContextParallelError(ValueError):
+    """The sequence cannot be split as asked; the message names the input and what would work."""
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    size: int
+    inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> sequence dim
+    seq_len: int = 0
+    load_balance: bool = False
+    attention: str = "gather"  # or "ring"
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """The global token positions ``rank`` holds, in the order it holds them."""
+        if self.load_balance:
+            chunk = self.seq_len // (2 * self.size)
+            first = torch.arange(rank * chunk, (rank + 1) * chunk)
+            second = torch.arange((2 * self.size - 1 - rank) * chunk, (2 * self.size - rank) * chunk)
+            return torch.cat([first, second])
+        per = self.seq_len // self.size
+        return torch.arange(rank * per, (rank + 1) * per)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def plan_context_parallel(
+    gm: fx.GraphModule, size: int, *, load_balance: bool = False, attention: str = "gather"
+) -> ContextParallelPlan:
+    """Find the sequence dims of ``gm``'s inputs by propagation."""
+    if attention not in ("gather", "ring"):
+        raise ValueError(f"attention={attention!r}: choose 'gather' (all-gather keys and values) or 'ring'")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and _ndim(n) >= 2]
+    found: dict[str, int] = {}
+    for node in placeholders:
+        for dim in range(1, _ndim(node)):
+            if _splits_attention(gm, {node.target: Shard(dim)}, size):
+                found[node.target] = dim
+                break
+    if not found:
+        raise ContextParallelError(
+            "context parallelism found no input whose split reaches attention as a split of the queries: the "
+            "model's sequence dim could not be found (inputs of shape (batch, sequence, ...) are expected)"
+        )
+    seeds = {name: Shard(dim) for name, dim in found.items()}
+    base = propagate(gm, seeds, size, partial_outputs=True)
+    for node in placeholders:
+        if node.target in found:
+            continue
+        for dim in range(1, _ndim(node)):
+            trial = propagate(gm, {**seeds, node.target: Shard(dim)}, size, partial_outputs=True)
+            if cost(trial)[:2] < cost(base)[:2]:
+                found[node.target], base = dim, trial
+                break
+    lengths = {_shape(gm, name)[dim] for name, dim in found.items()}
+    if len(lengths) != 1:
+        raise ContextParallelError(f"inputs {found} have different sequence lengths {sorted(lengths)}")
+    plan = ContextParallelPlan(size, found, lengths.pop(), load_balance, attention)
+    _check_divisible(plan)
+    return plan
+
+
+def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int) -> bool:
+    prop = propagate(gm, seeds, size, partial_outputs=True)
+    for node in gm.graph.nodes:
+        if node.target is aten.scaled_dot_product_attention.default:
+            q = node.args[0]
+            if prop.of(q) == Shard(_ndim(q) - 2):
+                return True
+        if node.target in (aten.softmax.int, aten._softmax.default) and isinstance(node.args[0], fx.Node):
+            x = node.args[0]
+            if prop.of(x) == Shard(_ndim(x) - 2) and node.args[1] in (-1, _ndim(x) - 1):
+                return True
+    return False
+
+
+def _check_divisible(plan: ContextParallelPlan) -> None:
+    parts = plan.size * (2 if plan.load_balance else 1)
+    if plan.seq_len % parts:
+        works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]
+        what = f"2 x cp = {parts} chunks (load balance)" if plan.load_balance else f"cp = {parts} ranks"
+        names = ", ".join(f"{n} (dim {d})" for n, d in plan.inputs.items())
+        raise ContextParallelError(
+            f"the sequence of {names} has length {plan.seq_len}, which does not split into {what}: use cp in "
+            f"{works}{' or turn load balance off' if plan.load_balance else ''}, or pad the sequence to a multiple "
+            f"of {parts}"
+        )
+
+
+def _ndim(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _shape(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name)
+    return tuple(node.meta["val"].shape)
+
+
+# ---------------------------------------------------------------------------------------------- applying
+
+
+def context_parallel_pass(
+    gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None, training: bool = True
+) -> fx.GraphModule:
+    """Rewrite ``gm`` into what cp rank ``rank`` runs on its tokens."""
+    if plan.size == 1:
+        return gm
+    seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
+    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring")
+    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm))
+    rw.extras["cp_plan"] = plan
+    tokens = _token_dependent(gm, set(plan.inputs))
+    layout = [plan.positions(r) for r in range(plan.size)]
+    style = AxisStyle(
+        "cp",
+        gather=lambda dim, blocks, **a: SequenceGather(dim=dim, blocks=blocks, layout=layout, **a),
+        scatter=lambda dim, blocks, **a: SequenceScatter(dim=dim, blocks=blocks, layout=layout, **a),
+        needs_copy=lambda value: value in tokens,
+    )
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    gm.meta[PARTIAL_OUTPUT] = any(isinstance(prop.of(n), Partial) for n in output.all_input_nodes)
+    apply_placements(gm, prop, rw, style)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _token_dependent(gm: fx.GraphModule, inputs: set[str]) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.target in inputs or any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
+    """Queries of this rank against all keys: ``is_causal`` would align the mask top-left; use positions."""
+    plan: ContextParallelPlan | None = rw.extras.get("cp_plan")
+    q = node.args[0]
+    if plan is None or rw.placement(q) != Shard(len(q.meta["val"].shape) - 2):
+        return
+    args = list(node.args) + [None] * (8 - len(node.args))
+    kwargs = dict(node.kwargs)
+    causal = kwargs.pop("is_causal", args[5] if args[5] is not None else False)
+    if plan.attention == "ring":
+        _ring(node, rw, plan, causal)
+        return
+    if not causal:
+        return
+    positions = plan.positions(rw.rank)
+    keys = torch.arange(plan.seq_len)
+    name = f"cp_causal_mask_{node.name}"
+    rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
+    with rw.gm.graph.inserting_before(node):
+        mask = rw.gm.graph.get_attr(name)
+    args[3], args[5] = mask, False
+    node.args = tuple(a for a in args[:6])
+    node.kwargs = {k: v for k, v in kwargs.items() if k not in ("attn_mask", "is_causal")}
+
+
+def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causal: bool) -> None:
+    from autoshard.passes.ring_attention import RingAttention
+
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    module = RingAttention(causal=bool(causal), scale=scale, layout=[plan.positions(r) for r in range(plan.size)],
+                           **rw.collective_args)
+    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    rw.replace(node, rw.module(module, inputs, before=node, like=node))
+
+
+LOCALIZERS[aten.scaled_dot_product_attention.default] = _causal_attention
+
+
+# ------------------------------------------------------------------------------------ sequence collectives
+
+
+def _rank_index(layout: list[torch.Tensor], rank: int, n: int, blocks) -> torch.Tensor:
+    """Indices along a dim of ``n`` that ``rank`` holds: its positions within every block of one sequence."""
+    seq = len(layout) * len(layout[0])
+    count = 1 if blocks is None else len(blocks)
+    if count * seq != n:
+        raise ValueError(f"a sequence-split dim of {n} is not {count} block(s) of the sequence length {seq}")
+    return torch.cat([b * seq + layout[rank] for b in range(count)])
+
+
+class _Scatter(torch.autograd.Function):
+    """Forward: this rank's positions. Backward: its gradient placed at those positions, zeros elsewhere.
+
+    On the cp axis every rank back-propagates only its own tokens' loss, so the gradient of a value
+    every rank holds whole is a partial sum; parameter gradients are summed over dp x cp afterwards,
+    and a gathered value's gradient is summed by the f after its gather. No communication here.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, index, op):
+        ctx.dim, ctx.index, ctx.n = dim, index.to(x.device), x.shape[dim]
+        return x.index_select(dim, ctx.index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.n
+        return grad.new_zeros(shape).index_copy_(ctx.dim, ctx.index, grad), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, n, op):
+        ctx.dim, ctx.index = dim, op.index(n, rank=op.rank)
+        return op.gather_parts(x.contiguous(), dim, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.dim, ctx.index.to(grad.device)), None, None, None
+
+
+class _SequenceOp(nn.Module):
+    kind = backward_kind = ""
+
+    def __init__(self, *, dim: int, blocks, layout: list[torch.Tensor], group, size: int, rank: int) -> None:
+        super().__init__()
+        self.dim, self.blocks, self.layout = dim, None if blocks is None else tuple(blocks), layout
+        self.group, self.size, self.rank = group, size, rank
+
+    def index(self, n: int, rank: int) -> torch.Tensor:
+        return _rank_index(self.layout, rank, n, self.blocks)
+
+    def gather_parts(self, local: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        if self.group is None:
+            raise RuntimeError(f"{type(self).__name__}: this graph was built for inspection and has no process group")
+        dist.all_gather(parts, local, group=self.group)
+        shape = list(local.shape)
+        shape[dim] = n
+        out = local.new_empty(shape)
+        for r, part in enumerate(parts):
+            out.index_copy_(dim, self.index(n, r).to(local.device), part)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, size={self.size}, rank={self.rank}"
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        numel = int(torch.Size(input_shape).numel())
+        return (numel * elem_size * self.size, 0) if self.kind == "all_gather" else (0, 0)
+
+
+class SequenceScatter(_SequenceOp):
+    """Keeps this rank's token positions of a full-length value; its gradient stays a partial sum."""
+
+    kind, backward_kind = "split", "local"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scatter.apply(x, self.dim, self.index(x.shape[self.dim], self.rank), self)
+
+
+class SequenceGather(_SequenceOp):
+    """All-gathers every rank's tokens into the full sequence in natural order; backward keeps this rank's."""
+
+    kind, backward_kind = "all_gather", "split"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(x, self.dim, x.shape[self.dim] * self.size, self)

@@ -1,0 +1,99 @@
+"""Applying placements: insert the collectives a propagation asks for and make every node local.
+
+Shared by every mesh axis. An ``AxisStyle`` says how the axis moves data: how a sharded value is
+gathered and a replicated one split (tensor parallelism cuts contiguous chunks; context parallelism
+may give a rank two non-contiguous chunks of the sequence), and which replicated inputs of a
+sharded computation need Megatron's f (their gradient is a partial sum over the axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoshard.passes import localize
+from autoshard.passes.collectives import CopyToParallel, GatherFromParallel, ReduceFromParallel, ScatterToParallel
+from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard, local_shape
+from autoshard.passes.propagate import Propagation
+
+FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
+
+
+@dataclass(frozen=True)
+class AxisStyle:
+    name: str
+    gather: Callable[..., torch.nn.Module] = GatherFromParallel
+    scatter: Callable[..., torch.nn.Module] = ScatterToParallel
+    needs_copy: Callable[[fx.Node], bool] = lambda value: True
+
+
+def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewriter, style: AxisStyle) -> None:
+    """Rewrite ``gm`` in place so that it computes this rank's part under ``prop``'s placements."""
+    for node in list(gm.graph.nodes):
+        decision = prop.decisions.get(node)
+        if decision is None:
+            continue
+        if decision.fallback:
+            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name))
+        sharded = _has_shard(prop.of(node))
+        for value, dst in decision.want.items():
+            if prop.of(value) != dst:
+                new = _redistribute(rw, value, prop.of(value), dst, node, style)
+                if sharded and dst == R and value in rw.grad and style.needs_copy(value):
+                    new = rw.cached(new, "f", lambda a: CopyToParallel(**a), node)  # gathered, then used per rank
+                node.replace_input_with(rw.current(value), new)
+        if sharded:
+            for value in list(node.all_input_nodes):
+                original = rw.original(value)
+                if original not in prop.placements or prop.of(original) != R or original not in rw.grad:
+                    continue
+                if decision.want.get(original, R) == R and style.needs_copy(original):
+                    node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
+        localize.localize(node, rw)
+    _local_metadata(gm, prop, rw.size)
+
+
+def _has_shard(placement) -> bool:
+    if isinstance(placement, tuple):
+        return any(isinstance(p, Shard) for p in placement)
+    return isinstance(placement, Shard)
+
+
+def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: fx.Node, style: AxisStyle):
+    """The collectives that turn ``value`` from ``src`` into ``dst``, shared by every consumer."""
+    if isinstance(src, Partial):
+        value = rw.cached(value, "reduce", lambda a: ReduceFromParallel(**a), consumer)
+        src = R
+    if isinstance(src, Shard) and src != dst:
+        make = lambda a, s=src: style.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
+        value = rw.cached(value, f"gather{src.dim}", make, consumer)
+        src = R
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        make = lambda a, d=dst: style.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
+        value = rw.cached(value, f"split{dst.dim}", make, consumer)
+    return rw.current(value)
+
+
+def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:
+    """Record local shapes on sharded nodes, so a pass for another axis sees what this rank holds."""
+    for node in gm.graph.nodes:
+        placement = prop.placements.get(node)
+        val = node.meta.get("val")
+        if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
+            node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, size), dtype=val.dtype,
+                                           device="meta")
+
+
+def _warn_fallback(node: fx.Node, axis: str) -> str:
+    import warnings
+
+    from autoshard import meta
+
+    where = meta.source_line(node) or meta.module_path(node) or "unknown source"
+    message = (f"no {axis} sharding rule for {node.target} ({node.name}, from {where}): its sharded inputs are "
+               "gathered and it runs replicated (correct, but slower)")
+    warnings.warn(f"autoshard: {message}", stacklevel=3)
+    return message
