@@ -11,6 +11,7 @@ ones are new tensors holding this rank's part.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,9 @@ from torch.utils import _pytree as pytree
 
 from autoshard.capture import Captured
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
-from autoshard.passes.pipeline_split import Stage, split_pipeline
+from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
+from autoshard.passes.placements import Shard
+from autoshard.passes.propagate import propagate
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
 
@@ -82,6 +85,7 @@ class Sharding:
     cp_rank: int = 0
     cp_group: object = None
     training: bool = True
+    keep_outputs: bool = False  # a pipeline stage that hands its activations on
 
 
 def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None) -> RankProgram:
@@ -108,13 +112,39 @@ def build_stages(
     store: ParamStore | None = None,
 ) -> tuple[list[Stage], dict[int, RankProgram]]:
     """Every stage of the pipeline (to know what crosses each cut), and the programs of this rank's stages."""
-    stages = split_pipeline(prepare(captured), stage_of, num_stages)
+    whole = prepare(captured)
+    stages = split_pipeline(whole, stage_of, num_stages)
     programs = {}
     for index in mine:
-        gm = stages[index].gm
-        _shard(gm, sharding, store)
-        programs[index] = RankProgram(gm, getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None)
+        stage = stages[index]
+        _shard(stage.gm, _for_stage(sharding, whole, stage), store)
+        stage.receive_specs = _specs([n for n in stage.gm.graph.nodes if n.name.startswith("recv_")])
+        output = next(n for n in stage.gm.graph.nodes if n.op == "output")
+        if stage.sends:
+            stage.send_specs = _specs(list(output.args[0]))
+        out_spec = getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None
+        programs[index] = RankProgram(stage.gm, out_spec)
     return stages, programs
+
+
+def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Sharding:
+    """A stage receives activations the whole graph's cp propagation split: seed its inputs the same way."""
+    plan = sharding.cp_plan
+    if plan is None or plan.size == 1:
+        return sharding
+    sharding = dataclasses.replace(sharding, keep_outputs=bool(stage.sends))
+    if not stage.receives:
+        return sharding
+    seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
+    prop = propagate(whole, seeds, plan.size, partial_outputs=True)
+    by_name = {n.name: n for n in whole.graph.nodes}
+    received = {f"recv_{name}": prop.of(by_name[name]) for name in stage.receives}
+    inputs = {**plan.inputs, **{k: p.dim for k, p in received.items() if isinstance(p, Shard) and p.blocks is None}}
+    return dataclasses.replace(sharding, cp_plan=dataclasses.replace(plan, inputs=inputs))
+
+
+def _specs(nodes: list[fx.Node]) -> list[TensorSpec]:
+    return [TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in nodes]
 
 
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
@@ -122,7 +152,7 @@ def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> 
         tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
     if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
         context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
-                              training=sharding.training)
+                              training=sharding.training, keep_outputs=sharding.keep_outputs)
     if store is not None:
         store.adopt(gm)
 

@@ -150,6 +150,8 @@ class _NoParameters:
 
 def first_divergence(reference: nn.Module, pm, inputs: tuple, target: torch.Tensor, *, loss_fn: Callable) -> str | None:
     """Run both graphs on this rank's first microbatch; name the first node whose values differ."""
+    if pm.pipeline is not None:
+        return "not searched: the program is split into pipeline stages (compare a pp=1 run to localise it)"
     mb_inputs, mb_target = pm._microbatch_views(inputs, target)[0]
     program = pm._program(mb_inputs, mb_target)
     ref = capture(reference, mb_inputs, loss_fn=loss_fn, example_target=mb_target)

@@ -136,14 +136,19 @@ def _shape(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
 
 
 def context_parallel_pass(
-    gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None, training: bool = True
+    gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None, training: bool = True,
+    keep_outputs: bool = False,
 ) -> fx.GraphModule:
-    """Rewrite ``gm`` into what cp rank ``rank`` runs on its tokens."""
+    """Rewrite ``gm`` into what cp rank ``rank`` runs on its tokens.
+
+    ``keep_outputs``: the outputs are a pipeline stage's activations, handed on split as they are.
+    """
     if plan.size == 1:
         return gm
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
-    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring")
-    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm))
+    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring",
+                     keep_outputs=keep_outputs)
+    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp")
     rw.extras["cp_plan"] = plan
     tokens = _token_dependent(gm, set(plan.inputs))
     layout = [plan.positions(r) for r in range(plan.size)]

@@ -28,8 +28,11 @@ _REDUCTIONS = ("none", "mean", "sum")
 class Rewriter:
     """Graph edits for one rank: placements to read, collectives to insert, nodes replaced so far."""
 
-    def __init__(self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set, axis: str = "tp"
+    ) -> None:
         self.gm = gm
+        self.axis = axis
         self.grad = grad
         self.prop = prop
         self.size = size
@@ -69,8 +72,11 @@ class Rewriter:
         return self._cache[key]
 
     def module(self, module: torch.nn.Module, args: tuple, *, before: fx.Node, like: fx.Node) -> fx.Node:
-        name = f"tp_{type(module).__name__.lower()}_{self._count}"
-        self._count += 1
+        while True:  # unique: a graph sharded on two axes holds the collectives of both
+            name = f"{self.axis}_{type(module).__name__.lower()}_{self._count}"
+            self._count += 1
+            if not hasattr(self.gm, name):
+                break
         self.gm.add_submodule(name, module)
         with self.gm.graph.inserting_before(before):
             node = self.gm.graph.call_module(name, args)

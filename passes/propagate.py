@@ -29,6 +29,7 @@ class Propagation:
     seeds: dict[str, Placement]  # by get_attr target (parameters) or placeholder name (inputs)
     partial_outputs: bool = False  # the graph may return a pending sum (a loss summed over the axis later)
     ring_attention: bool = False  # attention over a split sequence passes keys around instead of gathering
+    keep_outputs: bool = False  # outputs stay as placed (a pipeline stage hands split activations on)
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
@@ -61,9 +62,11 @@ def propagate(
     gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *, base: Propagation | None = None,
     partial_outputs: bool = False,
     ring_attention: bool = False,
+    keep_outputs: bool = False,
 ) -> Propagation:
     """Placements of every node of ``gm`` given the placements ``seeds`` of parameters and inputs."""
-    result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention)
+    result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention,
+                         keep_outputs=keep_outputs)
     nodes = list(gm.graph.nodes)
     if base is None:
         todo = nodes
@@ -113,6 +116,8 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
     if node.op in ("placeholder", "get_attr"):
         return result.seeds.get(node.target, R), None
     if node.op == "output":
+        if result.keep_outputs:
+            return R, Decision(R, {})
         want = {}
         for n in node.all_input_nodes:
             p = ctx.placements.get(n, R)

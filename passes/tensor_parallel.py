@@ -296,8 +296,9 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
 
 
 def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -> None:
+    present = {name for name, _ in gm.named_parameters()}  # a pipeline stage holds only some of them
     for name, p in plan.params.items():
-        if not isinstance(p.placement, Shard):
+        if not isinstance(p.placement, Shard) or name not in present:
             continue
         full = gm.get_parameter(name)
         index = local_indices(full.shape[p.placement.dim], rank, plan.size, p.placement.blocks).to(full.device)

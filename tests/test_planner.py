@@ -184,11 +184,12 @@ def test_seed_540b_on_4096_gpus(plan_540b):
     - With the state replicated, the model goes deeper and uses context parallelism (dp=4, tp=8, pp=64, cp=2):
       cp=2 halves the activations for ring-attention traffic of about 6% of the step, where full
       recomputation would add a third to the compute. pp=64 breaks the seed's "rarely past 32 stages", and the
-      lint says so; the next deeper-than-32-free split (dp=4 tp=8 pp=32 cp=4) is about 5% slower.
-    - The seed's recipe (tp = node, pp = fewest stages that fit, dp = rest) gives dp=16, tp=8, pp=32 with full
-      recomputation (the shape Megatron-Turing NLG 530B trained with); the model predicts it 30% slower.
+      lint says so; the best split with at most 32 stages (dp=4, tp=8, pp=32, cp=4) is predicted 5% slower.
+    - The seed's recipe (tp = node, pp = fewest stages that fit, dp = the rest) gives dp=16, tp=8, pp=32 with
+      full recomputation, close to how Megatron-Turing NLG 530B trained (tp=8, pp=35, dp=16); the model
+      predicts it 30% slower than its choice.
     - With the optimizer sharded, the model picks dp=32 as the seed does, but pp=8 and cp=2 instead of pp=16:
-      118 layers split evenly over 8 x 5 interleaved chunks, with a 2% bubble.
+      8 stages of 5 interleaved chunks hold 15 layers each (14.75 on average), with a bubble of about 2%.
     """
     best = plan_540b.best
     assert best.split.tp == 8 and best.links["tp"] == "NVLink"
@@ -208,6 +209,7 @@ def test_seed_540b_on_4096_gpus(plan_540b):
 
     sharded = plan(PALM_540B, plan_540b.cluster, shard_optimizer=True).best
     assert (sharded.split.dp, sharded.split.tp) == (32, 8) and sharded.step_time < best.step_time
+    assert (sharded.split.pp, sharded.split.interleave, sharded.split.cp) == (8, 5, 2) and sharded.bubble < 0.025
 
 
 # --------------------------------------------------------------------------------------------------- search

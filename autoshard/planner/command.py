@@ -14,10 +14,19 @@ from autoshard.planner.search import plan
 NAME = "plan"
 HELP = "choose dp, tp, pp and cp for a transformer on a cluster, and explain the choice"
 
+
+
+def _preset_lines() -> str:
+    lines = []
+    for name, values in PRESETS.items():
+        flags = [f"--{key.replace('_', '-')} {value}" for key, value in values.items()]
+        lines += [f"  {name}: {' '.join(flags[:3])}", f"        {' '.join(flags[3:])}"]
+    return "\n".join(lines)
+
+
 _EPILOG = f"""\
 cluster defaults come from --gpu (default {DEFAULT_PRESET}); any of them can be overridden:
-  h100: {', '.join(f'{k}={v}' for k, v in PRESETS['h100'].items())}
-  a100: {', '.join(f'{k}={v}' for k, v in PRESETS['a100'].items())}
+{_preset_lines()}
 Bandwidths are per GPU and per direction; the network bandwidth is one GPU's network card. Units: 80GB, 96GiB,
 450GB/s, 400Gb/s (bits), 989TFLOPS, 5us. Compute reaches --efficiency of the peak; a plan may fill
 --usable-memory of each GPU.

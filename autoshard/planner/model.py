@@ -23,7 +23,8 @@ Assumptions, each a term of a formula below:
   a plain ``f = 4h`` MLP), with attention scores never stored (flash attention). Full recomputation
   keeps only each layer's input (``beta sbh``) and runs the forward again in backward. The schedule
   sets how many microbatches the first stage holds: ``min(m, pp)`` for 1F1B, ``min(m, pp + (pp-1)/v)``
-  stage-equivalents for interleaved 1F1B (checked against ``autoshard.runtime.schedules.simulate``).
+  stage-equivalents for interleaved 1F1B with m a multiple of pp (both checked against
+  ``autoshard.runtime.schedules.simulate``; the search only interleaves such m).
   Plus one layer's working set and the last stage's fp32 logits.
 - **Compute**: a training step is three forwards (four with full recomputation); a layer's forward is
   ``2 s N_layer + 2 s^2 h`` FLOPs (matmuls, then causal attention); GPUs reach ``eta`` of their peak.

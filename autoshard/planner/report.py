@@ -155,7 +155,11 @@ def _bounds(result: PlanResult, best: Estimate) -> list[dict]:
                        "value": need, "chosen": s.microbatches, "chosen_gives": best.bubble})
     values = model.inputs(result.config, result.cluster, s)
     del values["b"]
-    b_max = model.solve_for("memory", best.memory_limit, "b", **values)
+    try:
+        b_max = model.solve_for("memory", best.memory_limit, "b", **values)
+        float(b_max)
+    except (NotImplementedError, ValueError, TypeError):  # sympy found no closed form: leave the bound out
+        return bounds
     bounds.append({"quantity": "memory", "formula": str(model.formula("memory")),
                    "bound": f"memory <= {_gb(best.memory_limit)} GB when b <= {float(b_max):.3g}",
                    "at": {"split": s.short()}, "value": math.floor(float(b_max)), "chosen": s.microbatch_size,
@@ -266,4 +270,6 @@ def _formula_lines(everything: bool) -> list[str]:
     for name in names:
         expr, meaning = model.FORMULAS[name]
         lines.append(f"  {name} = {sympy.sstr(expr)}    # {meaning}")
+    if everything:
+        lines.append("  symbols: " + "; ".join(f"{k} {v}" for k, v in model.SYMBOLS.items()))
     return lines

@@ -46,7 +46,7 @@ def parse(text: str | float | int, kind: str) -> float:
         raise UnitError(f"cannot read {text!r} as a {_NAMES[kind]}: write a number and a unit, like {_EXAMPLES[kind]}")
     number, unit = float(match.group(1)), match.group(2)
     scale = _SCALES[kind](unit, text)
-    return _non_negative(number * scale, text, kind)
+    return _non_negative(float(f"{number * scale:.15g}"), text, kind)  # 5us is 5e-06, not 4.9999999999999996e-06
 
 
 def _non_negative(value: float, text: str, kind: str) -> float:

@@ -1,0 +1,82 @@
+"""The ``autoshard`` command line: ``autoshard plan`` output, JSON, one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoshard import cli
+
+LLAMA_7B_ON_A_NODE = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000", "--seq",
+                      "4096", "--global-batch", "512", "--gpus", "8", "--gpus-per-node", "8", "--gpu-memory", "80GB"]
+PALM_540B = ["plan", "--layers", "118", "--hidden", "18432", "--heads", "144", "--vocab", "256000", "--seq", "2048",
+             "--global-batch", "2048", "--gpus", "4096", "--gpus-per-node", "8", "--gpu-memory", "80GB"]
+
+
+def test_plan_prints_a_ranked_table_that_fits_a_terminal(capsys):
+    assert cli.main(LLAMA_7B_ON_A_NODE) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 120
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    assert lines[header].split()[:5] == ["#", "dp", "tp", "pp", "cp"]
+    ranks = [int(line.split()[0]) for line in lines[header + 2: header + 7]]
+    assert ranks == [1, 2, 3, 4, 5]
+    for section in ("why:", "seed's recipe", "bounds for #1", "formulas", "assumed:"):
+        assert section in out
+
+
+def test_plan_json_is_for_tools(capsys):
+    assert cli.main([*LLAMA_7B_ON_A_NODE, "--json", "--top", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["ranked"]) == 2
+    best = data["ranked"][0]
+    split = best["split"]
+    assert split["dp"] * split["tp"] * split["pp"] * split["cp"] == 8
+    assert best["memory_bytes"] <= best["memory_limit_bytes"]
+    assert data["model"]["parameters"] == 32 * (12 * 4096**2 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+
+
+def test_plan_of_one_mesh_searches_only_its_microbatches(capsys):
+    assert cli.main([*LLAMA_7B_ON_A_NODE, "--mesh", "tp=2,pp=4", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert [(r["split"]["dp"], r["split"]["tp"], r["split"]["pp"]) for r in ranked] == [(1, 2, 4)]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--gpu-memory", "80XB"], "unknown unit 'XB'"),
+    (["--gpu-memory", "-80GB"], "is negative"),
+    (["--gpu-memory", "80"], "has no unit"),
+    (["--gpus", "12"], "use 8 or 16 GPUs"),
+    (["--gpus", "8", "--gpu-memory", "8GB"], "GB short"),
+    (["--mesh", "tp=3"], "must multiply to the world size"),
+    (["--gpus", "eight"], "invalid int value"),
+])
+def test_errors_are_one_line_with_the_fix_and_exit_code_2(args, says, capsys):
+    try:
+        code = cli.main([*LLAMA_7B_ON_A_NODE, *args])
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_subcommands_come_from_modules_and_inspect_has_its_place():
+    assert cli.COMMAND_MODULES == ("autoshard.planner.command", "autoshard.inspect_cli")
+    parser = cli.build_parser()
+    assert "plan" in parser.format_help()
+
+
+def test_plan_540b_from_the_entry_point():
+    """The issue's own command, run as a user would (the only process this suite starts for the CLI)."""
+    done = subprocess.run([sys.executable, "-m", "autoshard.cli", *PALM_540B], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "490.5B parameters" in done.stdout and "4096 GPUs = 512 nodes x 8" in done.stdout
+    first = next(line for line in done.stdout.splitlines() if line.startswith("  1 "))
+    dp, tp, pp = (int(x) for x in first.split()[1:4])
+    assert tp == 8 and dp > 1 and pp > 1
