@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
-NPROC ?= 2
+NPROC ?= 8
 
 .PHONY: setup demo test bench lint clean
 
@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 
 demo: setup
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
-		examples/train_gpt.py --dp $(NPROC)
+		examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
 test: setup
 	$(PY) -m pytest -q

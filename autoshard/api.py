@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 def parallelize(
     model: nn.Module,
-    mesh: Mesh | None = None,
+    mesh: Mesh | str | None = None,
     *,
     example_inputs: tuple,
     loss_fn: Callable | None = None,
@@ -37,12 +38,15 @@ def parallelize(
     pipeline_starts: list[str] | None = None,
     cp_attention: str = "gather",
     cp_load_balance: bool = False,
+    mixed_precision: str | None = None,
+    activation_checkpointing: bool = False,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
     Args:
         model: the unmodified model (on CPU, GPU or the ``meta`` device).
-        mesh: degrees of the parallel axes; ``None`` is one rank (the result equals eager execution).
+        mesh: degrees of the parallel axes; ``None`` is one rank (the result equals eager execution);
+            ``"auto"`` asks the planner for the fastest mesh of the world size (see :func:`auto_mesh`).
         example_inputs: a global batch of the model's positional inputs (tuple), as ``step()`` will get.
         loss_fn: ``loss_fn(model(*inputs), target) -> scalar``; captured with the model in one graph.
         target: an example global-batch target; with it the training graph is captured now,
@@ -63,10 +67,11 @@ def parallelize(
         cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
             values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
         cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
+        mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
+        activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
-    mesh = mesh if mesh is not None else Mesh()
     if not isinstance(example_inputs, tuple):
         raise TypeError(
             f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs).__name__}; "
@@ -74,7 +79,13 @@ def parallelize(
         )
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} is not valid: it must be an integer >= 1")
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
+        mesh = auto_mesh(model, example_inputs, microbatches=microbatches, local_batch=local_batch, announce=True)
+    mesh = mesh if mesh is not None else Mesh()
     _check_supported(mesh)
+    _lint(mesh, model, example_inputs, microbatches=microbatches, chunks=chunks, local_batch=local_batch)
     if groups is None:
         groups = _groups_for(mesh, timeout)
     elif groups.mesh != mesh:
@@ -94,6 +105,8 @@ def parallelize(
         pipeline_starts=pipeline_starts,
         cp_attention=cp_attention,
         cp_load_balance=cp_load_balance,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
         timeout=timeout,
     )
 
@@ -117,3 +130,105 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
 
 def _check_supported(mesh: Mesh) -> None:
     """Every combination of the four axes is supported; kept as the one place to refuse one."""
+
+
+# ------------------------------------------------------------------------------- mesh="auto" and the lint
+
+
+def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1, local_batch: bool = False,
+              world_size: int | None = None, announce: bool = False) -> Mesh:
+    """The mesh ``parallelize(mesh="auto")`` uses: the planner's fastest split of the world size.
+
+    The world size is torch.distributed's when it is initialised, else ``$WORLD_SIZE``, else 1. The model is
+    described to the planner by :func:`transformer_config`; a model that is not a token transformer, or one the
+    planner finds no split for, puts every rank on dp. Only meshes whose dp x ``microbatches`` divides the batch
+    are taken. The cluster is the planner's default GPU with ``$LOCAL_WORLD_SIZE`` (at most 8) ranks per node.
+    """
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    from autoshard.runtime.batching import batch_size
+
+    batch = batch_size(example_inputs) or 1
+    fallback, why = Mesh(dp=world_size), "every rank on dp"
+    mesh = fallback
+    if world_size > 1:
+        config = transformer_config(model, example_inputs, batch * world_size if local_batch else batch)
+        if config is None:
+            why += f": {type(model).__name__} is not a token transformer the planner can describe"
+        else:
+            mesh, why = _planned_mesh(config, world_size, microbatches, local_batch, fallback)
+    if announce and (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
+    return mesh
+
+
+def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool, fallback: Mesh) -> tuple[Mesh, str]:
+    from autoshard.planner import Cluster, PlanError, plan
+
+    per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "8")), 8, world_size)
+    try:
+        result = plan(config, Cluster(gpus=world_size, gpus_per_node=per_node))
+    except PlanError as e:
+        return fallback, f"every rank on dp: the planner found no split ({e})"
+    for rank, est in enumerate(result.ranked, 1):
+        mesh = est.split.mesh
+        if local_batch or config.global_batch % (mesh.dp * microbatches) == 0:
+            return mesh, (f"planner's #{rank} of {len(result.ranked)} meshes, predicted step "
+                          f"{est.step_time * 1e3:.3g} ms for a {config.layers}-layer transformer of "
+                          f"{config.parameters / 1e6:.3g}M parameters")
+    return fallback, f"every rank on dp: no planned mesh splits the batch of {config.global_batch} into dp x m"
+
+
+def transformer_config(model: nn.Module, example_inputs: tuple, global_batch: int):
+    """The planner's :class:`~autoshard.planner.TransformerConfig` of ``model``, or None when it is not a token
+    transformer (token-id inputs of shape (batch, sequence) and an embedding). Sizes come from a ``config``
+    (HuggingFace) or ``cfg`` attribute, or from attributes of the modules (``n_head``, ``num_heads``, ...);
+    the layer count falls back to the longest ``ModuleList``, ``ffn`` to 4 x hidden."""
+    from autoshard.planner import PlanError, TransformerConfig
+
+    tokens = example_inputs[0] if example_inputs else None
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings or not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        return None
+    embedding = max(embeddings, key=lambda m: m.num_embeddings)
+    sources = [getattr(model, "config", None), getattr(model, "cfg", None), *model.modules()]
+
+    def read(*names: str) -> int | None:
+        for source in sources:
+            for name in names:
+                value = getattr(source, name, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+        return None
+
+    lists = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
+    layers = read("num_hidden_layers", "n_layer", "n_layers", "num_layers") or max(lists, default=None)
+    heads = read("num_attention_heads", "n_head", "n_heads", "num_heads")
+    if layers is None or heads is None:
+        return None
+    weight = embedding.weight
+    tied = any(m.weight is weight for m in model.modules() if isinstance(m, nn.Linear))
+    try:
+        return TransformerConfig(
+            layers=layers, hidden=embedding.embedding_dim, heads=heads, vocab=embedding.num_embeddings,
+            seq=tokens.shape[1], global_batch=global_batch, kv_heads=read("num_key_value_heads", "n_kv_head",
+            "n_kv_heads", "num_kv_heads"), ffn=read("intermediate_size", "n_inner", "ffn", "ffn_dim", "d_ff"),
+            tied_embeddings=tied, dtype_bytes=weight.element_size(),
+        )
+    except PlanError:
+        return None
+
+
+def _lint(mesh: Mesh, model: nn.Module, example_inputs: tuple, *, microbatches: int, chunks: int,
+          local_batch: bool) -> None:
+    """Warn about every finding of the planner's lint (the seeds' rules) that is a warning or an error."""
+    if mesh.world_size == 1:
+        return
+    from autoshard.planner import lint
+    from autoshard.runtime.batching import batch_size
+
+    batch = (batch_size(example_inputs) or 1) * (mesh.dp if local_batch else 1)
+    config = transformer_config(model, example_inputs, batch)
+    for finding in lint(mesh, config, microbatches=microbatches, interleave=chunks):
+        if finding.severity in ("warning", "error"):
+            warnings.warn(f"autoshard: {finding}", stacklevel=3)

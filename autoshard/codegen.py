@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,10 @@ def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = 
 
 def prepare(captured: Captured) -> fx.GraphModule:
     """A copy of the captured graph with flat inputs and outputs, sharing the captured parameters."""
-    gm = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+    with warnings.catch_warnings():  # copying export's pytree specs warns about a deprecated check in torch
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(captured.gm.graph)
+    gm = fx.GraphModule(captured.gm, graph)
     _strip_export_wrappers(gm)
     return gm
 

@@ -64,7 +64,8 @@ def _parameters(pm) -> list[str]:
     names = pm._names() if (pm._train or pm._infer) else {}
     store = pm.replica.store
     local_total = sum(p.numel() * p.element_size() for p in store.parameters())
-    lines = ["", f"parameters: {len(names)} tensors, {_bytes(local_total)} on this rank"]
+    held = sum(1 for target in names if store._lookup(target) is not None)
+    lines = ["", f"parameters: {held} of {len(names)} tensors on this rank, {_bytes(local_total)}"]
     width = max((len(", ".join(n)) for n in names.values()), default=10)
     for target, originals in names.items():
         local = store._lookup(target)
@@ -103,12 +104,14 @@ def _collectives(pm) -> list[str]:
             lines.append(f"  tp {direction:<8} {kind:<10} x{total:<3} {_bytes(size * pm.microbatches):>10}  ({op})")
         for note in program.gm.meta.get(FALLBACKS, []):
             lines.append(f"  fallback: {note}")
-    if pm.mesh.dp > 1:
+    data = pm.mesh.dp * pm.mesh.cp
+    if data > 1:
         grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
-        lines.append(f"  dp all-reduce (sum) of gradients over {pm.mesh.dp} ranks: {_bytes(grad_bytes)} "
-                     "(bucketed by DistributedDataParallel, overlapped with backward)")
+        how = ("one flat all-reduce after the last microbatch" if pm.pipeline is not None
+               else "bucketed by DistributedDataParallel, overlapped with the last microbatch's backward")
+        lines.append(f"  dp x cp all-reduce (sum) of gradients over {data} ranks: {_bytes(grad_bytes)} ({how})")
         count = " and of the token count: 4 B" if pm.local_batch else ""
-        lines.append(f"  dp all-reduce (sum) of the loss: 4 B{count}")
+        lines.append(f"  dp x cp all-reduce (sum) of the loss: 4 B{count}")
     if len(lines) == 2:
         lines.append("  none")
     return lines

@@ -122,3 +122,69 @@ def warnings_of(name: str, mesh_kwargs: dict, **options) -> list[str]:
         autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                               target=case.target, groups=groups_for(mesh), **options)
     return [str(w.message) for w in caught]
+
+
+def clipped_adamw(name: str, mesh_kwargs: dict, **options) -> dict:
+    """Three AdamW steps with global-norm clipping: the parallel and the unsharded model stay equal."""
+    case = build(name)
+    reference = build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    params = list(pm.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6) if params else None
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    norms = []
+    for _ in range(3):
+        if opt:
+            opt.zero_grad()
+        ref_opt.zero_grad()
+        pm.step(*case.inputs, target=case.target)
+        norm = pm.clip_grad_norm_(0.05)
+        case.loss_fn(reference(*case.inputs), case.target).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        norms.append((norm.item(), ref_norm.item()))
+        if opt:
+            opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"norms": norms, "worst": worst}
+
+
+def checkpoint_round_trip(name: str, save_mesh: dict, load_mesh: dict, path: str) -> float:
+    """Save under one mesh, load under another (same world), compare parameters with the saved model's."""
+    case = build(name)
+    mesh = autoshard.Mesh(**save_mesh)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), microbatches=2)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+    pm.step(*case.inputs, target=case.target)
+    opt.step()
+    saved = pm.full_parameters()
+    pm.save_checkpoint(path)
+    other = build(name, seed=7)
+    mesh2 = autoshard.Mesh(**load_mesh)
+    pm2 = autoshard.parallelize(other.model, mesh2, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                target=case.target, groups=groups_for(mesh2), microbatches=2)
+    pm2.load_checkpoint(path)
+    loaded = pm2.full_parameters()
+    return max((saved[n] - loaded[n]).abs().max().item() for n in saved)
+
+
+def bf16_losses(name: str, mesh_kwargs: dict) -> tuple[list[float], list[float]]:
+    """Losses of three SGD steps in fp32 and under bf16 autocast (bf16 is close, not equal)."""
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    runs = []
+    for precision in (None, "bf16"):
+        case = build(name)
+        pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                   target=case.target, groups=groups_for(mesh), mixed_precision=precision)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            losses.append(pm.step(*case.inputs, target=case.target).item())
+            opt.step()
+        runs.append(losses)
+    return runs[0], runs[1]

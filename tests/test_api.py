@@ -39,7 +39,7 @@ def test_explain_and_code_describe_the_program():
 
 def test_explain_lists_data_parallel_collectives(pools):
     report = pools.get(2).run(_explain_dp)[0]
-    assert "dp all-reduce (sum) of gradients over 2 ranks: 193.8 KiB" in report
+    assert "dp x cp all-reduce (sum) of gradients over 2 ranks: 193.8 KiB" in report
     assert "Mesh(dp=2" in report
 
 

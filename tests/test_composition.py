@@ -28,3 +28,34 @@ def test_golden_dp2_tp2_pp2_on_eight_processes(pools, name):
     results = pools.get(8).run(golden.golden, name, {"dp": 2, "tp": 2, "pp": 2}, microbatches=2)
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2, "pp": 2}, {"dp": 2, "tp": 2}], ids=["tp2xpp2", "dp2xtp2"])
+def test_global_norm_clipping_and_adamw_match_the_unsharded_model(pools, mesh):
+    for result in pools.get(4).run(golden.clipped_adamw, "gpt", mesh, microbatches=2):
+        for norm, expected in result["norms"]:
+            assert abs(norm - expected) <= 1e-5 * expected, result["norms"]
+        assert result["worst"] < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_checkpoint_saved_under_one_mesh_loads_under_another(pools, tmp_path, name):
+    path = str(tmp_path / "ckpt")
+    worst = pools.get(4).run(golden.checkpoint_round_trip, name, {"dp": 2, "tp": 2}, {"tp": 2, "pp": 2}, path)
+    assert max(worst) == 0.0
+    path2 = str(tmp_path / "ckpt2")
+    worst = pools.get(4).run(golden.checkpoint_round_trip, name, {"tp": 4}, {"dp": 2, "pp": 2}, path2)
+    assert max(worst) == 0.0
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2, "pp": 2}, {"microbatches": 2}), ({"tp": 2, "cp": 2}, {})],
+                         ids=["tp2xpp2", "tp2xcp2"])
+def test_activation_checkpointing_changes_nothing(pools, mesh, options):
+    results = pools.get(4).run(golden.golden, "gpt", mesh, activation_checkpointing=True, **options)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_bf16_autocast_trains_close_to_fp32(pools):
+    for fp32, bf16 in pools.get(2).run(golden.bf16_losses, "gpt", {"tp": 2}):
+        assert all(abs(a - b) < 3e-2 for a, b in zip(fp32, bf16, strict=True)), (fp32, bf16)

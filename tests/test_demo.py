@@ -14,11 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_under_torchrun_matches_the_unsharded_model():
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "examples/train_gpt.py", "--dp", "2",
-               "--steps", "3"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    # What `make demo` runs: a 2 x 2 x 2 mesh of 8 processes.
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "8", "examples/train_gpt.py", "--dp", "2",
+               "--tp", "2", "--pp", "2", "--steps", "3"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(re.findall(r"^step \d: loss", done.stdout, re.M)) == 3
     worst = float(re.search(r"unsharded model's loss over 3 steps: (\S+)", done.stdout).group(1))
     assert worst < 1e-5
-    assert "dp all-reduce (sum) of gradients" in done.stdout
+    assert "dp x cp all-reduce (sum) of gradients over 2 ranks" in done.stdout
+    assert "tp forward  all_reduce" in done.stdout and "pipeline: 2 stages on 2 ranks" in done.stdout

@@ -70,8 +70,13 @@ class PipelineExecutor:
         self.timeout = timeout
         self.records: list[Record] = []
 
-    def run(self, actions: list[Action], microbatches: list[tuple[tuple, torch.Tensor]], divisor, step: int):
-        """Run ``actions``; returns the sum of this rank's last-stage loss terms (0 elsewhere)."""
+    def run(self, actions: list[Action], microbatches: list[tuple[tuple, torch.Tensor]], divisor, step: int,
+            call=None):
+        """Run ``actions``; returns the sum of this rank's last-stage loss terms (0 elsewhere).
+
+        ``call(fn, *args)`` runs a stage's forward (precision and activation checkpointing options).
+        """
+        self._call = call or (lambda fn, *args: fn(*args))
         state: dict[tuple[int, int], _MicrobatchState] = {}
         pending: list = []
         total = torch.zeros((), dtype=torch.float32)
@@ -95,7 +100,7 @@ class PipelineExecutor:
         runner = self.runners.get(action.stage)
         inputs, target = microbatches[action.microbatch]
         if action.kind == "F":
-            out = runner.program.gm(*inputs, target, *mb.inputs)
+            out = self._call(runner.program.gm, *inputs, target, *mb.inputs)
             if action.stage == self.num_stages - 1:
                 mb.loss = out[0] / divisor
                 return mb.loss.detach().float().cpu()

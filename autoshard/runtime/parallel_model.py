@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
@@ -104,6 +105,8 @@ class ParallelModel(nn.Module):
         pipeline_starts: list[str] | None = None,
         cp_attention: str = "gather",
         cp_load_balance: bool = False,
+        mixed_precision: str | None = None,
+        activation_checkpointing: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     ) -> None:
         super().__init__()
@@ -117,6 +120,10 @@ class ParallelModel(nn.Module):
         self.cp_plan: ContextParallelPlan | None = None
         self.cp_attention = cp_attention
         self.cp_load_balance = cp_load_balance
+        if mixed_precision not in (None, "bf16"):
+            raise ValueError(f"mixed_precision={mixed_precision!r}: use None (fp32) or 'bf16' (bfloat16 autocast)")
+        self.mixed_precision = mixed_precision
+        self.activation_checkpointing = activation_checkpointing
         self.replica = _Replica(codegen.ParamStore())
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self._train: dict[tuple, TrainProgram] = {}
@@ -161,7 +168,8 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             program = self._program(*microbatches[0])
             local = [self._cp_local(program.captured, (*i, t)) for i, t in microbatches]
-            total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps)
+            total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps,
+                                           call=self.call)
             self.pipeline.sum_tied_gradients(self.replica.store)
             self._reduce_gradients_over_data()
             return self._sum_over_dp(total)
@@ -171,12 +179,20 @@ class ParallelModel(nn.Module):
             program = self._program(mb_inputs, mb_target)
             last = index == len(microbatches) - 1
             with self._stall_guard("forward/backward", index), self._sync(last):
-                (loss,) = replicated(program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
+                (loss,) = self.call(replicated, program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
                 loss = loss / (divisor * program.cp_copies)
                 loss.backward()
             total = total + loss.detach().float().cpu()
         with self._stall_guard("loss all-reduce", None):
             return self._sum_over_dp(total)
+
+    def call(self, fn, *args):
+        """Run a program's forward under this model's precision and activation-checkpointing options."""
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.mixed_precision == "bf16" else None
+        with autocast or contextlib.nullcontext():
+            if self.activation_checkpointing:
+                return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+            return fn(*args)
 
     def forward(self, *inputs):
         """Inference: the model's outputs for ``inputs`` (every dp rank computes the whole batch)."""
@@ -213,6 +229,30 @@ class ParallelModel(nn.Module):
         state = {name: value.detach() for name, value in self.full_parameters().items()}
         state.update({name: b.detach() for name, b in self.model.named_buffers()})
         return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ARG002
+        """Load the original model's full state dict; every rank keeps its own shards."""
+        from autoshard.runtime import state
+
+        state.load_state_dict(self, state_dict)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over all ranks and shards (equal to the unsharded model's)."""
+        from autoshard.runtime import state
+
+        return state.clip_grad_norm_(self, max_norm)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Each rank writes its own shards (torch.distributed.checkpoint); loadable under any mesh."""
+        from autoshard.runtime import state
+
+        state.save_checkpoint(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Read a checkpoint saved under any mesh into this rank's shards."""
+        from autoshard.runtime import state
+
+        state.load_checkpoint(self, path)
 
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""

@@ -73,13 +73,13 @@ class Pipeline:
     def runners(self, stages: list[Stage], programs: dict[int, codegen.RankProgram]) -> dict[int, StageRunner]:
         return {s: StageRunner(s, programs[s], stages[s].receive_specs, stages[s].send_specs) for s in programs}
 
-    def run_step(self, runners, microbatches, divisor, step: int) -> torch.Tensor:
+    def run_step(self, runners, microbatches, divisor, step: int, call=None) -> torch.Tensor:
         """One training step's actions on this rank; returns the global loss (on every pp rank)."""
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
             group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout,
         )
-        total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step)
+        total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call)
         dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
         return total
 

@@ -1,0 +1,184 @@
+"""Training state across ranks: global-norm clipping, full state dicts, and distributed checkpoints.
+
+Every parameter of the original model is held by the ranks of one pp coordinate (two for a tied
+weight used on two stages), as whole tensors or tp shards, replicated over dp x cp. So a global
+quantity counts each tensor once: a tp-replicated tensor contributes from every tp rank divided by
+the degree, a tied one only on the first pp rank that holds it, and nothing is summed over dp x cp
+(their gradients were already reduced).
+
+Checkpoints use torch.distributed.checkpoint: each rank writes only its own shards, as DTensors on
+the tp group (a fused q/k/v weight is written as one tensor per block, so its layout does not
+depend on the degree), and a checkpoint loads under any other mesh: every rank reads exactly the
+part it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from autoshard.passes.collectives import shard
+from autoshard.passes.placements import Shard
+
+_BLOCK = "@block"
+
+
+def _entries(pm):
+    """(target, original name, local parameter, placement) for every parameter this rank holds."""
+    store = pm.replica.store
+    for target, names in pm._names().items():
+        local = store._lookup(target)
+        if local is None:
+            continue
+        placement = pm.plan.params[target].placement if pm.plan is not None else None
+        yield target, names[0], local, placement if isinstance(placement, Shard) else None
+
+
+def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before."""
+    total = torch.zeros((), dtype=torch.float64)
+    tied = pm.pipeline.tied if pm.pipeline is not None else {}
+    pp_index = pm.coord("pp")
+    for target, _, param, placement in _entries(pm):
+        if param.grad is None:
+            continue
+        if target in tied and pp_index != min(tied[target]):
+            continue
+        weight = 1.0 if placement is not None else 1.0 / pm.mesh.tp
+        total += weight * param.grad.detach().double().pow(2).sum()
+    for axis in ("tp", "pp"):
+        if pm.mesh.degree(axis) > 1:
+            dist.all_reduce(total, group=pm.groups.group(axis))
+    norm = total.sqrt().float()
+    coef = max_norm / (norm.item() + eps)
+    if coef < 1.0:
+        for _, _, param, _ in _entries(pm):
+            if param.grad is not None:
+                param.grad.mul_(coef)
+    return norm
+
+
+def load_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict of the original model (its keys and shapes): each rank keeps its shards."""
+    tp_rank, size = pm.coord("tp"), pm.mesh.tp
+    missing = [name for _, name, _, _ in _entries(pm) if name not in state]
+    if missing:
+        raise KeyError(f"the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for _, name, param, placement in _entries(pm):
+            full = state[name]
+            if tuple(full.shape) != _global_shape(param, placement, size):
+                raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
+                                 f"{_global_shape(param, placement, size)}")
+            local = shard(full, placement.dim, tp_rank, size, placement.blocks) if placement else full
+            param.copy_(local)
+        buffers = {k: v for k, v in state.items() if k in dict(pm.model.named_buffers())}
+        for key, value in buffers.items():
+            _set_buffer(pm.model, key, value)
+
+
+def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+    owner, _, attr = key.rpartition(".")
+    getattr(model.get_submodule(owner) if owner else model, attr).copy_(value)
+
+
+def _global_shape(param: torch.Tensor, placement: Shard | None, size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if placement is not None:
+        shape[placement.dim] *= size
+    return tuple(shape)
+
+
+# -------------------------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(pm, path: str) -> None:
+    """Write this rank's shards of every parameter to a distributed checkpoint at ``path`` (all ranks call)."""
+    dcp.save(_checkpoint_view(pm, for_load=False, metadata=None), checkpoint_id=path)
+
+
+def load_checkpoint(pm, path: str) -> None:
+    """Read a checkpoint written under any mesh into this rank's shards (all ranks call)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    view = _checkpoint_view(pm, for_load=True, metadata=metadata)
+    dcp.load(view, checkpoint_id=path)
+    with torch.no_grad():
+        for _, name, param, placement in _entries(pm):
+            param.copy_(_assemble(pm, name, view, metadata, param, placement))
+
+
+def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
+    """The state dict DCP reads or writes: DTensors on the tp group for shards, blocks as separate keys.
+
+    On load, a tensor stored in another layout than this rank holds (blocked vs not) is read whole
+    and cut here; everything else is read as exactly this rank's part.
+    """
+    mesh = _tp_mesh(pm)
+    view = {}
+    for _, name, param, placement in _entries(pm):
+        blocked_here = placement is not None and placement.blocks is not None
+        saved = _saved_blocks(metadata, name) if for_load else None
+        same_layout = not for_load or (saved is not None) == blocked_here
+        if blocked_here and same_layout:
+            for i, part in enumerate(param.split([b // pm.mesh.tp for b in placement.blocks], placement.dim)):
+                view[f"{name}{_BLOCK}{i}"] = _dtensor(part, mesh, placement.dim, for_load)
+        elif placement is not None and same_layout:
+            view[name] = _dtensor(param, mesh, placement.dim, for_load)
+        elif not for_load:
+            view[name] = param.detach()
+        elif saved is not None:
+            for i in saved:
+                key = f"{name}{_BLOCK}{i}"
+                view[key] = torch.empty(tuple(metadata[key].size), dtype=param.dtype)
+        else:
+            view[name] = torch.empty(tuple(metadata[name].size), dtype=param.dtype)
+    return view
+
+
+def _saved_blocks(metadata, name: str) -> list[int] | None:
+    sizes, i = [], 0
+    while f"{name}{_BLOCK}{i}" in metadata:
+        sizes.append(i)
+        i += 1
+    return sizes or None
+
+
+def _dtensor(local: torch.Tensor, mesh, dim: int, for_load: bool):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as DShard
+
+    data = torch.empty_like(local) if for_load else local.detach().contiguous()
+    return DTensor.from_local(data, mesh, [DShard(dim)], run_check=False)
+
+
+def _tp_mesh(pm):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if pm.mesh.tp == 1:
+        return None
+    return DeviceMesh.from_group(pm.groups.group("tp"), "cpu")
+
+
+def _assemble(pm, name: str, view: dict, metadata, param: torch.Tensor, placement: Shard | None) -> torch.Tensor:
+    """This rank's part of ``name`` from what DCP read into ``view``."""
+    blocks = _saved_blocks(metadata, name)
+    keys = [f"{name}{_BLOCK}{i}" for i in blocks] if blocks else [name]
+    parts = [view[k].to_local() if hasattr(view[k], "to_local") else view[k] for k in keys]
+    blocked_here = placement is not None and placement.blocks is not None
+    if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
+        return torch.cat(parts, placement.dim) if blocked_here else parts[0]
+    full = torch.cat(parts, _block_dim(metadata, name, param)) if blocks else parts[0]
+    if placement is None:
+        return full
+    return shard(full, placement.dim, pm.coord("tp"), pm.mesh.tp, placement.blocks)
+
+
+def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
+    """The dim along which saved blocks were cut: the one where the blocks' sizes differ from each other's sum."""
+    sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in _saved_blocks(metadata, name)]
+    for dim in range(len(sizes[0])):
+        if len({s[dim] for s in sizes}) > 1 or sum(s[dim] for s in sizes) == param.shape[dim]:
+            return dim
+    return 0
+
