@@ -7,7 +7,6 @@ normalised; the collectives that run per training step with their bytes.
 
 from __future__ import annotations
 
-from autoshard.passes.collectives import COLLECTIVES, GatherFromParallel, VocabParallelCrossEntropy
 from autoshard.passes.tensor_parallel import FALLBACKS
 from autoshard.runtime import schedules
 
@@ -101,7 +100,9 @@ def _collectives(pm) -> list[str]:
         program = next(reversed(pm._train.values()))
         for (direction, kind, op), (calls, size) in communication(program.gm).items():
             total = calls * pm.microbatches
-            lines.append(f"  tp {direction:<8} {kind:<10} x{total:<3} {_bytes(size * pm.microbatches):>10}  ({op})")
+            axis, name = op.split(" ", 1)
+            amount = _bytes(size * pm.microbatches)
+            lines.append(f"  {axis} {direction:<8} {kind:<10} x{total:<3} {amount:>10}  ({name})")
         for note in program.gm.meta.get(FALLBACKS, []):
             lines.append(f"  fallback: {note}")
     data = pm.mesh.dp * pm.mesh.cp
@@ -118,25 +119,26 @@ def _collectives(pm) -> list[str]:
 
 
 def communication(gm) -> dict[tuple[str, str, str], tuple[int, int]]:
-    """Collectives one run of ``gm`` (forward and backward) makes: (direction, kind, op) -> (calls, bytes)."""
+    """Collectives one run of ``gm`` (forward and backward) makes: (direction, kind, op) -> (calls, bytes).
+
+    The op name is prefixed by the mesh axis it runs on (``tp`` or ``cp``). Shapes are the local ones
+    the passes recorded on each node.
+    """
     found: dict[tuple[str, str, str], tuple[int, int]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        if not isinstance(module, COLLECTIVES) or module.size == 1:
+        if not hasattr(module, "comm_bytes") or getattr(module, "size", 1) == 1:
             continue
-        shape = list(node.args[0].meta["val"].shape) if "val" in node.args[0].meta else []
-        if isinstance(module, GatherFromParallel) and shape:
-            shape[module.dim] //= module.size
-        if isinstance(module, VocabParallelCrossEntropy) and shape:
-            shape[-1] //= module.size
-        elem = node.args[0].meta["val"].element_size() if "val" in node.args[0].meta else 4
-        forward, backward = module.comm_bytes(shape, elem)
+        arg = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
+        shape = list(arg.shape) if arg is not None else []
+        forward, backward = module.comm_bytes(shape, arg.element_size() if arg is not None else 4)
+        op = f"{str(node.target).split('_')[0]} {type(module).__name__}"
         for direction, kind, size in (("forward", module.kind, forward), ("backward", module.backward_kind, backward)):
             if size:
-                calls, total = found.get((direction, kind, type(module).__name__), (0, 0))
-                found[(direction, kind, type(module).__name__)] = (calls + 1, total + size)
+                calls, total = found.get((direction, kind, op), (0, 0))
+                found[(direction, kind, op)] = (calls + 1, total + size)
     return found
 
 

@@ -17,3 +17,24 @@ def test_golden_context_parallel_gather(pools, name, cp, load_balance):
     results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_load_balance=load_balance)
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", CP_MODELS)
+def test_golden_context_parallel_ring(pools, name, cp, load_balance):
+    results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_attention="ring", cp_load_balance=load_balance)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_cp_with_tp_and_ring(pools):
+    results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="ring", cp_load_balance=True)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_explain_counts_the_key_value_gathers(pools):
+    report = pools.get(2).run(golden.explain, "gpt", {"cp": 2})[0]
+    assert "cp forward  all_gather x4" in report, report  # keys and values of 2 layers
+    assert "cp backward all_reduce x4" in report, "their gradients are summed over the cp ranks"

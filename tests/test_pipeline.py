@@ -44,4 +44,4 @@ def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
 
 def test_too_few_microbatches_warn_about_the_bubble(pools):
     messages = pools.get(2).run(golden.warnings_of, "gpt", {"pp": 2}, microbatches=1)[0]
-    assert any("1 microbatches on 2 pipeline stages leave a bubble of 50%" in m for m in messages), messages
+    assert any("m=1 < pp=2: the pipeline never fills, the bubble is 50.0%" in m for m in messages), messages

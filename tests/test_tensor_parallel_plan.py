@@ -107,7 +107,8 @@ def _per_rank_counts(name: str, tp: int) -> dict:
     gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0)).gm
     counts: dict[tuple[str, str], int] = {}
     for (direction, _kind, op), (calls, _) in communication(gm).items():
-        counts[(direction, op)] = counts.get((direction, op), 0) + calls
+        name = op.removeprefix("tp ")
+        counts[(direction, name)] = counts.get((direction, name), 0) + calls
     return counts
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -50,12 +49,6 @@ class Pipeline:
         self._tied_groups: dict[frozenset[int], object] = {}
         self.tied: dict[str, frozenset[int]] = {}
         self.executor: PipelineExecutor | None = None
-        if microbatches < self.p and schedule != "gpipe":
-            warnings.warn(
-                f"{microbatches} microbatches on {self.p} pipeline stages leave a bubble of "
-                f"{(self.p - 1) / (microbatches + self.p - 1):.0%}: use at least {4 * self.p} microbatches",
-                stacklevel=4,
-            )
 
     def build(self, captured: Captured, sharding: codegen.Sharding,
               store: codegen.ParamStore) -> tuple[list[Stage], dict[int, codegen.RankProgram]]:

@@ -1,0 +1,300 @@
+"""Ring attention: exact attention of this cp rank's queries against the whole sequence's keys, blockwise.
+
+Context parallelism leaves each of the ``c`` cp ranks holding the token positions ``layout[rank]`` of the
+sequence (contiguous chunks, or with load balance chunks ``r`` and ``2c-1-r`` of ``2c``). Attention needs
+every key for every query; instead of all-gathering keys and values (``SequenceGather``), ``RingAttention``
+passes them around the ring of cp ranks: a rank holds only the block it works on and the one arriving.
+
+Forward (``c`` steps). At step ``s`` rank ``r`` holds the key/value block of rank ``src = (r - s) mod c``,
+whose global positions are ``layout[src]``. It posts the exchange for the next step first (send the block
+to ``r + 1``, receive the next one from ``r - 1``; ``c - 1`` exchanges in all), then attends its queries to
+the block it holds, masking by *global* positions (causal: key position <= query position; an explicit mask
+is indexed with the block's key positions), and merges the block into an online softmax: a running row max
+``m``, a running sum ``l`` of ``exp(score - m)`` and a running ``exp``-weighted sum of values, all in fp32
+(float64 inputs stay float64). The result is ``acc / l``; the saved log-sum-exp ``lse = m + log(l)`` is
+all the backward needs of the softmax. Rows whose every key is masked give zeros, as
+``F.scaled_dot_product_attention`` does, and no NaN (their ``lse`` is ``-inf``; the backward gives them 0).
+
+Backward, the twin (``c`` steps over the same ring). The key/value blocks travel again; each step recomputes
+the block's probabilities from the saved ``lse`` (``P = exp(score - lse)``) and forms the usual gradients
+with ``delta = rowsum(dO * O)``: ``dS = P * (dO @ V^T - delta)``, ``dQ += scale * dS @ K`` (accumulated
+locally), ``dK += scale * dS^T @ Q`` and ``dV += P^T @ dO``. The fp32 ``dK``/``dV`` accumulators travel
+*with* their block: a rank adds its contribution and sends the accumulator on, and after ``c`` sends (one
+more than the key/value blocks) each block's accumulator is back on its owner holding the sum of all ranks'
+contributions. A float mask that requires grad receives ``dS`` at its own positions; a bool mask has none.
+
+Communication: batched ``isend``/``irecv`` on ``group``, addressed by group rank. Every exchange posts its
+receives before its sends; all ops of a batch are asynchronous, so no rank waits on a peer before posting
+its own ops (no deadlock on gloo, whose sends may block until matched). Between one pair of ranks the
+messages of a step go in one direction in one order (keys, values, then the gradient accumulators, under a
+second tag) and are received in that same order, which gloo's per-pair FIFO matching requires.
+
+Grouped-query attention: keys/values may have fewer heads (dim -3) than the queries, as long as the query
+heads are a multiple; the blocks travel with their own (fewer) heads and are repeated (``repeat_interleave``,
+as ``enable_gqa=True`` does) only inside the block computation; their gradients are summed back per group.
+
+With ``size == 1`` the same blockwise computation runs on the one local block and needs no group; with
+``size > 1`` and no group (a graph built only to be inspected) ``forward`` raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+_KV_TAG, _GRAD_TAG = 71, 72  # p2p tags of the key/value blocks and of their travelling gradients
+
+
+class RingAttention(nn.Module):
+    """``softmax(q k^T * scale + mask) v`` of this rank's queries over the full sequence, keys passed on a ring.
+
+    ``layout[r]`` holds the global token positions of cp rank ``r`` in its local order (all of one length);
+    ``causal`` masks key positions greater than the query position; ``scale`` defaults to ``1/sqrt(D)``.
+    """
+
+    kind, backward_kind = "ring", "ring"
+
+    def __init__(self, *, causal: bool, scale: float | None, layout: list[torch.Tensor], group, size: int,
+                 rank: int) -> None:
+        super().__init__()
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"RingAttention: rank {rank} is not in a cp group of size {size}")
+        if len(layout) != size:
+            raise ValueError(f"RingAttention: the layout has {len(layout)} ranks' positions, the cp group {size}")
+        lengths = {len(p) for p in layout}
+        if len(lengths) != 1:
+            raise ValueError(f"RingAttention: every rank must hold as many tokens; the layout holds {sorted(lengths)}")
+        self.causal, self.scale = bool(causal), scale
+        self.layout = [torch.as_tensor(p, dtype=torch.long).cpu() for p in layout]
+        self.group, self.size, self.rank = group, size, rank
+        self.seq_len = sum(len(p) for p in self.layout)
+        self._checked = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_inputs(q, k, v, mask)
+        out = _RingAttentionFn.apply(q, k, v, mask, self)
+        if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out
+
+    def _check_inputs(self, q, k, v, mask) -> None:
+        local = len(self.layout[self.rank])
+        if q.shape[-2] != local or k.shape[-2] != local or v.shape[-2] != local:
+            raise ValueError(f"RingAttention: q, k, v hold {q.shape[-2]}, {k.shape[-2]}, {v.shape[-2]} tokens, "
+                             f"but cp rank {self.rank} holds {local} positions")
+        if k.shape != v.shape[:-1] + k.shape[-1:] or k.shape[-1] != q.shape[-1]:
+            raise ValueError(f"RingAttention: k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+        if q.dim() >= 3 and q.shape[-3] % k.shape[-3]:
+            raise ValueError(f"RingAttention: {q.shape[-3]} query heads are not a multiple of {k.shape[-3]} key heads")
+        if mask is not None and (mask.shape[-1] not in (1, self.seq_len)
+                                 or mask.dim() >= 2 and mask.shape[-2] not in (1, local)):
+            raise ValueError(f"RingAttention: the mask {tuple(mask.shape)} must broadcast to (..., {local}, "
+                             f"{self.seq_len}): this rank's query rows by the full sequence's keys in natural order")
+
+    def ring_group(self):
+        """The group to exchange blocks over, or None when there is no ring (size 1)."""
+        if self.size == 1:
+            return None
+        if self.group is None:
+            raise RuntimeError(
+                f"RingAttention({self.extra_repr()}): this graph was built for inspection: it has no process "
+                f"group, so it cannot run on {self.size} cp ranks. Build it with the groups of a launched mesh."
+            )
+        if not self._checked:
+            actual = (dist.get_world_size(self.group), dist.get_rank(self.group))
+            if actual != (self.size, self.rank):
+                raise RuntimeError(f"RingAttention({self.extra_repr()}) was built for rank {self.rank} of "
+                                   f"{self.size}, but runs as rank {actual[1]} of a group of {actual[0]}")
+            self._checked = True
+        return self.group
+
+    def skips(self, src: int) -> bool:
+        """Whether rank ``src``'s block adds nothing here: causal, and every key after every query (host check)."""
+        return self.causal and bool(self.layout[src].min() > self.layout[self.rank].max())
+
+    def extra_repr(self) -> str:
+        return (f"causal={self.causal}, scale={self.scale}, tokens={len(self.layout[self.rank])}/{self.seq_len}, "
+                f"size={self.size}, rank={self.rank}")
+
+    def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
+        """Bytes this rank sends in (forward, backward) for key and value blocks of ``input_shape`` each.
+
+        ``input_shape`` is this rank's key block ``(B, H_kv, T_local, D)`` (the query's shape without GQA).
+        Forward: ``c - 1`` key and value blocks. Backward: the ``c - 1`` key and value blocks again, plus
+        ``c`` dK/dV accumulators, in fp32 (or the inputs' dtype when wider).
+        """
+        if self.size == 1:
+            return 0, 0
+        block, hops = int(torch.Size(input_shape).numel()), self.size - 1
+        return 2 * block * elem_size * hops, 2 * block * (elem_size * hops + max(elem_size, 4) * self.size)
+
+    def __deepcopy__(self, memo: dict) -> RingAttention:
+        # A process group is a handle on live communicators, not a value: copies share it.
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+# ------------------------------------------------------------------------------------------------- the ring
+
+
+class _Ring:
+    """Shifts tensors one step around the cp ring: send to ``rank + 1``, receive from ``rank - 1``."""
+
+    def __init__(self, group, size: int, rank: int) -> None:
+        self.group, self.next, self.prev = group, (rank + 1) % size, (rank - 1) % size
+
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> tuple[list, list[torch.Tensor]]:
+        """Post the exchange; returns the requests and the buffers that will hold the previous rank's tensors."""
+        sends = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sends]
+        ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t in received]
+        ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag) for t in sends]
+        return dist.batch_isend_irecv(ops), received
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+# ------------------------------------------------------------------------------------------- block math
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype: fp32, or the inputs' own dtype when that is wider (float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _heads(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Keys/values repeated to the queries' head count (grouped-query attention), in the accumulation dtype."""
+    t = t.to(_acc(like))
+    if t.dim() >= 3 and t.shape[-3] != like.shape[-3]:
+        t = t.repeat_interleave(like.shape[-3] // t.shape[-3], dim=-3)
+    return t
+
+
+def _fold_heads(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``_heads``: sum the repeated heads of each group; then sum any broadcast batch dims."""
+    if grad.dim() >= 3 and grad.shape[-3] != like.shape[-3]:
+        groups = grad.shape[-3] // like.shape[-3]
+        grad = grad.unflatten(-3, (like.shape[-3], groups)).sum(-3)
+    return grad.sum_to_size(like.shape)
+
+
+def _scores(q, k, qpos, kpos, mask, causal: bool, scale: float) -> torch.Tensor:
+    """``q k^T * scale`` of one block with its masks applied (``-inf`` where a key is not attended)."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        block = mask if mask.shape[-1] == 1 else mask.index_select(-1, kpos)
+        s = s.masked_fill(~block, float("-inf")) if block.dtype == torch.bool else s + block.to(s.dtype)
+    if causal:
+        s = s.masked_fill(qpos[:, None] < kpos[None, :], float("-inf"))
+    return s
+
+
+class _Online:
+    """The online softmax of one rank's queries: running row max, row sum and weighted value sum."""
+
+    def __init__(self) -> None:
+        self.m = self.l = self.acc = None  # shaped by the first block (this rank's own, never skipped)
+
+    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
+        if self.m is None:
+            self.m, self.l = s.new_full(s.shape[:-1], float("-inf")), s.new_zeros(s.shape[:-1])
+            self.acc = s.new_zeros(*s.shape[:-1], v.shape[-1])
+        m = torch.maximum(self.m, s.amax(-1))
+        safe = m.masked_fill(m == float("-inf"), 0.0)  # rows with nothing attended yet: keep exp() at 0, not NaN
+        p = torch.exp(s - safe[..., None])
+        alpha = torch.exp(self.m - safe)
+        self.l = self.l * alpha + p.sum(-1)
+        self.acc = self.acc * alpha[..., None] + torch.matmul(p, v)
+        self.m = m
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output (zeros on fully masked rows) and the log-sum-exp (``-inf`` there)."""
+        empty = self.l == 0
+        out = self.acc / self.l.masked_fill(empty, 1.0)[..., None]
+        lse = (self.m + torch.log(self.l.masked_fill(empty, 1.0))).masked_fill(empty, float("-inf"))
+        return out, lse
+
+
+# --------------------------------------------------------------------------------------- forward, backward
+
+
+class _RingAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, op: RingAttention):
+        group, size, rank = op.ring_group(), op.size, op.rank
+        scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        qpos = op.layout[rank].to(q.device)
+        ring = _Ring(group, size, rank) if size > 1 else None
+        qf, state, block = q.to(_acc(q)), _Online(), (k, v)
+        for step in range(size):
+            src = (rank - step) % size
+            works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
+            kpos = op.layout[src].to(q.device)
+            if not op.skips(src):
+                state.add(_scores(qf, _heads(block[0], q), qpos, kpos, mask, op.causal, scale), _heads(block[1], q))
+            _wait(works)
+            block = tuple(incoming)
+        out, lse = state.result()
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.op, ctx.scale = op, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        op, scale = ctx.op, ctx.scale
+        size, rank = op.size, op.rank
+        ring = _Ring(op.ring_group(), size, rank) if size > 1 else None
+        qf, dof = q.to(_acc(q)), dout.to(_acc(q))
+        delta = (dof * out).sum(-1, keepdim=True)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))[..., None]  # fully masked rows: P = 0
+        qpos = op.layout[rank].to(q.device)
+        dmask = qf.new_zeros(mask.shape) if _mask_grad(ctx, mask) else None
+        dq = None
+        block, grads = (k, v), (qf.new_zeros(k.shape), qf.new_zeros(v.shape))
+        for step in range(size):
+            src = (rank - step) % size
+            works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
+            kpos = op.layout[src].to(q.device)
+            if not op.skips(src):
+                kf, vf = _heads(block[0], q), _heads(block[1], q)
+                p = torch.exp(_scores(qf, kf, qpos, kpos, mask, op.causal, scale) - lse)
+                ds = p * (torch.matmul(dof, vf.transpose(-2, -1)) - delta)
+                dq = torch.matmul(ds, kf) * scale + (0 if dq is None else dq)
+                grads = (grads[0] + _fold_heads(torch.matmul(ds.transpose(-2, -1), qf) * scale, block[0]),
+                         grads[1] + _fold_heads(torch.matmul(p.transpose(-2, -1), dof), block[1]))
+                if dmask is not None:
+                    _add_mask_grad(dmask, ds, kpos)
+            grad_works, grad_incoming = ring.shift(list(grads), _GRAD_TAG) if ring else ([], grads)
+            _wait(works)
+            _wait(grad_works)
+            block, grads = tuple(incoming), tuple(grad_incoming)
+        dmask = None if dmask is None else dmask.to(mask.dtype)
+        return dq.sum_to_size(q.shape).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dmask, None
+
+
+def _mask_grad(ctx, mask: torch.Tensor | None) -> bool:
+    return mask is not None and ctx.needs_input_grad[3] and mask.dtype != torch.bool
+
+
+def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, kpos: torch.Tensor) -> None:
+    """Add one block's score gradient to the float mask's gradient, at the block's key columns."""
+    if dmask.shape[-1] == 1:
+        dmask += ds.sum_to_size(dmask.shape)
+    else:
+        dmask.index_add_(-1, kpos, ds.sum_to_size(*dmask.shape[:-1], ds.shape[-1]))
