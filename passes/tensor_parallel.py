@@ -239,8 +239,11 @@ def _record(gm, plan, prop, columns, row, blocks, dropped) -> None:
             role = "row" if isinstance(placement, Shard) else "replicated"
             why = f"row of {closed}" if role == "row" else "bias added after the sum"
             plan.params[name] = ParamPlan(placement, role, why)
-    for c, why in dropped.items():
-        plan.notes.append(f"{meta.module_path(c) or c.name} kept replicated ({why}); each rank takes its heads")
+    for c, why in sorted(dropped.items(), key=lambda item: item[0].name):
+        where = meta.module_path(c) or c.name
+        plan.notes.append(f"{where} kept replicated ({why}); each rank takes its heads")
+        for name in filter(None, (_weight(c), _bias(c))):
+            plan.params[name] = ParamPlan(R, "replicated", f"heads duplicated in {closed}: each rank takes its share")
 
 
 def _is_attention(node: fx.Node) -> bool:
