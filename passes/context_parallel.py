@@ -150,13 +150,15 @@ def context_parallel_pass(
                      keep_outputs=keep_outputs)
     rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp")
     rw.extras["cp_plan"] = plan
-    tokens = _token_dependent(gm, set(plan.inputs))
     layout = [plan.positions(r) for r in range(plan.size)]
     style = AxisStyle(
         "cp",
         gather=lambda dim, blocks, **a: SequenceGather(dim=dim, blocks=blocks, layout=layout, **a),
         scatter=lambda dim, blocks, **a: SequenceScatter(dim=dim, blocks=blocks, layout=layout, **a),
-        needs_copy=lambda value: value in tokens,
+        # Every rank back-propagates only its own tokens' loss: the gradient of a value all cp ranks hold
+        # whole is a partial sum, summed where it matters (the gather's backward, the dp x cp reduction of
+        # parameter gradients). So no f is needed on this axis.
+        needs_copy=lambda value: False,
     )
     output = next(n for n in gm.graph.nodes if n.op == "output")
     gm.meta[PARTIAL_OUTPUT] = any(isinstance(prop.of(n), Partial) for n in output.all_input_nodes)
@@ -165,14 +167,6 @@ def context_parallel_pass(
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _token_dependent(gm: fx.GraphModule, inputs: set[str]) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.target in inputs or any(n in found for n in node.all_input_nodes):
-            found.add(node)
-    return found
 
 
 def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
@@ -248,13 +242,21 @@ class _Scatter(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
+    """Forward: every rank's tokens in natural order. Backward: sum the partial gradients, keep this rank's.
+
+    Each rank uses the gathered value with its own tokens (its queries, its positions), so the
+    gradients that come back differ per rank and are summed (a reduce-scatter in effect).
+    """
+
     @staticmethod
     def forward(ctx, x, dim, n, op):
-        ctx.dim, ctx.index = dim, op.index(n, rank=op.rank)
+        ctx.dim, ctx.index, ctx.group = dim, op.index(n, rank=op.rank), op.group
         return op.gather_parts(x.contiguous(), dim, n)
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
         return grad.index_select(ctx.dim, ctx.index.to(grad.device)), None, None, None
 
 
@@ -286,7 +288,9 @@ class _SequenceOp(nn.Module):
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         numel = int(torch.Size(input_shape).numel())
-        return (numel * elem_size * self.size, 0) if self.kind == "all_gather" else (0, 0)
+        if self.kind == "all_gather":  # forward gathers, backward all-reduces the gathered gradient
+            return numel * elem_size * self.size, numel * elem_size * self.size
+        return 0, 0
 
 
 class SequenceScatter(_SequenceOp):
@@ -299,9 +303,9 @@ class SequenceScatter(_SequenceOp):
 
 
 class SequenceGather(_SequenceOp):
-    """All-gathers every rank's tokens into the full sequence in natural order; backward keeps this rank's."""
+    """All-gathers every rank's tokens into the full sequence in natural order; backward sums, keeps this rank's."""
 
-    kind, backward_kind = "all_gather", "split"
+    kind, backward_kind = "all_gather", "all_reduce"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Gather.apply(x, self.dim, x.shape[self.dim] * self.size, self)

@@ -188,3 +188,36 @@ def bf16_losses(name: str, mesh_kwargs: dict) -> tuple[list[float], list[float]]
             opt.step()
         runs.append(losses)
     return runs[0], runs[1]
+
+
+class _CumulativeGPT(torch.nn.Module):
+    """A GPT whose block adds a running mean over the sequence: an op no cp rule knows (cumsum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import build
+
+        self.inner = build("gpt").model
+
+    def forward(self, idx):
+        h = self.inner.transformer.wte(idx)
+        h = h + torch.cumsum(h, dim=1) / torch.arange(1, idx.shape[1] + 1).view(1, -1, 1)
+        for block in self.inner.transformer.h:
+            h = block(h)
+        return self.inner.lm_head(self.inner.transformer.ln_f(h))
+
+
+def token_mixing_op(cp: int) -> tuple[bool, list[str]]:
+    """cumsum over the sequence under cp: gathered first, with a warning; the result stays exact."""
+    import warnings
+
+    from models import build
+
+    torch.manual_seed(0)
+    model = _CumulativeGPT()
+    case = build("gpt")
+    mesh = autoshard.Mesh(cp=cp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = autoshard.verify(model, mesh, case.inputs, case.loss_fn, target=case.target, groups=groups_for(mesh))
+    return report.ok, [str(w.message) for w in caught if "cp sharding rule" in str(w.message)]

@@ -38,3 +38,34 @@ def test_explain_counts_the_key_value_gathers(pools):
     report = pools.get(2).run(golden.explain, "gpt", {"cp": 2})[0]
     assert "cp forward  all_gather x4" in report, report  # keys and values of 2 layers
     assert "cp backward all_reduce x4" in report, "their gradients are summed over the cp ranks"
+
+
+def test_an_op_that_mixes_tokens_is_gathered_with_a_warning(pools):
+    for ok, messages in pools.get(2).run(golden.token_mixing_op, 2):
+        assert ok
+        assert any("aten.cumsum" in m and "gathered" in m for m in messages), messages
+
+
+def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
+    from autoshard.capture import capture
+    from autoshard.passes.context_parallel import ContextParallelError, plan_context_parallel
+
+    from models import build
+
+    case = build("gpt")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    message = r"length 16, which does not split into 2 x cp = 6 chunks.*\[1, 2, 4, 8\]"
+    with pytest.raises(ContextParallelError, match=message):
+        plan_context_parallel(captured.gm, 3, load_balance=True)
+
+
+def test_a_model_without_a_sequence_says_so():
+    from autoshard.capture import capture
+    from autoshard.passes.context_parallel import ContextParallelError, plan_context_parallel
+
+    from models import build
+
+    case = build("mlp")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    with pytest.raises(ContextParallelError, match="sequence dim could not be found"):
+        plan_context_parallel(captured.gm, 2)

@@ -286,7 +286,13 @@ class ParallelModel(nn.Module):
             dist.all_gather_object(everyone, {t: v.detach() if v is not None else None for t, v in mine.items()},
                                    group=self.groups.group("pp"))
             mine = {t: v for part in everyone for t, v in part.items()}
-        return {name: mine[target] for target, names in self._names().items() for name in names}
+        # A parameter the graph never reads is held by no program: report the model's own (never trained) tensor.
+        own = dict(self.model.named_parameters(remove_duplicate=False))
+        return {
+            name: mine[target] if target in mine else (read(own[name]) if read(own[name]) is not None else None)
+            for target, names in self._names().items()
+            for name in names
+        }
 
     def _gather(self, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
         placement = self.plan.params[target].placement if self.plan is not None else None
