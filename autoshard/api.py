@@ -40,6 +40,7 @@ def parallelize(
     cp_load_balance: bool = False,
     mixed_precision: str | None = None,
     activation_checkpointing: bool = False,
+    tp_plan=None,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -69,6 +70,8 @@ def parallelize(
         cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
         mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
         activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
+        tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
+            printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -107,6 +110,7 @@ def parallelize(
         cp_load_balance=cp_load_balance,
         mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing,
+        tp_plan=tp_plan,
         timeout=timeout,
     )
 

@@ -221,3 +221,48 @@ def token_mixing_op(cp: int) -> tuple[bool, list[str]]:
         warnings.simplefilter("always")
         report = autoshard.verify(model, mesh, case.inputs, case.loss_fn, target=case.target, groups=groups_for(mesh))
     return report.ok, [str(w.message) for w in caught if "cp sharding rule" in str(w.message)]
+
+
+class _OddMLP(torch.nn.Module):
+    """column -> an op no rule knows (cumsum over the hidden features) -> row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(12, 32)
+        self.down = torch.nn.Linear(32, 12)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(torch.relu(self.up(x)), dim=-1) / 32)
+
+
+def forced_tp_plan(tp: int) -> tuple[bool, list[str], str]:
+    """A user's plan that shards through an op without a rule: gathered, warned, exact."""
+    import warnings
+
+    from autoshard.passes.placements import R, Shard
+    from autoshard.plan import ParamPlan, TensorParallelPlan
+
+    torch.manual_seed(0)
+    model = _OddMLP()
+    x, t = torch.randn(4, 12), torch.randn(4, 12)
+    plan = TensorParallelPlan(tp, {
+        "model.up.weight": ParamPlan(Shard(0), "column", "by hand"),
+        "model.up.bias": ParamPlan(Shard(0), "column", "by hand"),
+        "model.down.weight": ParamPlan(Shard(1), "row", "by hand"),
+        "model.down.bias": ParamPlan(R, "replicated", ""),
+    })
+    plan = TensorParallelPlan.from_json(plan.to_json())
+    mesh = autoshard.Mesh(tp=tp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = autoshard.verify(model, mesh, (x,), _mse, target=t, groups=groups_for(mesh), tp_plan=plan)
+    return report.ok, [str(w.message) for w in caught if "sharding rule" in str(w.message)], str(report)
+
+
+def timeline(name: str, mesh_kwargs: dict, **options) -> str:
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    pm.step(*case.inputs, target=case.target)
+    return pm.timeline()

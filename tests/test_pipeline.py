@@ -45,3 +45,10 @@ def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
 def test_too_few_microbatches_warn_about_the_bubble(pools):
     messages = pools.get(2).run(golden.warnings_of, "gpt", {"pp": 2}, microbatches=1)[0]
     assert any("m=1 < pp=2: the pipeline never fills, the bubble is 50.0%" in m for m in messages), messages
+
+
+def test_the_last_steps_timeline_is_recorded(pools):
+    lines = pools.get(2).run(golden.timeline, "gpt", {"pp": 2}, microbatches=4, schedule="1f1b")
+    assert lines[0].startswith("pp rank 0: ") and "(the schedule alone: 20%)" in lines[0]
+    assert "0F0@" in lines[0] and "0B3@" in lines[0]
+    assert "1F0@" in lines[1], "rank 1 runs stage 1"

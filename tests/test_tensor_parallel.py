@@ -30,3 +30,9 @@ def test_a_model_without_blocks_runs_replicated_with_a_warning(pools):
     for messages, ok in pools.get(2).run(golden.no_blocks, 2):
         assert ok
         assert any("found no block to split over tp=2 in _NoBlocks" in m for m in messages), messages
+
+
+def test_an_op_without_a_rule_is_gathered_with_a_warning_and_stays_exact(pools):
+    for ok, messages, report in pools.get(2).run(golden.forced_tp_plan, 2):
+        assert ok, report
+        assert any("no tp sharding rule for aten.cumsum.default" in m and "golden.py" in m for m in messages), messages

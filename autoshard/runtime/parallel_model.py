@@ -107,6 +107,7 @@ class ParallelModel(nn.Module):
         cp_load_balance: bool = False,
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
+        tp_plan: TensorParallelPlan | None = None,
         timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     ) -> None:
         super().__init__()
@@ -116,7 +117,9 @@ class ParallelModel(nn.Module):
         self.microbatches = microbatches
         self.local_batch = local_batch
         self.tp_indivisible = tp_indivisible
-        self.plan: TensorParallelPlan | None = None
+        if tp_plan is not None and tp_plan.size != mesh.tp:
+            raise ValueError(f"the tp plan was made for tp={tp_plan.size}, the mesh has tp={mesh.tp}")
+        self.plan: TensorParallelPlan | None = tp_plan
         self.cp_plan: ContextParallelPlan | None = None
         self.cp_attention = cp_attention
         self.cp_load_balance = cp_load_balance
@@ -253,6 +256,13 @@ class ParallelModel(nn.Module):
         from autoshard.runtime import state
 
         state.load_checkpoint(self, path)
+
+    def timeline(self) -> str:
+        """Under pipeline parallelism: the last step's actions on this rank as they ran, with the measured idle
+        share next to the schedule's simulated bubble."""
+        if self.pipeline is None:
+            raise ValueError("timeline() describes a pipeline: this model has pp=1")
+        return self.pipeline.timeline()
 
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""

@@ -107,6 +107,21 @@ class Pipeline:
             dist.broadcast(tensor, src=owner, group=self.groups.group("pp"))
         return flat_out
 
+    def timeline(self) -> str:
+        """This rank's last step as it ran: compute actions with their times, and the measured idle share."""
+        if self.executor is None or not self.executor.records:
+            return "no pipeline step has run yet"
+        records = self.executor.records
+        start = records[0].start
+        span = records[-1].end - start
+        busy = sum(r.end - r.start for r in records if r.action.is_compute)
+        sim = schedules.simulate(self.actions, self.p, self.v)
+        head = (f"pp rank {self.pp_index}: {len(records)} actions in {span * 1e3:.1f} ms, computing "
+                f"{busy / span:.0%} of it; idle {1 - busy / span:.0%} (the schedule alone: {sim.bubble:.0%})")
+        cells = [f"{r.action}@{(r.start - start) * 1e3:.1f}-{(r.end - start) * 1e3:.1f}ms"
+                 for r in records if r.action.is_compute]
+        return head + "\n  " + " ".join(cells)
+
     def sum_tied_gradients(self, store: codegen.ParamStore) -> None:
         for name, ranks in self.tied.items():
             if self.pp_index not in ranks:
