@@ -266,3 +266,26 @@ def timeline(name: str, mesh_kwargs: dict, **options) -> str:
                                target=case.target, groups=groups_for(mesh), **options)
     pm.step(*case.inputs, target=case.target)
     return pm.timeline()
+
+
+def meta_then_checkpoint(name: str, mesh_kwargs: dict, path: str) -> dict:
+    """A model built on meta compiles, allocates only its shards, loads a checkpoint and trains exactly."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    groups = groups_for(mesh)
+    saver = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                  target=case.target, groups=groups)
+    saver.save_checkpoint(path)
+    meta_case = build(name, device="meta")
+    pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=meta_case.inputs, loss_fn=case.loss_fn,
+                               target=meta_case.target, groups=groups)
+    allocated = pm.materialize("cpu")
+    pm.load_checkpoint(path)
+    reference = build(name).model
+    loss = pm.step(*case.inputs, target=case.target)
+    ref_loss = case.loss_fn(reference(*case.inputs), case.target)
+    ref_loss.backward()
+    grads = pm.gradients()
+    worst = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    full = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "allocated": allocated, "full": full}

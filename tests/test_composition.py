@@ -59,3 +59,10 @@ def test_activation_checkpointing_changes_nothing(pools, mesh, options):
 def test_bf16_autocast_trains_close_to_fp32(pools):
     for fp32, bf16 in pools.get(2).run(golden.bf16_losses, "gpt", {"tp": 2}):
         assert all(abs(a - b) < 3e-2 for a, b in zip(fp32, bf16, strict=True)), (fp32, bf16)
+
+
+def test_a_model_built_on_meta_allocates_its_shards_and_loads_a_checkpoint(pools, tmp_path):
+    results = pools.get(2).run(golden.meta_then_checkpoint, "gpt", {"tp": 2}, str(tmp_path / "ckpt"))
+    for result in results:
+        assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
+        assert result["allocated"] < 0.6 * result["full"], "each rank holds about half of the parameters"

@@ -264,6 +264,12 @@ class ParallelModel(nn.Module):
             raise ValueError("timeline() describes a pipeline: this model has pp=1")
         return self.pipeline.timeline()
 
+    def materialize(self, device="cpu", *, buffers=None) -> int:
+        """For a model built on ``meta``: allocate only this rank's shards on ``device`` (then load a checkpoint)."""
+        from autoshard.runtime import state
+
+        return state.materialize(self, device, buffers=buffers)
+
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""
         from autoshard.explain import explain

@@ -182,3 +182,68 @@ def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
             return dim
     return 0
 
+
+
+# ---------------------------------------------------------------------------------------- materialising
+
+
+def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, torch.Tensor] | None = None) -> int:
+    """Give a model built on ``meta`` real storage: this rank's shards only, then fill them (a checkpoint).
+
+    Every parameter this rank holds becomes an uninitialised tensor of its local shape on ``device``;
+    the captured programs are rebound to them, and the devices baked into their graphs (``arange(...,
+    device=meta)``) are rewritten. Buffers are parameter-free state the compiler cannot invent: give the
+    ones the programs read in ``buffers`` (by their names in the model) unless the model has none on
+    ``meta``. Returns the bytes allocated for parameters. Call ``load_checkpoint`` next.
+    """
+    device = torch.device(device)
+    store = pm.replica.store
+    allocated = 0
+    for target, param in list(store.named_parameters()):
+        if param.device == device:
+            continue
+        fresh = torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), param.requires_grad)
+        allocated += fresh.numel() * fresh.element_size()
+        owner, _, attr = target.rpartition(".")
+        setattr(store.get_submodule(owner) if owner else store, attr, fresh)
+    for gm in _programs(pm):
+        store.adopt(gm)
+        _materialize_buffers(gm, device, buffers or {})
+        _rewrite_devices(gm, device)
+    return allocated
+
+
+def _programs(pm) -> list:
+    gms = []
+    for program in pm._train.values():
+        gms += [r.program.gm for r in program.runners.values()] if program.runners else [program.gm]
+    for _, built in pm._infer.values():
+        gms += [p.gm for p in built.values()] if isinstance(built, dict) else [built.gm]
+    return gms
+
+
+def _materialize_buffers(gm, device: torch.device, given: dict[str, torch.Tensor]) -> None:
+    from autoshard.capture import MODEL_PREFIX
+
+    for name, buffer in list(gm.named_buffers()):
+        if buffer.device == device:
+            continue
+        original = name.removeprefix(MODEL_PREFIX)
+        if original not in given:
+            raise ValueError(
+                f"buffer {original} of the model is on {buffer.device} and the programs read it: pass its value, "
+                f"materialize(buffers={{'{original}': tensor}})"
+            )
+        owner, _, attr = name.rpartition(".")
+        (gm.get_submodule(owner) if owner else gm).register_buffer(attr, given[original].to(device), persistent=False)
+
+
+def _rewrite_devices(gm, device: torch.device) -> None:
+    """Nodes that create tensors carry the device they were captured on; point them at ``device``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        gm.recompile()
