@@ -26,6 +26,7 @@ def worker() -> None:
 
     sys.path.insert(0, str(ROOT / "tests"))
     import autoshard
+
     from models import build_gpt_model, token_loss
 
     torch.set_num_threads(1)
