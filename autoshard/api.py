@@ -41,6 +41,7 @@ def parallelize(
     mixed_precision: str | None = None,
     activation_checkpointing: bool = False,
     tp_plan=None,
+    data_parallel: str = "ddp",
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -72,6 +73,8 @@ def parallelize(
         activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
         tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
             printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
+        data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
+            ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded).
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -111,6 +114,7 @@ def parallelize(
         mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing,
         tp_plan=tp_plan,
+        data_parallel=data_parallel,
         timeout=timeout,
     )
 

@@ -55,7 +55,10 @@ def test_training_graph_is_captured_at_the_first_step_without_example_target():
     case = build("mlp")
     pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, microbatches=4)
     assert "none yet" in pm.explain()
+    with pytest.raises(ValueError, match="pass an example target=... to autoshard.parallelize"):
+        torch.optim.SGD(pm.parameters(), lr=0.1)
     pm.step(*case.inputs, target=case.target)
+    assert len(list(pm.parameters())) == 6
     assert "training  2x20, 2x24:" in pm.explain(), "captured at the microbatch shape"
 
 

@@ -66,3 +66,19 @@ def test_a_model_built_on_meta_allocates_its_shards_and_loads_a_checkpoint(pools
     for result in results:
         assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
         assert result["allocated"] < 0.6 * result["full"], "each rank holds about half of the parameters"
+
+
+@pytest.mark.parametrize("mesh,world", [({"dp": 2}, 2), ({"dp": 2, "tp": 2}, 4), ({"dp": 2, "cp": 2}, 4)],
+                         ids=["dp2", "dp2xtp2", "dp2xcp2"])
+def test_golden_fully_sharded_data_parallel(pools, mesh, world):
+    results = pools.get(world).run(golden.golden, "gpt", mesh, microbatches=2, data_parallel="fsdp")
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_fsdp_clipping_and_adamw_match_the_unsharded_model(pools):
+    for result in pools.get(4).run(golden.clipped_adamw, "gpt", {"dp": 2, "tp": 2}, microbatches=2,
+                                   data_parallel="fsdp"):
+        for norm, expected in result["norms"]:
+            assert abs(norm - expected) <= 1e-5 * expected, result["norms"]
+        assert result["worst"] < 1e-5

@@ -74,8 +74,11 @@ class _Replica(nn.Module):
     def __init__(self, store: codegen.ParamStore) -> None:
         super().__init__()
         self.store = store
+        self.sharded_data = False
 
     def forward(self, gm: fx.GraphModule, *args):
+        if self.sharded_data:  # fully_shard swaps the store's parameters: point the program at the current ones
+            self.store.adopt(gm)
         return gm(*args)
 
 
@@ -108,6 +111,7 @@ class ParallelModel(nn.Module):
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
         tp_plan: TensorParallelPlan | None = None,
+        data_parallel: str = "ddp",
         timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     ) -> None:
         super().__init__()
@@ -126,6 +130,14 @@ class ParallelModel(nn.Module):
         if mixed_precision not in (None, "bf16"):
             raise ValueError(f"mixed_precision={mixed_precision!r}: use None (fp32) or 'bf16' (bfloat16 autocast)")
         self.mixed_precision = mixed_precision
+        if data_parallel not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"data_parallel={data_parallel!r}: use 'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp)"
+            )
+        if data_parallel == "fsdp" and mesh.pp > 1:
+            raise NotImplementedError(f"{mesh}: sharded data parallelism ('fsdp') does not run with pipeline "
+                                      "parallelism yet; use data_parallel='ddp' or pp=1")
+        self.data_parallel = data_parallel
         self.activation_checkpointing = activation_checkpointing
         self.replica = _Replica(codegen.ParamStore())
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
@@ -204,10 +216,22 @@ class ParallelModel(nn.Module):
             captured = capture(self.model, inputs, training=self.model.training)
             self._infer[key] = (captured, self._build(captured))
         captured, program = self._infer[key]
+        if self.pipeline is None and self.data_parallel == "fsdp" and self.mesh.dp * self.mesh.cp > 1:
+            flat = self._replicated()(program.gm, *pytree.tree_leaves(self._cp_local(captured, inputs)))
+            return pytree.tree_unflatten(list(flat), program.out_spec)  # FSDP2 gathers the parameters around it
         if self.pipeline is None:
             return program(*self._cp_local(captured, inputs))
         _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
         return pytree.tree_unflatten(flat, captured.gm._out_spec)
+
+    def parameters(self, recurse: bool = True):
+        """This rank's parameters (its shards), for any torch optimizer."""
+        if not self._train and not self._infer:
+            raise ValueError(
+                "nothing is captured yet, so this rank holds no parameters: pass an example target=... to "
+                "autoshard.parallelize (the training graph is then captured at once), or run pm.step() first"
+            )
+        return super().parameters(recurse)
 
     def code(self, rank: int | None = None) -> str:
         """The Python code of the graph module that ``rank`` runs (this rank by default)."""
@@ -311,6 +335,8 @@ class ParallelModel(nn.Module):
         }
 
     def _gather(self, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
+        if local is not None and hasattr(local, "full_tensor"):  # sharded over dp x cp by FSDP2
+            local = local.full_tensor()
         placement = self.plan.params[target].placement if self.plan is not None else None
         if local is None or not isinstance(placement, Shard):
             return local
@@ -370,6 +396,8 @@ class ParallelModel(nn.Module):
                 count_gm = token_count_graph(captured.gm, token_loss)
                 sum_loss_pass(captured.gm, token_loss)
             built = self._build(captured)
+            if self.data_parallel == "fsdp" and self.mesh.dp * self.mesh.cp > 1:
+                self._fully_sharded()  # now, so that an optimizer built next holds the sharded parameters
             if self.pipeline is None:
                 copies = self.mesh.cp if self.mesh.cp > 1 and not _returns_partial(built.gm) else 1
                 self._train[key] = TrainProgram(captured, built, token_loss, count_gm, cp_copies=copies)
@@ -384,6 +412,8 @@ class ParallelModel(nn.Module):
         """The replica, wrapped by DDP over the dp group when there is more than one dp rank."""
         if self.mesh.dp * self.mesh.cp == 1:
             return self.replica
+        if self.data_parallel == "fsdp":
+            return self._fully_sharded()
         if self._ddp is None:
             group = self.groups.group("data")
             self._ddp = DistributedDataParallel(
@@ -395,12 +425,28 @@ class ParallelModel(nn.Module):
             self._ddp.register_comm_hook(group, _sum_hook)
         return self._ddp
 
+    def _fully_sharded(self) -> nn.Module:
+        """The replica under PyTorch's FSDP2 over dp x cp: parameters, gradients and optimizer state sharded."""
+        if not self.replica.sharded_data:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(self.groups.group("data"), "cpu")
+            fully_shard(self.replica, mesh=mesh, reshard_after_forward=True)
+            self.replica.set_gradient_divide_factor(1.0)  # losses are normalised globally: gradients are sums
+            self.replica.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+            self.replica.sharded_data = True
+        return self.replica
+
     def _has_unused_parameters(self) -> bool:
         gm = next(iter(self._train.values())).gm
         used = {id(_attribute(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
         return any(id(p) not in used for p in self.replica.parameters())
 
     def _sync(self, last: bool):
+        if self.replica.sharded_data:
+            self.replica.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         if self._ddp is None or last:
             return contextlib.nullcontext()
         return self._ddp.no_sync()
