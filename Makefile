@@ -25,7 +25,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) bench/run.py
+	$(PY) bench/run.py && $(PY) bench/collect.py
 
 lint: setup
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard passes tests examples bench

@@ -10,8 +10,8 @@
 2. Compile time. ``autoshard.capture`` of Llama-style shapes up to Llama-2-70B on the ``meta`` device,
    each in a fresh process, with its peak RSS (``bench/compile_time.py``).
 
-Writes ``bench/results.md`` and prints the same tables. On a shared machine other processes' work would
-be timed too: before each measurement the runner waits (up to ``--quiet-wait`` seconds) for the cores to
+Writes ``bench/results_run.md`` (gathered into bench/results.md by bench/collect.py) and prints the same
+tables. On a shared machine other processes' work would be timed too: before each measurement the runner waits (up to ``--quiet-wait`` seconds) for the cores to
 go idle, repeats a measurement during which other processes took a noticeable share of the CPU (within
 the first ``--patience`` seconds of the run), and notes in the results any that stayed disturbed.
 """
@@ -253,7 +253,7 @@ def main() -> None:
                         help="times to repeat a step-time job during which other processes used the CPU")
     parser.add_argument("--patience", type=float, default=120,
                         help="seconds into the run after which it neither waits for quiet nor repeats a job")
-    parser.add_argument("--output", type=Path, default=BENCH / "results.md")
+    parser.add_argument("--output", type=Path, default=BENCH / "results_run.md")
     args = parser.parse_args()
     start = time.perf_counter()
     args.deadline = time.monotonic() + args.patience
