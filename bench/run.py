@@ -11,9 +11,10 @@
    each in a fresh process, with its peak RSS (``bench/compile_time.py``).
 
 Writes ``bench/results_run.md`` (gathered into bench/results.md by bench/collect.py) and prints the same
-tables. On a shared machine other processes' work would be timed too: before each measurement the
-runner waits (up to ``--quiet-wait`` seconds) for the cores to go idle, repeats a measurement during which other processes took a noticeable share of the CPU (within
-the first ``--patience`` seconds of the run), and notes in the results any that stayed disturbed.
+tables. On a shared machine other processes' work would be timed too: before each measurement the runner waits
+(up to ``--quiet-wait`` seconds) for the cores to go idle, repeats a measurement during which other processes
+took a noticeable share of the CPU (within the first ``--patience`` seconds of the run), and notes in the
+results any that stayed disturbed.
 """
 
 from __future__ import annotations
