@@ -39,19 +39,19 @@ With ``size == 1`` the same blockwise computation runs on the one local block an
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd.function import once_differentiable
+
+from autoshard.passes.collectives import _ParallelOp
 
 _KV_TAG, _GRAD_TAG = 71, 72  # p2p tags of the key/value blocks and of their travelling gradients
 
 
-class RingAttention(nn.Module):
+class RingAttention(_ParallelOp):
     """``softmax(q k^T * scale + mask) v`` of this rank's queries over the full sequence, keys passed on a ring.
 
     ``layout[r]`` holds the global token positions of cp rank ``r`` in its local order (all of one length);
@@ -62,9 +62,7 @@ class RingAttention(nn.Module):
 
     def __init__(self, *, causal: bool, scale: float | None, layout: list[torch.Tensor], group, size: int,
                  rank: int) -> None:
-        super().__init__()
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"RingAttention: rank {rank} is not in a cp group of size {size}")
+        super().__init__(group=group, size=size, rank=rank)
         if len(layout) != size:
             raise ValueError(f"RingAttention: the layout has {len(layout)} ranks' positions, the cp group {size}")
         lengths = {len(p) for p in layout}
@@ -72,9 +70,7 @@ class RingAttention(nn.Module):
             raise ValueError(f"RingAttention: every rank must hold as many tokens; the layout holds {sorted(lengths)}")
         self.causal, self.scale = bool(causal), scale
         self.layout = [torch.as_tensor(p, dtype=torch.long).cpu() for p in layout]
-        self.group, self.size, self.rank = group, size, rank
         self.seq_len = sum(len(p) for p in self.layout)
-        self._checked = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,20 +96,7 @@ class RingAttention(nn.Module):
 
     def ring_group(self):
         """The group to exchange blocks over, or None when there is no ring (size 1)."""
-        if self.size == 1:
-            return None
-        if self.group is None:
-            raise RuntimeError(
-                f"RingAttention({self.extra_repr()}): this graph was built for inspection: it has no process "
-                f"group, so it cannot run on {self.size} cp ranks. Build it with the groups of a launched mesh."
-            )
-        if not self._checked:
-            actual = (dist.get_world_size(self.group), dist.get_rank(self.group))
-            if actual != (self.size, self.rank):
-                raise RuntimeError(f"RingAttention({self.extra_repr()}) was built for rank {self.rank} of "
-                                   f"{self.size}, but runs as rank {actual[1]} of a group of {actual[0]}")
-            self._checked = True
-        return self.group
+        return self._run_group()
 
     def skips(self, src: int) -> bool:
         """Whether rank ``src``'s block adds nothing here: causal, and every key after every query (host check)."""
@@ -134,19 +117,6 @@ class RingAttention(nn.Module):
             return 0, 0
         block, hops = int(torch.Size(input_shape).numel()), self.size - 1
         return 2 * block * elem_size * hops, 2 * block * (elem_size * hops + max(elem_size, 4) * self.size)
-
-    def __deepcopy__(self, memo: dict) -> RingAttention:
-        # A process group is a handle on live communicators, not a value: copies share it.
-        if self.group is not None:
-            memo[id(self.group)] = self.group
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
-
-
-# ------------------------------------------------------------------------------------------------- the ring
-
 
 class _Ring:
     """Shifts tensors one step around the cp ring: send to ``rank + 1``, receive from ``rank - 1``."""
