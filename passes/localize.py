@@ -183,5 +183,5 @@ def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
 
 
 def _vocab_range(vocab: int, rw: Rewriter) -> tuple[int, int]:
-    per_rank = vocab // rw.size
+    per_rank = -(-vocab // rw.size)  # padded up when the degree does not divide the vocabulary
     return rw.rank * per_rank, (rw.rank + 1) * per_rank

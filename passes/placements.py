@@ -7,6 +7,10 @@
   whole heads of q, of k and of v.
 - ``Partial()``: every rank holds a summand; the value is the sum over ranks (a row-parallel matmul).
 
+A dim that the degree does not divide (a vocabulary of 50257 over 2 ranks) is padded up to a multiple:
+every rank holds ceil(n/size) entries and the last one's tail is padding, masked out where it matters
+(the vocab-parallel embedding never looks it up, the cross-entropy excludes it, a gather drops it).
+
 Placements are plain frozen data, printed as ``R``, ``S(2)``, ``S(2, blocks=(48, 48, 48))``, ``P``.
 """
 
@@ -47,7 +51,7 @@ def local_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tupl
     if not isinstance(placement, Shard):
         return tuple(shape)
     out = list(shape)
-    out[placement.dim] //= size
+    out[placement.dim] = -(-out[placement.dim] // size)  # a dim the degree does not divide is padded up
     return tuple(out)
 
 

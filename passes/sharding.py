@@ -69,12 +69,25 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
         src = R
     if isinstance(src, Shard) and src != dst:
         make = lambda a, s=src: style.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
+        full = value.meta["val"].shape[src.dim]
         value = rw.cached(value, f"gather{src.dim}", make, consumer)
+        if full % rw.size:  # a padded dim: drop the padding the last rank held
+            value = _trim(rw, value, src.dim, full, consumer)
         src = R
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         make = lambda a, d=dst: style.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
         value = rw.cached(value, f"split{dst.dim}", make, consumer)
     return rw.current(value)
+
+
+def _trim(rw, value: fx.Node, dim: int, size: int, consumer: fx.Node) -> fx.Node:
+    key = (value, f"trim{dim}")
+    if key not in rw._cache:
+        with rw.gm.graph.inserting_before(consumer):
+            node = rw.gm.graph.call_function(torch.ops.aten.slice.Tensor, (value, dim, 0, size))
+        node.meta.update(value.meta)
+        rw._cache[key] = node
+    return rw._cache[key]
 
 
 def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:

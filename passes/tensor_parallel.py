@@ -150,7 +150,7 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
             seeds.update(_column_seeds(c, blocks[c]))
         if row is not None:
             seeds.update(_row_seeds(row))
-        problem = _width_problem(gm, live, blocks, plan.size)
+        problem = _width_problem(gm, live, blocks, plan.size, lone=row is None)
         prop = propagate(gm, seeds, plan.size, base=state)
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
@@ -172,7 +172,10 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
     return state
 
 
-def _width_problem(gm, columns, blocks, size) -> tuple[fx.Node, str] | None:
+def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx.Node, str] | None:
+    """A column whose output features the degree does not divide (a lone column's are padded instead)."""
+    if lone:
+        return None
     for c in columns:
         out_dim = _LINEARS[c.target][2]
         width = gm.get_parameter(_weight(c)).shape[out_dim]
@@ -269,13 +272,11 @@ def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[st
         if w.op != "get_attr" or w.target not in params or not _is_input(ids) or w.target in plan.params:
             continue
         vocab = gm.get_parameter(w.target).shape[0]
-        if vocab % plan.size:
-            plan.notes.append(f"vocab {vocab} of {w.target} does not divide over {plan.size} ranks: kept replicated")
-            continue
         prop = propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
         new, old = cost(prop, prop.changed), cost(state, prop.changed)
         if new[0] <= old[0] and new[1] <= old[1]:
-            plan.params[w.target] = ParamPlan(Shard(0), "vocab", "token embedding: vocab-parallel lookup")
+            padded = f", padded from {vocab} to {-(-vocab // plan.size) * plan.size} rows" if vocab % plan.size else ""
+            plan.params[w.target] = ParamPlan(Shard(0), "vocab", f"token embedding: vocab-parallel lookup{padded}")
             state = prop
     return state
 
@@ -304,7 +305,18 @@ def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -
         if not isinstance(p.placement, Shard) or name not in present:
             continue
         full = gm.get_parameter(name)
-        index = local_indices(full.shape[p.placement.dim], rank, plan.size, p.placement.blocks).to(full.device)
-        local = torch.nn.Parameter(full.detach().index_select(p.placement.dim, index), full.requires_grad)
+        padded = _pad(full.detach(), p.placement.dim, plan.size)
+        index = local_indices(padded.shape[p.placement.dim], rank, plan.size, p.placement.blocks).to(full.device)
+        local = torch.nn.Parameter(padded.index_select(p.placement.dim, index), full.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, attr, local)
+
+
+def _pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` with zeros appended along ``dim`` up to a multiple of ``size`` (a padded vocabulary)."""
+    extra = -tensor.shape[dim] % size
+    if not extra:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = extra
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)

@@ -289,3 +289,22 @@ def meta_then_checkpoint(name: str, mesh_kwargs: dict, path: str) -> dict:
     worst = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     full = sum(p.numel() * p.element_size() for p in reference.parameters())
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "allocated": allocated, "full": full}
+
+
+def odd_vocab(name: str, vocab: int, mesh_kwargs: dict) -> dict:
+    """A vocabulary the tp degree does not divide (GPT-2's 50257): padded shards, exact results."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from models import HIDDEN, MAX_POS, N_HEAD, N_LAYER, build_gpt_model, hf_token_loss, token_data, token_loss
+
+    torch.manual_seed(0)
+    if name == "hf_gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=N_LAYER, n_head=N_HEAD,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, loss_fn = GPT2LMHeadModel(cfg), hf_token_loss
+    else:
+        model, loss_fn = build_gpt_model(vocab=vocab), token_loss
+    tokens, target = token_data(torch.Generator().manual_seed(1), vocab=vocab)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (tokens,), loss_fn, target=target, groups=groups_for(mesh))
+    return {"ok": report.ok, "report": str(report)}

@@ -36,3 +36,10 @@ def test_an_op_without_a_rule_is_gathered_with_a_warning_and_stays_exact(pools):
     for ok, messages, report in pools.get(2).run(golden.forced_tp_plan, 2):
         assert ok, report
         assert any("no tp sharding rule for aten.cumsum.default" in m and "golden.py" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("name,vocab,tp", [("gpt", 81, 2), ("gpt", 81, 4), ("hf_gpt2", 50257, 2)],
+                         ids=["gpt-vocab81-tp2", "gpt-vocab81-tp4", "hf_gpt2-vocab50257-tp2"])
+def test_a_vocabulary_the_degree_does_not_divide_is_padded_exactly(pools, name, vocab, tp):
+    for rank, result in enumerate(pools.get(tp).run(golden.odd_vocab, name, vocab, {"tp": tp})):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"

@@ -14,7 +14,7 @@ from autoshard.passes.placements import R, Shard
 from autoshard.passes.tensor_parallel import TensorParallelError, plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 
-from models import build, build_llama_model, token_loss
+from models import build, build_gpt_model, build_llama_model, token_loss
 
 
 def _captured(name: str, batch: int = 2):
@@ -154,3 +154,15 @@ def test_seven_billion_shape_plans_on_meta_quickly():
     assert _roles(plan)["layers.1.self_attn.k_proj.weight"] == "column", "8 kv heads shard 8 ways"
     gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=3)).gm
     assert dict(gm.named_parameters())["model.layers.0.mlp.up_proj.weight"].shape == (11008 // 8, 4096)
+
+
+def test_a_vocabulary_the_degree_does_not_divide_is_padded_not_replicated():
+    model = build_gpt_model(vocab=81)
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    captured = capture(model, (tokens,), loss_fn=token_loss, example_target=tokens)
+    plan = plan_tensor_parallel(captured.gm, 2)
+    wte = plan.params["model.transformer.wte.weight"]
+    assert wte.role == "vocab" and "padded from 81 to 82 rows" in wte.reason
+    local = dict(codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=1)).gm.named_parameters())
+    assert local["model.transformer.wte.weight"].shape == (41, 48)
+    assert torch.equal(local["model.transformer.wte.weight"][-1], torch.zeros(48)), "the last row is padding"

@@ -343,7 +343,13 @@ class ParallelModel(nn.Module):
         group = self.groups.group("tp")
         parts = [torch.empty_like(local) for _ in range(self.mesh.tp)]
         dist.all_gather(parts, local.contiguous(), group=group)
-        return unshard(parts, placement.dim, placement.blocks)
+        full = unshard(parts, placement.dim, placement.blocks)
+        return full.narrow(placement.dim, 0, self.full_shape(target)[placement.dim])  # drop vocab padding
+
+    def full_shape(self, target: str) -> tuple[int, ...]:
+        """The shape of parameter ``target`` (its name in the captured graphs) in the original model."""
+        captured, _ = self._latest()
+        return tuple(captured.gm.get_parameter(target).shape)
 
     def _build(self, captured: Captured) -> codegen.RankProgram:
         if self.mesh.tp > 1 and self.plan is None:

@@ -69,12 +69,12 @@ def load_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
     if missing:
         raise KeyError(f"the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
     with torch.no_grad():
-        for _, name, param, placement in _entries(pm):
+        for target, name, param, placement in _entries(pm):
             full = state[name]
-            if tuple(full.shape) != _global_shape(param, placement, size):
+            if tuple(full.shape) != pm.full_shape(target):
                 raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
-                                 f"{_global_shape(param, placement, size)}")
-            local = shard(full, placement.dim, tp_rank, size, placement.blocks) if placement else full
+                                 f"{pm.full_shape(target)}")
+            local = _local_part(full, placement, tp_rank, size)
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
                 from torch.distributed.tensor import distribute_tensor
 
@@ -85,16 +85,18 @@ def load_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
             _set_buffer(pm.model, key, value)
 
 
+def _local_part(full: torch.Tensor, placement: Shard | None, rank: int, size: int) -> torch.Tensor:
+    """This tp rank's part of a full tensor (padded up first when the degree does not divide the dim)."""
+    if placement is None:
+        return full
+    from autoshard.passes.tensor_parallel import _pad
+
+    return shard(_pad(full, placement.dim, size), placement.dim, rank, size, placement.blocks)
+
+
 def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
     owner, _, attr = key.rpartition(".")
     getattr(model.get_submodule(owner) if owner else model, attr).copy_(value)
-
-
-def _global_shape(param: torch.Tensor, placement: Shard | None, size: int) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if placement is not None:
-        shape[placement.dim] *= size
-    return tuple(shape)
 
 
 # -------------------------------------------------------------------------------------------- checkpoints
@@ -113,7 +115,10 @@ def load_checkpoint(pm, path: str) -> None:
     view = _checkpoint_view(pm, for_load=True, metadata=metadata)
     dcp.load(view, checkpoint_id=path)
     with torch.no_grad():
-        for _, name, param, placement in _entries(pm):
+        for target, name, param, placement in _entries(pm):
+            if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+                param.copy_(_local_part(view[name], placement, pm.coord("tp"), pm.mesh.tp))
+                continue
             param.copy_(_assemble(pm, name, view, metadata, param, placement))
 
 
@@ -133,7 +138,12 @@ def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
     """
     mesh = _tp_mesh(pm)
     view = {}
-    for _, name, param, placement in _entries(pm):
+    for target, name, param, placement in _entries(pm):
+        if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+            # a padded shard's layout depends on the degree: write and read the tensor whole
+            view[name] = torch.empty(pm.full_shape(target), dtype=param.dtype) if for_load else pm._gather(
+                target, param.detach())
+            continue
         blocked_here = placement is not None and placement.blocks is not None
         saved = _saved_blocks(metadata, name) if for_load else None
         same_layout = not for_load or (saved is not None) == blocked_here
@@ -186,9 +196,7 @@ def _assemble(pm, name: str, view: dict, metadata, param: torch.Tensor, placemen
     if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
         return torch.cat(parts, placement.dim) if blocked_here else parts[0]
     full = torch.cat(parts, _block_dim(metadata, name, param)) if blocks else parts[0]
-    if placement is None:
-        return full
-    return shard(full, placement.dim, pm.coord("tp"), pm.mesh.tp, placement.blocks)
+    return _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
 
 
 def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
