@@ -155,7 +155,9 @@ def _cuts_at(order: list[fx.Node], candidates: list[int], starts: list[str], sta
         raise PartitionError(f"{stages} stages start at {stages - 1} modules after the first, got {len(starts)}")
     cuts = []
     for name in starts:
-        first = next((i for i, n in enumerate(order) if meta.module_path(n).startswith(name)), None)
+        # the model's own qualified names; the capture wrapper adds "model." in front of them
+        wanted = (name, f"model.{name}")
+        first = next((i for i, n in enumerate(order) if meta.module_path(n).startswith(wanted)), None)
         before = [c for c in candidates if first is not None and c < first]
         if not before:
             raise PartitionError(

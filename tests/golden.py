@@ -308,3 +308,20 @@ def odd_vocab(name: str, vocab: int, mesh_kwargs: dict) -> dict:
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(model, mesh, (tokens,), loss_fn, target=target, groups=groups_for(mesh))
     return {"ok": report.ok, "report": str(report)}
+
+
+def checkpoint_of_another_model(path: str) -> str:
+    """Loading a GPT checkpoint into a Llama-style model: a clear error before any collective."""
+    gpt = build("gpt")
+    mesh = autoshard.Mesh(tp=2)
+    pm = autoshard.parallelize(gpt.model, mesh, example_inputs=gpt.inputs, loss_fn=gpt.loss_fn, target=gpt.target,
+                               groups=groups_for(mesh))
+    pm.save_checkpoint(path)
+    llama = build("llama")
+    other = autoshard.parallelize(llama.model, mesh, example_inputs=llama.inputs, loss_fn=llama.loss_fn,
+                                  target=llama.target, groups=groups_for(mesh))
+    try:
+        other.load_checkpoint(path)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -17,7 +17,7 @@ MESHES = [
 
 
 @pytest.mark.parametrize("mesh,options", MESHES, ids=["x".join(f"{k}{v}" for k, v in m.items()) for m, _ in MESHES])
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "hf_gpt2", "hf_llama"])
 def test_golden_composed(pools, name, mesh, options):
     for rank, result in enumerate(pools.get(4).run(golden.golden, name, mesh, **options)):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
@@ -82,3 +82,8 @@ def test_fsdp_clipping_and_adamw_match_the_unsharded_model(pools):
         for norm, expected in result["norms"]:
             assert abs(norm - expected) <= 1e-5 * expected, result["norms"]
         assert result["worst"] < 1e-5
+
+
+def test_a_checkpoint_of_another_model_is_refused_clearly(pools, tmp_path):
+    for message in pools.get(2).run(golden.checkpoint_of_another_model, str(tmp_path / "gpt")):
+        assert "was not written for this model" in message and "embed_tokens.weight is missing" in message

@@ -71,3 +71,8 @@ def test_a_start_module_without_a_cut_before_it_is_refused():
     _, gm = _prepared("gpt")
     with pytest.raises(PartitionError, match="no valid cut before module 'model.transformer.wte'"):
         partition(gm, 2, starts=["model.transformer.wte"])
+
+
+def test_stages_can_start_at_the_models_own_module_names():
+    _, gm = _prepared("gpt")
+    assert partition(gm, 2, starts=["transformer.h.1"]).cut_after == partition(gm, 2).cut_after

@@ -203,7 +203,8 @@ class ParallelModel(nn.Module):
 
     def call(self, fn, *args):
         """Run a program's forward under this model's precision and activation-checkpointing options."""
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.mixed_precision == "bf16" else None
+        device = next((p.device.type for p in self.replica.parameters()), "cpu")
+        autocast = torch.autocast(device, dtype=torch.bfloat16) if self.mixed_precision == "bf16" else None
         with autocast or contextlib.nullcontext():
             if self.activation_checkpointing:
                 return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)

@@ -14,6 +14,8 @@ part it holds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -112,6 +114,7 @@ def load_checkpoint(pm, path: str) -> None:
     """Read a checkpoint written under any mesh into this rank's shards (all ranks call)."""
     _refuse_fsdp(pm)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    _check_matches(pm, path, metadata)
     view = _checkpoint_view(pm, for_load=True, metadata=metadata)
     dcp.load(view, checkpoint_id=path)
     with torch.no_grad():
@@ -120,6 +123,27 @@ def load_checkpoint(pm, path: str) -> None:
                 param.copy_(_local_part(view[name], placement, pm.coord("tp"), pm.mesh.tp))
                 continue
             param.copy_(_assemble(pm, name, view, metadata, param, placement))
+
+
+def _check_matches(pm, path: str, metadata) -> None:
+    """Refuse, before any collective, a checkpoint of another model: missing tensors or other shapes."""
+    problems = []
+    for target, name, _, _ in _entries(pm):
+        expected = pm.full_shape(target)
+        blocks = _saved_blocks(metadata, name)
+        if blocks:  # a fused tensor written block by block: the blocks hold its elements
+            sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in blocks]
+            if sum(math.prod(s) for s in sizes) != math.prod(expected):
+                problems.append(f"{name} is blocks {sizes} there, {expected} here")
+        elif name not in metadata:
+            problems.append(f"{name} is missing")
+        elif tuple(metadata[name].size) != expected:
+            problems.append(f"{name} is {tuple(metadata[name].size)} there, {expected} here")
+    if problems:
+        raise ValueError(
+            f"the checkpoint at {path} was not written for this model: {'; '.join(problems[:4])}"
+            f"{' ...' if len(problems) > 4 else ''}. Load a checkpoint saved from the same model (any mesh works)"
+        )
 
 
 def _refuse_fsdp(pm) -> None:
