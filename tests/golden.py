@@ -325,3 +325,21 @@ def checkpoint_of_another_model(path: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def one_rank_skips_a_step(seconds: float) -> str:
+    """Rank 1 never joins step 1: rank 0 stops within the timeout with an error naming its peers."""
+    import datetime
+
+    case = build("mlp")
+    mesh = autoshard.Mesh(dp=2)
+    groups = mesh.create_groups(timeout=datetime.timedelta(seconds=seconds))
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups)
+    if dist.get_rank() == 1:
+        return "skipped"
+    try:
+        pm.step(*case.inputs, target=case.target)
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -100,3 +100,9 @@ def _unpicklable_result():
 def test_a_result_that_cannot_be_sent_back_fails_instead_of_hanging(pools):
     with pytest.raises(WorkerError, match="pickle"):
         pools.get(2).run(_unpicklable_result, timeout=30)
+
+
+def test_a_peer_that_never_joins_stops_the_step_with_an_error_naming_the_group(pools):
+    message = pools.get(2).run(golden.one_rank_skips_a_step, 3.0, timeout=60)[0]
+    assert message.startswith("StepError: rank 0"), message
+    assert "step 1" in message and "dp x cp [0, 1]" in message and "stalled or died" in message

@@ -86,8 +86,10 @@ class PipelineExecutor:
             try:
                 total = total + self._do(action, state, microbatches, divisor, pending)
             except RuntimeError as e:
+                peer = f", exchanging with rank {self.pp_ranks[action.peer(self.p)]}" if not action.is_compute else ""
                 raise PipelineStall(
-                    f"pp rank {self.rank} failed in step {step} at action {index} ({action}): {e}"
+                    f"pp rank {self.rank} failed in step {step} at action {index} ({action}{peer}): "
+                    f"{str(e).splitlines()[0]}"
                 ) from e
             self.records.append(Record(action, start, time.perf_counter()))
         for work in pending:

@@ -189,7 +189,8 @@ class ParallelModel(nn.Module):
             self._reduce_gradients_over_data()
             return self._sum_over_dp(total)
         total = torch.zeros((), dtype=torch.float32)
-        replicated = self._replicated()
+        with self._stall_guard("setting up data parallelism", None):
+            replicated = self._replicated()
         for index, (mb_inputs, mb_target) in enumerate(microbatches):
             program = self._program(mb_inputs, mb_target)
             last = index == len(microbatches) - 1
@@ -505,8 +506,21 @@ class ParallelModel(nn.Module):
             if not _is_distributed_failure(e):
                 raise
             where = f"microbatch {microbatch} " if microbatch is not None else ""
-            coords = self.groups.coords if self.groups else {}
-            raise StepError(f"rank {self.rank} ({coords}) failed in step {self._steps}, {where}{phase}: {e}") from e
+            coords = dict(self.groups.coords) if self.groups else {}
+            raise StepError(
+                f"rank {self.rank} ({coords}) failed in step {self._steps}, {where}{phase}, waiting on its peers "
+                f"({self._peers()}): one of them stalled or died. {str(e).splitlines()[0]}"
+            ) from e
+
+    def _peers(self) -> str:
+        """The other ranks this rank exchanges with, by group (the candidates for a stalled peer)."""
+        if self.groups is None:
+            return "none"
+        axes = [a for a in ("tp", "pp", "cp") if self.mesh.degree(a) > 1]
+        parts = [f"{a} {self.groups.ranks(a)}" for a in axes]
+        if self.mesh.dp * self.mesh.cp > 1:
+            parts.append(f"dp x cp {self.groups.ranks('data')}")
+        return ", ".join(parts)
 
 
 def _returns_partial(gm: fx.GraphModule) -> bool:
