@@ -580,24 +580,17 @@ def _collectives(x: Inspection) -> list[str]:
             rows.append((stage, axis, direction, kind, op, str(calls), _bytes(size)))
         if x.stages:
             st, p = x.stages[index], x.mesh.pp
-            if st.receives and not x.captured.with_loss:
-                rows.append((stage, "pp", "forward", "recv", f"activations from pp rank {(index - 1) % p}", "1",
-                             _bytes(_spec_bytes(st.receive_specs))))
-            elif st.receives:
-                size = _spec_bytes(st.receive_specs)
-                rows.append((stage, "pp", "forward", "recv", f"activations from pp rank {(index - 1) % p}", "1",
-                             _bytes(size)))
-                rows.append((stage, "pp", "backward", "send", f"gradients to pp rank {(index - 1) % p}", "1",
-                             _bytes(size)))
-            if st.sends and not x.captured.with_loss:
-                rows.append((stage, "pp", "forward", "send", f"activations to pp rank {(index + 1) % p}", "1",
-                             _bytes(_spec_bytes(st.send_specs))))
-            elif st.sends:
-                size = _spec_bytes(st.send_specs)
-                rows.append((stage, "pp", "forward", "send", f"activations to pp rank {(index + 1) % p}", "1",
-                             _bytes(size)))
-                rows.append((stage, "pp", "backward", "recv", f"gradients from pp rank {(index + 1) % p}", "1",
-                             _bytes(size)))
+            # forward activations cross each cut; in training their gradients come back the other way
+            for specs, peer, there, back in ((st.receive_specs, (index - 1) % p, "recv", "send"),
+                                             (st.send_specs, (index + 1) % p, "send", "recv")):
+                if not specs:
+                    continue
+                size = _bytes(_spec_bytes(specs))
+                word = "from" if there == "recv" else "to"
+                rows.append((stage, "pp", "forward", there, f"activations {word} pp rank {peer}", "1", size))
+                if x.captured.with_loss:
+                    word = "to" if back == "send" else "from"
+                    rows.append((stage, "pp", "backward", back, f"gradients {word} pp rank {peer}", "1", size))
     order = {"tp": 0, "cp": 1, "pp": 2}
     rows.sort(key=lambda r: (r[0], order.get(r[1], 3), r[2] != "forward"))
     lines = [f"collectives of rank {x.rank} per microbatch ({m} per step), without process groups:"]
