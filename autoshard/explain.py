@@ -108,7 +108,8 @@ def _collectives(pm) -> list[str]:
     data = pm.mesh.dp * pm.mesh.cp
     if data > 1:
         grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
-        how = ("one flat all-reduce after the last microbatch" if pm.pipeline is not None
+        how = ("bucketed, each bucket launched during the last backward that finishes its gradients"
+               if pm.pipeline is not None
                else "bucketed by DistributedDataParallel, overlapped with the last microbatch's backward")
         lines.append(f"  dp x cp all-reduce (sum) of gradients over {data} ranks: {_bytes(grad_bytes)} ({how})")
         count = " and of the token count: 4 B" if pm.local_batch else ""

@@ -343,3 +343,23 @@ def one_rank_skips_a_step(seconds: float) -> str:
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def pipelined_gradient_buckets(name: str, mesh_kwargs: dict, bucket_bytes: int, **options) -> dict:
+    """Pipelined dp with small gradient buckets: exact, and the buckets launch while the backward runs."""
+    import copy
+
+    from autoshard.runtime import reducer
+    from autoshard.verify import compare
+
+    reducer.BUCKET_BYTES, saved = bucket_bytes, reducer.BUCKET_BYTES
+    try:
+        case = build(name)
+        reference = copy.deepcopy(case.model)
+        mesh = autoshard.Mesh(**mesh_kwargs)
+        pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                   target=case.target, groups=groups_for(mesh), **options)
+        report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn)
+    finally:
+        reducer.BUCKET_BYTES = saved
+    return {"ok": report.ok, "report": str(report), "timeline": pm.timeline()}

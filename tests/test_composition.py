@@ -87,3 +87,16 @@ def test_fsdp_clipping_and_adamw_match_the_unsharded_model(pools):
 def test_a_checkpoint_of_another_model_is_refused_clearly(pools, tmp_path):
     for message in pools.get(2).run(golden.checkpoint_of_another_model, str(tmp_path / "gpt")):
         assert "was not written for this model" in message and "embed_tokens.weight is missing" in message
+
+
+@pytest.mark.parametrize("mesh,options", [({"dp": 2, "pp": 2}, {"microbatches": 4}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 2, "schedule": "interleaved",
+                                                                "chunks": 2})],
+                         ids=["1f1b", "interleaved"])
+def test_pipelined_data_parallel_sums_gradients_during_the_backward(pools, mesh, options):
+    """Small buckets: every bucket but the ones left at the end launches while the last backward runs."""
+    for rank, result in enumerate(pools.get(4).run(golden.pipelined_gradient_buckets, "gpt", mesh, 4096, **options)):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
+        line = result["timeline"].splitlines()[-1]
+        launched, total = (int(w) for w in line.split("buckets")[0].split(":")[1].split(" of "))
+        assert total > 4 and launched >= total - 2, line

@@ -71,12 +71,14 @@ class PipelineExecutor:
         self.records: list[Record] = []
 
     def run(self, actions: list[Action], microbatches: list[tuple[tuple, torch.Tensor]], divisor, step: int,
-            call=None):
+            call=None, reducer=None):
         """Run ``actions``; returns the sum of this rank's last-stage loss terms (0 elsewhere).
 
-        ``call(fn, *args)`` runs a stage's forward (precision and activation checkpointing options).
+        ``call(fn, *args)`` runs a stage's forward (precision and activation checkpointing options);
+        ``reducer`` (a ``GradientReducer``) is told of every backward, to sum finished gradients over dp.
         """
         self._call = call or (lambda fn, *args: fn(*args))
+        self._reducer = reducer
         state: dict[tuple[int, int], _MicrobatchState] = {}
         pending: list = []
         total = torch.zeros((), dtype=torch.float32)
@@ -108,7 +110,11 @@ class PipelineExecutor:
                 return mb.loss.detach().float().cpu()
             mb.outputs = tuple(out)
         elif action.kind == "B":
+            if self._reducer is not None:
+                self._reducer.before_backward(action.stage, action.microbatch)
             self._backward(mb)
+            if self._reducer is not None:
+                self._reducer.after_backward(action.stage, action.microbatch)
         elif action.kind == "SEND_F":
             pending += self._send([o.detach() for o in mb.outputs], action.stage + 1)
         elif action.kind == "RECV_F":

@@ -2,9 +2,10 @@
 
 One ``ParallelModel`` per rank. It owns the captures of the model (a training graph with the loss and
 an inference graph, each cached by input shapes), the tensor-parallel plan and this rank's programs
-built from them, wraps the parameters for data parallelism with PyTorch's DistributedDataParallel
-over the mesh's dp group, and runs ``step()``: slice the global batch for this dp rank, cut it into
-microbatches, run each forward and backward, and return the loss of the whole global batch.
+built from them, wraps the parameters for data parallelism (PyTorch's DistributedDataParallel or FSDP2
+over the mesh's dp x cp group; under pipeline parallelism, ``reducer.GradientReducer``), and runs
+``step()``: slice the global batch for this dp rank, cut it into microbatches, run each forward and
+backward, and return the loss of the whole global batch.
 
 Loss normalisation: every microbatch's loss term is divided by one global divisor (the number of
 counted tokens of the global batch for token losses, the number of microbatches in the global batch
@@ -145,6 +146,7 @@ class ParallelModel(nn.Module):
         self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
         self._stages: dict[tuple, list] = {}  # under pipeline parallelism: every stage, by capture
         self._ddp: DistributedDataParallel | None = None
+        self._reducer = None  # under pipeline parallelism with dp x cp > 1: sums gradients during the backwards
         self._steps = 0
         self.pipeline = None
         if mesh.pp > 1:
@@ -184,10 +186,12 @@ class ParallelModel(nn.Module):
             program = self._program(*microbatches[0])
             local = [self._cp_local(program.captured, (*i, t)) for i, t in microbatches]
             total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps,
-                                           call=self.call)
-            self.pipeline.sum_tied_gradients(self.replica.store)
-            self._reduce_gradients_over_data()
-            return self._sum_over_dp(total)
+                                           call=self.call, reducer=self._reducer)
+            with self._stall_guard("gradient all-reduce over dp", None):
+                if self._reducer is not None:
+                    self._reducer.finish()
+                self.pipeline.sum_tied_gradients(self.replica.store)
+                return self._sum_over_dp(total)
         total = torch.zeros((), dtype=torch.float32)
         with self._stall_guard("setting up data parallelism", None):
             replicated = self._replicated()
@@ -288,7 +292,11 @@ class ParallelModel(nn.Module):
         share next to the schedule's simulated bubble."""
         if self.pipeline is None:
             raise ValueError("timeline() describes a pipeline: this model has pp=1")
-        return self.pipeline.timeline()
+        text = self.pipeline.timeline()
+        if self._reducer is not None and self._steps:
+            text += (f"\n  gradient sums over dp x cp: {self._reducer.overlapped} of {len(self._reducer.buckets)} "
+                     "buckets launched while the backward still ran")
+        return text
 
     def materialize(self, device="cpu", *, buffers=None) -> int:
         """For a model built on ``meta``: allocate only this rank's shards on ``device`` (then load a checkpoint)."""
@@ -413,6 +421,8 @@ class ParallelModel(nn.Module):
                 stages = self._stages[key]
                 first = built[min(built)]
                 runners = self.pipeline.runners(stages, built)
+                if self._reducer is None and self.mesh.dp * self.mesh.cp > 1:
+                    self._reducer = self.pipeline.reducer(built, self.replica.store, self.groups.group("data"))
                 self._train[key] = TrainProgram(captured, first, token_loss, count_gm, runners)
         return self._train[key]
 
@@ -468,17 +478,6 @@ class ParallelModel(nn.Module):
             return self._sum_over_dp(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
         views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
-
-    def _reduce_gradients_over_data(self) -> None:
-        """Sum every gradient over dp x cp once, after the last microbatch (pipelines; DDP does it otherwise)."""
-        if self.mesh.dp * self.mesh.cp == 1:
-            return
-        grads = [p.grad for p in self.replica.parameters() if p.grad is not None]
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.groups.group("data"))
-            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(summed)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""

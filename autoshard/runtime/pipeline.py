@@ -24,6 +24,7 @@ from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import Stage
 from autoshard.runtime import schedules
 from autoshard.runtime.executor import PipelineExecutor, StageRunner
+from autoshard.runtime.reducer import GradientReducer
 
 
 class Pipeline:
@@ -63,16 +64,26 @@ class Pipeline:
         self._find_tied(stages)
         return stages, programs
 
+    def reducer(self, programs: dict[int, codegen.RankProgram], store: codegen.ParamStore, group) -> GradientReducer:
+        """Sums over ``group`` (dp x cp) of this rank's gradients, launched during each stage's last backward."""
+        stage_params = {
+            s: [store.get_parameter(n.target) for n in program.gm.graph.nodes
+                if n.op == "get_attr" and store._lookup(n.target) is not None]
+            for s, program in programs.items()
+        }
+        return GradientReducer(stage_params, self.actions[self.pp_index], group)
+
     def runners(self, stages: list[Stage], programs: dict[int, codegen.RankProgram]) -> dict[int, StageRunner]:
         return {s: StageRunner(s, programs[s], stages[s].receive_specs, stages[s].send_specs) for s in programs}
 
-    def run_step(self, runners, microbatches, divisor, step: int, call=None) -> torch.Tensor:
+    def run_step(self, runners, microbatches, divisor, step: int, call=None, reducer=None) -> torch.Tensor:
         """One training step's actions on this rank; returns the global loss (on every pp rank)."""
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
             group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout,
         )
-        total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call)
+        total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
+                                  reducer=reducer)
         dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
         return total
 
