@@ -74,7 +74,9 @@ def parallelize(
         tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
             printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
         data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
-            ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded).
+            ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded). Under pipeline
+            parallelism a rank's parameters stay gathered for the step (one all-gather per step, not per
+            microbatch) and gradients are reduce-scattered after its last backward.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 

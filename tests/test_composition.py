@@ -68,17 +68,27 @@ def test_a_model_built_on_meta_allocates_its_shards_and_loads_a_checkpoint(pools
         assert result["allocated"] < 0.6 * result["full"], "each rank holds about half of the parameters"
 
 
-@pytest.mark.parametrize("mesh,world", [({"dp": 2}, 2), ({"dp": 2, "tp": 2}, 4), ({"dp": 2, "cp": 2}, 4)],
-                         ids=["dp2", "dp2xtp2", "dp2xcp2"])
-def test_golden_fully_sharded_data_parallel(pools, mesh, world):
-    results = pools.get(world).run(golden.golden, "gpt", mesh, microbatches=2, data_parallel="fsdp")
+FSDP_MESHES = [
+    ({"dp": 2}, 2, {}),
+    ({"dp": 2, "tp": 2}, 4, {}),
+    ({"dp": 2, "cp": 2}, 4, {}),
+    ({"dp": 2, "pp": 2}, 4, {}),
+    ({"dp": 2, "pp": 2}, 4, {"schedule": "interleaved", "chunks": 2}),
+    ({"dp": 2, "tp": 2, "pp": 2}, 8, {}),
+]
+
+
+@pytest.mark.parametrize("mesh,world,options", FSDP_MESHES,
+                         ids=["dp2", "dp2xtp2", "dp2xcp2", "dp2xpp2", "dp2xpp2-interleaved", "dp2xtp2xpp2"])
+def test_golden_fully_sharded_data_parallel(pools, mesh, world, options):
+    results = pools.get(world).run(golden.golden, "gpt", mesh, microbatches=2, data_parallel="fsdp", **options)
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
 
 
-def test_fsdp_clipping_and_adamw_match_the_unsharded_model(pools):
-    for result in pools.get(4).run(golden.clipped_adamw, "gpt", {"dp": 2, "tp": 2}, microbatches=2,
-                                   data_parallel="fsdp"):
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}], ids=["dp2xtp2", "dp2xpp2"])
+def test_fsdp_clipping_and_adamw_match_the_unsharded_model(pools, mesh):
+    for result in pools.get(4).run(golden.clipped_adamw, "gpt", mesh, microbatches=2, data_parallel="fsdp"):
         for norm, expected in result["norms"]:
             assert abs(norm - expected) <= 1e-5 * expected, result["norms"]
         assert result["worst"] < 1e-5

@@ -135,9 +135,6 @@ class ParallelModel(nn.Module):
             raise ValueError(
                 f"data_parallel={data_parallel!r}: use 'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp)"
             )
-        if data_parallel == "fsdp" and mesh.pp > 1:
-            raise NotImplementedError(f"{mesh}: sharded data parallelism ('fsdp') does not run with pipeline "
-                                      "parallelism yet; use data_parallel='ddp' or pp=1")
         self.data_parallel = data_parallel
         self.activation_checkpointing = activation_checkpointing
         self.replica = _Replica(codegen.ParamStore())
@@ -185,11 +182,17 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             program = self._program(*microbatches[0])
             local = [self._cp_local(program.captured, (*i, t)) for i, t in microbatches]
+            sharded = self.replica.sharded_data
+            if sharded:
+                _fsdp_accumulate(self.replica)
+            call = (lambda gm, *args: self.call(self.replica, gm, *args)) if sharded else self.call
             total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps,
-                                           call=self.call, reducer=self._reducer)
-            with self._stall_guard("gradient all-reduce over dp", None):
+                                           call=call, reducer=self._reducer)
+            with self._stall_guard("gradient reduction over dp x cp", None):
                 if self._reducer is not None:
                     self._reducer.finish()
+                if sharded:
+                    _fsdp_reduce(self.replica)
                 self.pipeline.sum_tied_gradients(self.replica.store)
                 return self._sum_over_dp(total)
         total = torch.zeros((), dtype=torch.float32)
@@ -227,7 +230,16 @@ class ParallelModel(nn.Module):
             return pytree.tree_unflatten(list(flat), program.out_spec)  # FSDP2 gathers the parameters around it
         if self.pipeline is None:
             return program(*self._cp_local(captured, inputs))
-        _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+        if not self.replica.sharded_data:
+            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+            return pytree.tree_unflatten(flat, captured.gm._out_spec)
+        self.replica.unshard()  # FSDP2: this rank's stages read their whole (tp-local) parameters
+        try:
+            for stage in program.values():
+                self.replica.store.adopt(stage.gm)
+            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+        finally:
+            self.replica.reshard()
         return pytree.tree_unflatten(flat, captured.gm._out_spec)
 
     def parameters(self, recurse: bool = True):
@@ -421,7 +433,7 @@ class ParallelModel(nn.Module):
                 stages = self._stages[key]
                 first = built[min(built)]
                 runners = self.pipeline.runners(stages, built)
-                if self._reducer is None and self.mesh.dp * self.mesh.cp > 1:
+                if self._reducer is None and self.mesh.dp * self.mesh.cp > 1 and self.data_parallel == "ddp":
                     self._reducer = self.pipeline.reducer(built, self.replica.store, self.groups.group("data"))
                 self._train[key] = TrainProgram(captured, first, token_loss, count_gm, runners)
         return self._train[key]
@@ -450,7 +462,9 @@ class ParallelModel(nn.Module):
             from torch.distributed.fsdp import fully_shard
 
             mesh = DeviceMesh.from_group(self.groups.group("data"), "cpu")
-            fully_shard(self.replica, mesh=mesh, reshard_after_forward=True)
+            # Under pipelining a stage runs one forward per microbatch: keep the parameters gathered for the
+            # step rather than all-gathering them again for every microbatch (torchtitan's default too).
+            fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None)
             self.replica.set_gradient_divide_factor(1.0)  # losses are normalised globally: gradients are sums
             self.replica.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
             self.replica.sharded_data = True
@@ -520,6 +534,28 @@ class ParallelModel(nn.Module):
         if self.mesh.dp * self.mesh.cp > 1:
             parts.append(f"dp x cp {self.groups.ranks('data')}")
         return ", ".join(parts)
+
+
+def _fsdp_accumulate(replica) -> None:
+    """FSDP2 under a pipeline: keep unsharded gradients over the step's many backwards, reduce none yet."""
+    replica.set_is_last_backward(False)
+    replica.set_reshard_after_backward(False)
+    replica.set_requires_gradient_sync(False)
+
+
+def _fsdp_reduce(replica) -> None:
+    """FSDP2 under a pipeline, after the last backward: reduce-scatter the gradients and reshard (as
+    torch.distributed.pipelining does, since no single backward is the step's last one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    replica.set_is_last_backward(True)
+    replica.set_reshard_after_backward(True)
+    replica.set_requires_gradient_sync(True)
+    state = fully_shard.state(replica)
+    for fsdp_state in state._state_ctx.all_states:
+        for group in fsdp_state._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _returns_partial(gm: fx.GraphModule) -> bool:

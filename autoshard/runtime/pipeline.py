@@ -140,7 +140,8 @@ class Pipeline:
             param = store.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self._tied_groups[ranks])
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:
+            dist.all_reduce(grad, group=self._tied_groups[ranks])  # the same part of the weight on every rank
 
     def _find_tied(self, stages: list[Stage]) -> None:
         holders: dict[str, set[int]] = {}
