@@ -152,12 +152,13 @@ def clipped_adamw(name: str, mesh_kwargs: dict, **options) -> dict:
     return {"norms": norms, "worst": worst}
 
 
-def checkpoint_round_trip(name: str, save_mesh: dict, load_mesh: dict, path: str) -> float:
+def checkpoint_round_trip(name: str, save_mesh: dict, load_mesh: dict, path: str, save_options: dict | None = None,
+                          load_options: dict | None = None) -> float:
     """Save under one mesh, load under another (same world), compare parameters with the saved model's."""
     case = build(name)
     mesh = autoshard.Mesh(**save_mesh)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
-                               target=case.target, groups=groups_for(mesh), microbatches=2)
+                               target=case.target, groups=groups_for(mesh), microbatches=2, **(save_options or {}))
     opt = torch.optim.SGD(pm.parameters(), lr=0.5)
     pm.step(*case.inputs, target=case.target)
     opt.step()
@@ -166,7 +167,7 @@ def checkpoint_round_trip(name: str, save_mesh: dict, load_mesh: dict, path: str
     other = build(name, seed=7)
     mesh2 = autoshard.Mesh(**load_mesh)
     pm2 = autoshard.parallelize(other.model, mesh2, example_inputs=case.inputs, loss_fn=case.loss_fn,
-                                target=case.target, groups=groups_for(mesh2), microbatches=2)
+                                target=case.target, groups=groups_for(mesh2), microbatches=2, **(load_options or {}))
     pm2.load_checkpoint(path)
     loaded = pm2.full_parameters()
     return max((saved[n] - loaded[n]).abs().max().item() for n in saved)

@@ -1,15 +1,15 @@
 """Training state across ranks: global-norm clipping, full state dicts, and distributed checkpoints.
 
 Every parameter of the original model is held by the ranks of one pp coordinate (two for a tied
-weight used on two stages), as whole tensors or tp shards, replicated over dp x cp. So a global
-quantity counts each tensor once: a tp-replicated tensor contributes from every tp rank divided by
-the degree, a tied one only on the first pp rank that holds it, and nothing is summed over dp x cp
-(their gradients were already reduced).
+weight used on two stages), as whole tensors or tp shards, replicated over dp x cp (or, under FSDP2,
+split along dim 0 over dp x cp). So a global quantity counts each tensor once: a tp-replicated tensor
+contributes from every tp rank divided by the degree, a tied one only on the first pp rank that holds
+it, and nothing is summed over dp x cp (their gradients were already reduced) unless FSDP2 split it.
 
 Checkpoints use torch.distributed.checkpoint: each rank writes only its own shards, as DTensors on
 the tp group (a fused q/k/v weight is written as one tensor per block, so its layout does not
-depend on the degree), and a checkpoint loads under any other mesh: every rank reads exactly the
-part it holds.
+depend on the degree) or, under FSDP2, as DTensors over (tp, dp x cp), and a checkpoint loads under
+any other mesh, with or without FSDP2: every rank reads exactly the part it holds.
 """
 
 from __future__ import annotations
@@ -106,23 +106,40 @@ def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
 
 def save_checkpoint(pm, path: str) -> None:
     """Write this rank's shards of every parameter to a distributed checkpoint at ``path`` (all ranks call)."""
-    _refuse_fsdp(pm)
     dcp.save(_checkpoint_view(pm, for_load=False, metadata=None), checkpoint_id=path)
 
 
 def load_checkpoint(pm, path: str) -> None:
     """Read a checkpoint written under any mesh into this rank's shards (all ranks call)."""
-    _refuse_fsdp(pm)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     _check_matches(pm, path, metadata)
     view = _checkpoint_view(pm, for_load=True, metadata=metadata)
     dcp.load(view, checkpoint_id=path)
     with torch.no_grad():
         for target, name, param, placement in _entries(pm):
-            if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
-                param.copy_(_local_part(view[name], placement, pm.coord("tp"), pm.mesh.tp))
+            if _fsdp_direct(pm, target, param, placement, _saved_blocks(metadata, name)):
+                param.to_local().copy_(view[name].to_local())  # read as exactly this rank's part of its shard
                 continue
-            param.copy_(_assemble(pm, name, view, metadata, param, placement))
+            if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+                local = _local_part(view[name], placement, pm.coord("tp"), pm.mesh.tp)
+            else:
+                local = _assemble(pm, name, view, metadata, param, placement)
+            if _is_fsdp(param):  # the tp-local tensor: keep this rank's FSDP2 part of it
+                from torch.distributed.tensor import distribute_tensor
+
+                local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(local)
+
+
+def _is_fsdp(param) -> bool:
+    return hasattr(param, "device_mesh")
+
+
+def _fsdp_direct(pm, target: str, param, placement: Shard | None, saved_blocks) -> bool:
+    """Whether an FSDP2 shard is written and read as it is (not padded over tp, not blocked, here or there)."""
+    if not _is_fsdp(param) or saved_blocks is not None:
+        return False
+    return placement is None or (placement.blocks is None and pm.full_shape(target)[placement.dim] % pm.mesh.tp == 0)
 
 
 def _check_matches(pm, path: str, metadata) -> None:
@@ -146,30 +163,31 @@ def _check_matches(pm, path: str, metadata) -> None:
         )
 
 
-def _refuse_fsdp(pm) -> None:
-    if getattr(pm, "data_parallel", "ddp") == "fsdp":
-        raise NotImplementedError(
-            "distributed checkpoints of a model sharded with data_parallel='fsdp' are not written yet: use "
-            "pm.state_dict() / pm.load_state_dict() (full tensors), or data_parallel='ddp'"
-        )
-
-
 def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
     """The state dict DCP reads or writes: DTensors on the tp group for shards, blocks as separate keys.
 
     On load, a tensor stored in another layout than this rank holds (blocked vs not) is read whole
-    and cut here; everything else is read as exactly this rank's part.
+    and cut here; everything else is read as exactly this rank's part. Under FSDP2 a parameter is
+    written as a DTensor over (tp, dp x cp): sharded over tp as placed, then its dim 0 over dp x cp,
+    so each rank writes only its FSDP2 shard. A blocked or padded one is gathered over dp x cp first
+    and written as without FSDP2.
     """
     mesh = _tp_mesh(pm)
     view = {}
     for target, name, param, placement in _entries(pm):
-        if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+        padded = placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp
+        blocked_here = placement is not None and placement.blocks is not None
+        saved = _saved_blocks(metadata, name) if for_load else None
+        if _fsdp_direct(pm, target, param, placement, saved):
+            view[name] = _fsdp_dtensor(pm, target, param, placement, for_load)
+            continue
+        if _is_fsdp(param):  # the whole tp-local tensor, as without FSDP2
+            param = torch.empty(param.shape, dtype=param.dtype) if for_load else param.full_tensor()
+        if padded:
             # a padded shard's layout depends on the degree: write and read the tensor whole
             view[name] = torch.empty(pm.full_shape(target), dtype=param.dtype) if for_load else pm._gather(
                 target, param.detach())
             continue
-        blocked_here = placement is not None and placement.blocks is not None
-        saved = _saved_blocks(metadata, name) if for_load else None
         same_layout = not for_load or (saved is not None) == blocked_here
         if blocked_here and same_layout:
             for i, part in enumerate(param.split([b // pm.mesh.tp for b in placement.blocks], placement.dim)):
@@ -185,6 +203,32 @@ def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
         else:
             view[name] = torch.empty(tuple(metadata[name].size), dtype=param.dtype)
     return view
+
+
+def _fsdp_dtensor(pm, target: str, param, placement: Shard | None, for_load: bool):
+    """An FSDP2 shard of a (tp-sharded) parameter as a DTensor of the whole parameter over (tp, dp x cp)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    local = param.to_local()
+    data = torch.empty_like(local) if for_load else local.detach()
+    shape = pm.full_shape(target)
+    stride = torch.empty(shape, device="meta").stride()
+    if pm.mesh.tp == 1:
+        return DTensor.from_local(data, param.device_mesh, [DShard(0)], run_check=False, shape=shape, stride=stride)
+    tp = DShard(placement.dim) if placement is not None else Replicate()
+    return DTensor.from_local(data, _tp_data_mesh(pm), [tp, DShard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def _tp_data_mesh(pm):
+    """A DeviceMesh (tp, dp x cp) over this rank's pp coordinate, on the groups that already exist."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp, pp_index = pm.mesh.tp, pm.coord("pp")
+    rows = pm.mesh.data_groups()[pp_index * tp:(pp_index + 1) * tp]  # row t: the data group of tp rank t
+    layout = torch.tensor(rows, dtype=torch.int)
+    groups = [pm.groups.group("tp"), pm.groups.group("data")]
+    return DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=("tp", "data"))
 
 
 def _saved_blocks(metadata, name: str) -> list[int] | None:
