@@ -364,3 +364,53 @@ def pipelined_gradient_buckets(name: str, mesh_kwargs: dict, bucket_bytes: int, 
     finally:
         reducer.BUCKET_BYTES = saved
     return {"ok": report.ok, "report": str(report), "timeline": pm.timeline()}
+
+
+def _init_everything(module: torch.nn.Module) -> None:
+    """A user's initialiser, applied module by module: every direct parameter from the global random stream."""
+    for p in module.parameters(recurse=False):
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.uniform_(p, -0.1, 0.1)
+
+
+def _reset(module: torch.nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def meta_then_init(name: str, mesh_kwargs: dict, init: str = "function", **options) -> dict:
+    """A model built on meta, its shards filled by its own initialisers: equal to the unsharded model's init."""
+    reference_case = build(name)
+    reference = reference_case.model
+    fn = {"function": _init_everything, "reset": _reset}[init]
+    torch.manual_seed(5)
+    with torch.no_grad():
+        reference.apply(fn)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    meta_case = build(name, device="meta")
+    pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=meta_case.inputs, loss_fn=meta_case.loss_fn,
+                               target=meta_case.target, groups=groups_for(mesh), **options)
+    buffers = dict(reference.named_buffers())
+    torch.manual_seed(5)
+    allocated = pm.materialize("cpu", buffers=buffers, init=True if init == "reset" else fn)
+    full = pm.full_parameters()
+    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    loss = pm.step(*reference_case.inputs, target=reference_case.target)
+    ref_loss = reference_case.loss_fn(reference(*reference_case.inputs), reference_case.target)
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return {"worst": worst, "loss": abs(loss.item() - ref_loss.item()), "allocated": allocated, "full": total}
+
+
+def meta_init_that_misses_a_parameter(name: str, mesh_kwargs: dict) -> str:
+    """init=True on a model with a parameter no reset_parameters() covers: a clear error, not garbage."""
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    meta_case = build(name, device="meta")
+    pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=meta_case.inputs, loss_fn=meta_case.loss_fn,
+                               target=meta_case.target, groups=groups_for(mesh))
+    try:
+        pm.materialize("cpu", buffers=dict(build(name).model.named_buffers()), init=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"

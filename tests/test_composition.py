@@ -107,6 +107,32 @@ def test_a_model_built_on_meta_allocates_its_shards_and_loads_a_checkpoint(pools
         assert result["allocated"] < 0.6 * result["full"], "each rank holds about half of the parameters"
 
 
+# (model, mesh, initialiser, options, the most of the model one rank may allocate)
+META_INITS = [
+    ("gpt", {"tp": 2, "pp": 2}, "function", {"microbatches": 2}, 0.35),
+    ("hf_llama", {"tp": 2, "pp": 2}, "function", {"microbatches": 2}, 0.35),
+    ("llama", {"tp": 4}, "function", {}, 0.35),
+    ("mlp", {"dp": 2, "tp": 2}, "reset", {}, 0.6),
+    ("hf_gpt2", {"dp": 2, "tp": 2}, "function", {"data_parallel": "fsdp"}, 0.35),
+]
+
+
+@pytest.mark.parametrize("name,mesh,init,options,most", META_INITS,
+                         ids=["gpt-tp2xpp2", "hf_llama-tp2xpp2", "llama-tp4", "mlp-dp2xtp2-reset_parameters",
+                              "hf_gpt2-fsdp-dp2xtp2"])
+def test_a_model_built_on_meta_runs_its_own_initialisers_on_its_shards(pools, name, mesh, init, options, most):
+    """Each rank allocates only its shards and fills them with the model's initialisers: the parameters equal
+    the unsharded model's after the same seed and ``model.apply(init)``, bit for bit."""
+    for result in pools.get(4).run(golden.meta_then_init, name, mesh, init, **options):
+        assert result["worst"] == 0.0 and result["loss"] < 1e-5, result
+        assert result["allocated"] < most * result["full"], result
+
+
+def test_an_initialiser_that_leaves_a_parameter_unset_is_refused(pools):
+    for message in pools.get(2).run(golden.meta_init_that_misses_a_parameter, "llama", {"tp": 2}):
+        assert "was not initialised" in message and "has no reset_parameters()" in message, message
+
+
 FSDP_MESHES = [
     ({"dp": 2}, 2, {}),
     ({"dp": 2, "tp": 2}, 4, {}),

@@ -310,11 +310,13 @@ class ParallelModel(nn.Module):
                      "buckets launched while the backward still ran")
         return text
 
-    def materialize(self, device="cpu", *, buffers=None) -> int:
-        """For a model built on ``meta``: allocate only this rank's shards on ``device`` (then load a checkpoint)."""
+    def materialize(self, device="cpu", *, buffers=None, init=None) -> int:
+        """For a model built on ``meta``: allocate only this rank's shards on ``device``, then fill them from a
+        checkpoint (``load_checkpoint``) or, with ``init``, by the model's own initialisers (see ``state.materialize``).
+        """
         from autoshard.runtime import state
 
-        return state.materialize(self, device, buffers=buffers)
+        return state.materialize(self, device, buffers=buffers, init=init)
 
     def explain(self) -> str:
         """A readable report of what the compiler did (see ``autoshard.explain``)."""

@@ -280,18 +280,34 @@ def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------- materialising
 
 
-def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, torch.Tensor] | None = None) -> int:
-    """Give a model built on ``meta`` real storage: this rank's shards only, then fill them (a checkpoint).
+def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, torch.Tensor] | None = None,
+                init=None) -> int:
+    """Give a model built on ``meta`` real storage: this rank's shards only, then fill them.
 
-    Every parameter this rank holds becomes an uninitialised tensor of its local shape on ``device``;
-    the captured programs are rebound to them, and the devices baked into their graphs (``arange(...,
-    device=meta)``) are rewritten. Buffers are parameter-free state the compiler cannot invent: give the
-    ones the programs read in ``buffers`` (by their names in the model) unless the model has none on
-    ``meta``. Returns the bytes allocated for parameters. Call ``load_checkpoint`` next.
+    Every parameter this rank holds becomes a tensor of its local shape on ``device``; the captured
+    programs are rebound to them, and the devices baked into their graphs (``arange(..., device=meta)``)
+    are rewritten. Buffers are parameter-free state the compiler cannot invent: give the ones the
+    programs read in ``buffers`` (by their names in the model) unless the model has none on ``meta``.
+    Returns the bytes allocated for parameters.
+
+    ``init=None`` leaves the shards zero for ``load_checkpoint``. Otherwise the model's own
+    initialisers fill them: ``init=True`` calls every module's ``reset_parameters()``, and a function
+    ``init(module)`` is applied as ``model.apply(init)`` would (children first). Each module is
+    initialised on its own with its direct parameters allocated at full shape, and this rank keeps its
+    part of them; every rank draws the random numbers of the whole model in the same order, so a seed
+    set before ``materialize`` gives exactly the parameters that ``torch.manual_seed(seed);
+    model.apply(init)`` gives the unsharded model. Peak memory is this rank's shards plus the largest
+    module's parameters. An initialiser that reads parameters of other modules sees them on ``meta``.
     """
     device = torch.device(device)
     store = pm.replica.store
     allocated = 0
+    if pm.replica.sharded_data:  # FSDP2 allocates its own shards (of dp x cp) of this rank's parameters
+        pm.replica.to_empty(device=device)
+        with torch.no_grad():
+            for param in store.parameters():
+                param.to_local().zero_()
+                allocated += param.to_local().numel() * param.element_size()
     for target, param in list(store.named_parameters()):
         if param.device == device:
             continue
@@ -303,7 +319,93 @@ def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, to
         store.adopt(gm)
         _materialize_buffers(gm, device, buffers or {})
         _rewrite_devices(gm, device)
+    if init is not None:
+        _initialise(pm, device, init)
     return allocated
+
+
+def _initialise(pm, device: torch.device, init) -> None:
+    """Run the model's initialisers module by module (``Module.apply``'s order); keep this rank's parts."""
+    if init is not True and not callable(init):
+        raise ValueError(f"init={init!r}: use True (every module's reset_parameters()) or a function of a module")
+    target_of = {name: target for target, names in pm._names().items() for name in names}
+    held = {target: (param, placement) for target, _, param, placement in _entries(pm)}
+    order = _apply_order(pm.model)
+    last_visit: dict[int, int] = {}  # a tied parameter keeps its full tensor until its last module has run
+    for index, (_, module) in enumerate(order):
+        for param in module._parameters.values():
+            if param is not None:
+                last_visit[id(param)] = index
+    full: dict[int, torch.nn.Parameter] = {}
+    for index, (prefix, module) in enumerate(order):
+        originals = {attr: p for attr, p in module._parameters.items() if p is not None}
+        if not originals:
+            if init is not True:
+                init(module)  # it may draw random numbers (the unsharded model's apply would too)
+            continue
+        fresh = [id(p) not in full for p in originals.values()]
+        for param in originals.values():
+            if id(param) not in full:
+                full[id(param)] = torch.nn.Parameter(
+                    torch.full(param.shape, math.nan, dtype=param.dtype, device=device), param.requires_grad)
+        module._parameters.update({attr: full[id(p)] for attr, p in originals.items()})
+        try:
+            with torch.no_grad():
+                _run_initialiser(module, init, defaults=all(fresh), device=device)
+        finally:
+            module._parameters.update(originals)
+        for attr, param in originals.items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            value = full[id(param)]
+            if last_visit[id(param)] == index:
+                full.pop(id(param))
+                if value.isnan().any():
+                    raise ValueError(
+                        f"materialize(init=...): {name} was not initialised ({type(module).__name__} has no "
+                        "reset_parameters() and the init function did not set it): set it in the init function, "
+                        "or load a checkpoint instead"
+                    )
+                target = target_of.get(name)
+                if target in held:
+                    with torch.no_grad():
+                        _copy_part(pm, held[target][0], value, held[target][1])
+
+
+def _run_initialiser(module: torch.nn.Module, init, *, defaults: bool, device: torch.device) -> None:
+    """``init(module)``, after the module's own defaults (``reset_parameters``, on a forked random stream so
+    that it draws nothing the unsharded ``apply(init)`` would not) for the parameters ``init`` leaves alone."""
+    reset = getattr(module, "reset_parameters", None)
+    if init is True:
+        if callable(reset):
+            reset()
+        return
+    if defaults and callable(reset):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            reset()
+    init(module)
+
+
+def _apply_order(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules in the order ``model.apply`` visits them: children before their parent."""
+    out: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child)
+        out.append((prefix, module))
+
+    visit("", model)
+    return out
+
+
+def _copy_part(pm, local, full: torch.Tensor, placement: Shard | None) -> None:
+    """Write this rank's part of the full tensor ``full`` into its parameter ``local``."""
+    part = _local_part(full.detach(), placement, pm.coord("tp"), pm.mesh.tp)
+    if _is_fsdp(local):
+        from torch.distributed.tensor import distribute_tensor
+
+        part = distribute_tensor(part, local.device_mesh, local.placements, src_data_rank=None)
+    local.copy_(part)
 
 
 def _programs(pm) -> list:
@@ -332,11 +434,19 @@ def _materialize_buffers(gm, device: torch.device, given: dict[str, torch.Tensor
 
 
 def _rewrite_devices(gm, device: torch.device) -> None:
-    """Nodes that create tensors carry the device they were captured on; point them at ``device``."""
+    """Nodes that create or move tensors carry the device they were captured on; point them at ``device``."""
     changed = False
-    for node in gm.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
-            node.kwargs = {**node.kwargs, "device": device}
+
+    def moved(value):
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
             changed = True
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = tuple(moved(a) for a in node.args)
+            node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
     if changed:
         gm.recompile()
