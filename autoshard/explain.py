@@ -106,7 +106,13 @@ def _collectives(pm) -> list[str]:
         for note in program.gm.meta.get(FALLBACKS, []):
             lines.append(f"  fallback: {note}")
     data = pm.mesh.dp * pm.mesh.cp
-    if data > 1:
+    if data > 1 and pm.replica.sharded_data:
+        # FSDP2 parameters are DTensors: their shape is the whole (tp-local) tensor
+        grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
+        gathers = "once per step" if pm.pipeline is not None else "for each microbatch's forward and backward"
+        lines.append(f"  FSDP2 over dp x cp ({data} ranks): parameters all-gathered {gathers}, {_bytes(grad_bytes)}; "
+                     f"gradients reduce-scattered (sum), {_bytes(grad_bytes)}")
+    elif data > 1:
         grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
         how = ("bucketed, each bucket launched during the last backward that finishes its gradients"
                if pm.pipeline is not None

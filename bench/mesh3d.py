@@ -26,7 +26,9 @@ LAYERS, BATCH, MICROBATCHES = 8, 16, 4
 TP, PP = 2, 2
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 LABELS = {"autoshard": "autoshard, Mesh(dp=2, tp=2, pp=2), model unmodified",
+          "autoshard_fsdp": "autoshard, the same with data_parallel=\"fsdp\" (FSDP2 over dp)",
           "torch": "DTensor TP + torch.distributed.pipelining + DP by hand"}
+DP = 2
 
 
 def _mib(n: float) -> str:
@@ -71,15 +73,19 @@ def bytes_rows(mesh: dict) -> list[list[str]]:
     for rank, coords in enumerate(result["coords"]):
         where = f"{rank} (pp {coords['pp']}, dp {coords['dp']}, tp {coords['tp']})"
         row = [where]
-        for name in ("autoshard", "torch"):
+        for name in ("autoshard", "autoshard_fsdp", "torch"):
+            if name not in result["bytes"]:
+                continue
             b = result["bytes"][name][rank]
-            row += [_mib(b["params"]), _mib(b["grads"]), _mib(b["moments"]), f"**{b['params'] / ideal:.3f}**"]
+            share = ideal / DP if name == "autoshard_fsdp" else ideal
+            row += [_mib(b["params"]), _mib(b["grads"]), _mib(b["moments"]), f"**{b['params'] / share:.3f}**"]
         rows.append(row)
     return rows
 
 
 BYTES_HEADER = ["rank (coordinates)", "autoshard params MiB", "grads MiB", "AdamW moments MiB",
-                "params / (full / tp·pp)", "hand-written params MiB", "grads MiB", "AdamW moments MiB",
+                "params / (full / tp·pp)", "autoshard FSDP2 params MiB", "grads MiB", "AdamW moments MiB",
+                "params / (full / tp·pp·dp)", "hand-written params MiB", "grads MiB", "AdamW moments MiB",
                 "params / (full / tp·pp)"]
 
 
@@ -99,7 +105,7 @@ def notes(eager: dict, mesh: dict) -> list[str]:
         f"{MICROBATCHES} microbatches of 2, schedule 1F1B; both split the layers 4 / 4 (autoshard's own "
         "partition cuts after block 3 here, the hand-written stages are equal by construction); fp32, AdamW "
         "(lr 1e-3). A step is `zero_grad` + forward/backward + AdamW, "
-        "timed on rank 0 between barriers; the two 8-process runners take turns step by step.",
+        "timed on rank 0 between barriers; the three 8-process runners take turns step by step.",
         "- **8 processes on this machine's 2 cores (4 ranks per core, oversubscribed 4x)**, one thread each, rank r "
         "pinned to core r mod 2: the ratios to the unsharded model show overhead, not the speed-up of 8 devices. "
         "The unsharded model ran in its own job just before, on 1 thread and on both cores.",
@@ -122,7 +128,9 @@ def notes(eager: dict, mesh: dict) -> list[str]:
         f"whole model's parameters are {_mib(full)} MiB (the tied weight once), so full / (tp·pp) = "
         f"{_mib(full / (TP * PP))} MiB. Both layouts exceed it by the same amount: layer norms, the row-parallel "
         "layers' biases and the position table are replicated over tp, and the tied embedding / LM-head shard is "
-        "held by the first and the last stage. The gradient all-reduces' temporary flat buffers are not counted.",
+        "held by the first and the last stage. The gradient all-reduces' temporary flat buffers are not counted. "
+        "Under FSDP2 every one of these is split again over dp (dim 0, padded to even), measured between steps "
+        "(during a step a stage's parameters are gathered once and held until its last backward).",
     ]
     if "result" in mesh:
         block = _collectives(mesh)
@@ -139,7 +147,7 @@ def sections(eager: dict, mesh: dict) -> list[str]:
         "## 3D parallelism: dp=2 x tp=2 x pp=2 on 8 processes",
         "### Step time\n\n" + report.table(TIME_HEADER, time_rows(eager, mesh), "llrrrrr"),
         "### Parameters, gradients and optimizer state per rank\n\n"
-        + report.table(BYTES_HEADER, bytes_rows(mesh), "lrrrrrrrr"),
+        + report.table(BYTES_HEADER, bytes_rows(mesh), "l" + "r" * 12),
         "\n".join(notes(eager, mesh)),
     ]
 

@@ -8,6 +8,7 @@ Under torchrun (8 processes) the 8-layer zoo GPT (``tests/models.py``: hidden 12
 
 - ``autoshard``: ``parallelize(model, Mesh(dp=2, tp=2, pp=2), microbatches=4, schedule="1f1b")``, the model
   unmodified;
+- ``autoshard_fsdp``: the same with ``data_parallel="fsdp"`` (FSDP2 over dp inside every stage);
 - ``torch``: ``TorchMesh3D`` of ``bench/mesh3d_torch.py``: DTensor TP (``bench/tp_dtensor.py``'s plan) inside
   ``torch.distributed.pipelining`` stages with ``Schedule1F1B``, data parallelism by hand.
 
@@ -42,9 +43,9 @@ LAYERS, BATCH, VOCAB, MICROBATCHES = 8, 16, 256, 4
 MESH = {"dp": 2, "tp": 2, "pp": 2}
 
 
-def autoshard_runner(model, tokens, target) -> Runner:
+def autoshard_runner(model, tokens, target, data_parallel: str = "ddp") -> Runner:
     pm = autoshard.parallelize(model, autoshard.Mesh(**MESH), example_inputs=(tokens,), loss_fn=token_loss,
-                               target=target, microbatches=MICROBATCHES, schedule="1f1b")
+                               target=target, microbatches=MICROBATCHES, schedule="1f1b", data_parallel=data_parallel)
     losses: list[float] = []
 
     def forward_backward() -> None:
@@ -81,7 +82,7 @@ def state_bytes(runner: Runner) -> dict:
 def _step_losses(runner: Runner, name: str) -> float:
     """The loss of the step just taken, the same on every rank (the hand-written job: mean over its dp ranks)."""
     mine = runner.info["losses"][-1]
-    if name == "autoshard":
+    if name.startswith("autoshard"):
         return mine
     values = [v for v in gather(mine) if v is not None]
     return sum(values) / len(values)
@@ -91,6 +92,7 @@ def check_losses(runners: dict[str, Runner], model, tokens, target) -> dict:
     """Two steps of each runner (its first two warm-up steps) against the unsharded model on rank 0."""
     pieces = MESH["dp"] * MICROBATCHES
     normalised = {"autoshard": lambda m: token_loss(m(tokens), target),
+                  "autoshard_fsdp": lambda m: token_loss(m(tokens), target),
                   "torch": lambda m: reference_loss(m, tokens, target, pieces)}
     result = {}
     for name, runner in runners.items():
@@ -115,6 +117,7 @@ def run_mesh(args: argparse.Namespace) -> dict:
     model, tokens, target = build_case(LAYERS, BATCH, VOCAB)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     runners = {"autoshard": autoshard_runner(copy.deepcopy(model), tokens, target),
+               "autoshard_fsdp": autoshard_runner(copy.deepcopy(model), tokens, target, data_parallel="fsdp"),
                "torch": torch_runner(copy.deepcopy(model), tokens, target)}
     losses = check_losses(runners, model, tokens, target)
     times, _ = time_runners(runners, args.warmup, args.steps)

@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     parser.add_argument("--chunks", type=int, default=1, help="pipeline stages per rank (interleaved)")
     parser.add_argument("--cp-attention", default="gather", choices=["gather", "ring"])
+    parser.add_argument("--data-parallel", default="ddp", choices=["ddp", "fsdp"],
+                        help="replicas (DDP) or FSDP2 (parameters, gradients and optimizer state sharded over dp)")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -45,7 +47,7 @@ def main() -> None:
     reference = build("gpt", seed=0).model
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, microbatches=args.microbatches, schedule=args.schedule,
-                               chunks=args.chunks, cp_attention=args.cp_attention)
+                               chunks=args.chunks, cp_attention=args.cp_attention, data_parallel=args.data_parallel)
     rank = dist.get_rank() if dist.is_initialized() else 0
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"autoshard demo: GPT ({sum(p.numel() for p in reference.parameters()):,} parameters) on {mesh}, "

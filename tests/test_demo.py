@@ -24,3 +24,15 @@ def test_demo_under_torchrun_matches_the_unsharded_model():
     assert worst < 1e-5
     assert "dp x cp all-reduce (sum) of gradients over 2 ranks" in done.stdout
     assert "tp forward  all_reduce" in done.stdout and "pipeline: 2 stages on 2 ranks" in done.stdout
+
+
+def test_the_example_with_fsdp_over_a_pipeline():
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", "examples/train_gpt.py", "--dp", "2",
+               "--pp", "2", "--data-parallel", "fsdp", "--steps", "2"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    worst = float(re.search(r"unsharded model's loss over 2 steps: (\S+)", done.stdout).group(1))
+    assert worst < 1e-5
+    assert "FSDP2 over dp x cp (2 ranks): parameters all-gathered once per step" in done.stdout, done.stdout
