@@ -142,10 +142,12 @@ def communication(gm) -> dict[tuple[str, str, str], tuple[int, int]]:
         shape = list(arg.shape) if arg is not None else []
         forward, backward = module.comm_bytes(shape, arg.element_size() if arg is not None else 4)
         op = f"{str(node.target).split('_')[0]} {type(module).__name__}"
-        for direction, kind, size in (("forward", module.kind, forward), ("backward", module.backward_kind, backward)):
+        counts = getattr(module, "calls", (1, 1))
+        passes = (("forward", module.kind, forward, counts[0]), ("backward", module.backward_kind, backward, counts[1]))
+        for direction, kind, size, count in passes:
             if size:
                 calls, total = found.get((direction, kind, op), (0, 0))
-                found[(direction, kind, op)] = (calls + 1, total + size)
+                found[(direction, kind, op)] = (calls + count, total + size)
     return found
 
 

@@ -116,9 +116,9 @@ NOTES = [
     "inside it (autoshard calls its graph modules once per microbatch and for the token count) leaves a forward "
     "hook behind (torch 2.13 keys the hook handles by module name), and the next call of that module after the "
     "mode exits raises `IndexError` in `_fw_set_module_hook`.",
-    "- *analytic* is `autoshard.explain.communication(gm)` of this rank's training graph module: it counts one "
-    "call per inserted collective module, so the vocab-parallel cross-entropy counts as 1 call although it issues "
-    "2 all-reduces (the row max, then the stacked sums); its bytes agree with the measured bytes.",
+    "- *analytic* is `autoshard.explain.communication(gm)` of this rank's training graph module: the calls each "
+    "inserted collective module makes (the vocab-parallel cross-entropy makes 2 all-reduces: the row max, then "
+    "the stacked sums) and their bytes, to compare with the measured ones.",
     "- Step: `zero_grad`, forward with loss, backward, AdamW step; the four runners take turns step by step in "
     "rotating order, each step between two barriers, timed on rank 0. 2 ranks on this machine's 2 cores: no "
     "oversubscription, but the unsharded model runs on both ranks at once in its turn.",

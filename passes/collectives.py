@@ -176,6 +176,7 @@ class _ParallelOp(nn.Module):
 
     kind: ClassVar[str]
     backward_kind: ClassVar[str]
+    calls: ClassVar[tuple[int, int]] = (1, 1)  # collectives per (forward, backward) where that pass communicates
 
     def __init__(self, *, group: ProcessGroup | None, size: int, rank: int) -> None:
         super().__init__()
@@ -341,6 +342,7 @@ class VocabParallelCrossEntropy(_VocabRange):
     """
 
     kind, backward_kind = "all_reduce", "local"
+    calls = (2, 0)  # the row maxima, then the stacked sums
 
     def __init__(self, *, group: ProcessGroup | None, size: int, rank: int, vocab_start: int, vocab_end: int,
                  vocab_size: int, ignore_index: int = -100, reduction: str = "mean",
