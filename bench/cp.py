@@ -152,15 +152,15 @@ def notes(jobs: dict) -> list[str]:
         "- *MiB sent* per rank per step, forward / backward. *measured*: every call of `torch.distributed` during "
         "one step, counted by `bench/cp_comm.py` and attributed to attention when it comes from the graph's "
         "context-parallel ops; bytes sent under gloo's ring algorithms (all-gather: (c-1) local blocks; "
-        "all-reduce: 2 (c-1)/c of the tensor; point-to-point: what is sent). *analytic*: `gather` all-gathers K "
-        "and V of every layer forward ((c-1)/c of the full-length bytes) and all-reduces their full-length "
-        "gradients backward (2 (c-1)/c); `ring` sends c-1 K/V blocks forward, and c-1 K/V blocks plus c fp32 "
+        "all-reduce: 2 (c-1)/c of the tensor; reduce-scatter: (c-1)/c of its input; point-to-point: what is "
+        "sent). *analytic*: `gather` all-gathers K and V of every layer forward ((c-1)/c of the full-length bytes) "
+        "and reduce-scatters their full-length gradients backward ((c-1)/c); `ring` sends c-1 K/V blocks forward, "
+        "and c-1 K/V blocks plus c fp32 "
         "dK/dV accumulators backward. *explain.communication* is autoshard's own count from the rank's graph "
         "converted with the same factors (its byte column is the gathered output for an all-gather, the reduced "
-        "tensor for an all-reduce, the bytes sent for ring attention).",
+        "tensor for an all-reduce or the input of a reduce-scatter, the bytes sent for ring attention).",
         "- *least bwd*: `gather`'s backward needs only each rank's slice of the summed dK/dV, a reduce-scatter "
-        "((c-1)/c of the full-length bytes); autoshard all-reduces the whole sequence's dK/dV on every rank and "
-        "then keeps its own slice, sending twice that.",
+        "((c-1)/c of the full-length bytes): what autoshard sends.",
         "- *gradient + loss sums*: DistributedDataParallel's all-reduce of the parameters' gradients over the cp "
         "group (every parameter is replicated over cp) and `pm.step`'s loss sum; they depend on the sequence only "
         "through the learned position table, sized to it.",

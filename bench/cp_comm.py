@@ -118,7 +118,8 @@ def explain_sent(communication: dict, c: int) -> dict[str, float]:
     """
     sent = {"forward": 0.0, "backward": 0.0}
     for (direction, kind, _op), (_calls, nbytes) in communication.items():
-        factor = {"all_gather": (c - 1) / c, "all_reduce": 2 * (c - 1) / c, "ring": 1.0}.get(kind, 0.0)
+        factor = {"all_gather": (c - 1) / c, "reduce_scatter": (c - 1) / c, "all_reduce": 2 * (c - 1) / c,
+                  "ring": 1.0}.get(kind, 0.0)
         sent[direction] += factor * nbytes
     return sent
 
@@ -126,16 +127,16 @@ def explain_sent(communication: dict, c: int) -> dict[str, float]:
 def analytic_sent(attention: str, c: int, layers: int, batch: int, seq: int, hidden: int, elem: int = 4) -> dict:
     """Bytes one cp rank sends per step for attention, from the shapes alone (K and V of every layer).
 
-    ``gather``: forward all-gathers K and V (``(c-1)/c`` of the full-length tensors sent); backward sums their
-    full-length gradients: autoshard all-reduces them (``2 (c-1)/c``), the least a reduce-scatter needs is
-    ``(c-1)/c``. ``ring``: forward ``c-1`` K/V blocks of ``seq/c`` tokens; backward the ``c-1`` K/V blocks
+    ``gather``: forward all-gathers K and V (``(c-1)/c`` of the full-length tensors sent); backward
+    reduce-scatters their full-length gradients (``(c-1)/c``, the least a sum of them needs). ``ring``:
+    forward ``c-1`` K/V blocks of ``seq/c`` tokens; backward the ``c-1`` K/V blocks
     again plus ``c`` dK/dV accumulators (fp32).
     """
     full = 2 * layers * batch * seq * hidden * elem  # K and V of every layer at full length
     if c == 1:
         return {"forward": 0.0, "backward": 0.0, "backward_min": 0.0}
     if attention == "gather":
-        return {"forward": full * (c - 1) / c, "backward": 2 * full * (c - 1) / c, "backward_min": full * (c - 1) / c}
+        return {"forward": full * (c - 1) / c, "backward": full * (c - 1) / c, "backward_min": full * (c - 1) / c}
     block = full / c
     backward = block * (c - 1) + block * c * max(elem, 4) / elem
     return {"forward": block * (c - 1), "backward": backward, "backward_min": backward}

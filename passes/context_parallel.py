@@ -245,19 +245,22 @@ class _Gather(torch.autograd.Function):
     """Forward: every rank's tokens in natural order. Backward: sum the partial gradients, keep this rank's.
 
     Each rank uses the gathered value with its own tokens (its queries, its positions), so the
-    gradients that come back differ per rank and are summed (a reduce-scatter in effect).
+    gradients that come back differ per rank: a reduce-scatter sums them and leaves each rank the sum
+    over its own tokens (half the bytes of an all-reduce of the whole gradient).
     """
 
     @staticmethod
     def forward(ctx, x, dim, n, op):
-        ctx.dim, ctx.index, ctx.group = dim, op.index(n, rank=op.rank), op.group
+        ctx.dim, ctx.op = dim, op
         return op.gather_parts(x.contiguous(), dim, n)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.index_select(ctx.dim, ctx.index.to(grad.device)), None, None, None
+        op, n = ctx.op, grad.shape[ctx.dim]
+        parts = torch.stack([grad.index_select(ctx.dim, op.index(n, rank=r).to(grad.device)) for r in range(op.size)])
+        out = parts.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=op.group)
+        return out, None, None, None
 
 
 class _SequenceOp(nn.Module):
@@ -288,7 +291,7 @@ class _SequenceOp(nn.Module):
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         numel = int(torch.Size(input_shape).numel())
-        if self.kind == "all_gather":  # forward gathers, backward all-reduces the gathered gradient
+        if self.kind == "all_gather":  # forward gathers, backward reduce-scatters the gathered gradient
             return numel * elem_size * self.size, numel * elem_size * self.size
         return 0, 0
 
@@ -305,7 +308,7 @@ class SequenceScatter(_SequenceOp):
 class SequenceGather(_SequenceOp):
     """All-gathers every rank's tokens into the full sequence in natural order; backward sums, keeps this rank's."""
 
-    kind, backward_kind = "all_gather", "all_reduce"
+    kind, backward_kind = "all_gather", "reduce_scatter"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Gather.apply(x, self.dim, x.shape[self.dim] * self.size, self)

@@ -37,7 +37,7 @@ def test_cp_with_tp_and_ring(pools):
 def test_explain_counts_the_key_value_gathers(pools):
     report = pools.get(2).run(golden.explain, "gpt", {"cp": 2})[0]
     assert "cp forward  all_gather x4" in report, report  # keys and values of 2 layers
-    assert "cp backward all_reduce x4" in report, "their gradients are summed over the cp ranks"
+    assert "cp backward reduce_scatter x4" in report, "their gradients are summed, each rank keeping its own"
 
 
 def test_an_op_that_mixes_tokens_is_gathered_with_a_warning(pools):
