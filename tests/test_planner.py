@@ -312,3 +312,11 @@ def test_report_text_fits_a_terminal_and_json_round_trips():
     assert json.loads(json.dumps(data))["ranked"][0]["split"] == data["ranked"][0]["split"]
     assert data["ranked"][0]["reason"].startswith("fastest")
     assert all(row["reason"].startswith("+") for row in data["ranked"][1:])
+
+
+def test_microbatch_fix_never_suggests_a_pipeline_of_one_stage():
+    """A global batch too small for any pipeline: the fix says so instead of 'pp <= 1'."""
+    small = TransformerConfig(layers=8, hidden=512, heads=8, vocab=1000, seq=128, global_batch=8)
+    findings = lint(Mesh(pp=4, dp=2), small, Cluster(gpus=8), microbatches=4)
+    bubble = next(f for f in findings if f.rule == "microbatches")
+    assert "pp <= 1" not in bubble.fix and "no pipeline keeps the bubble under 5%" in bubble.fix, bubble.fix

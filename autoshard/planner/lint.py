@@ -175,8 +175,11 @@ def _microbatches(x: LintInput) -> Iterator[Finding]:
     fixes = [f"m >= {need} (bubble = (pp-1)/(v*m + pp-1) <= {x.max_bubble:.0%} when m >= {ratio:.3g}*(pp-1)/v)"]
     if x.config is not None and need * x.mesh.dp > x.config.global_batch:
         most = x.config.global_batch // x.mesh.dp
-        fixes = [f"at most m={most} fit the global batch at dp={x.mesh.dp}; pp <= {1 + int(v * most / ratio)} "
-                 f"keeps the bubble under {x.max_bubble:.0%} with m={most}"]
+        deepest = 1 + int(v * most / ratio)
+        fixes = [f"at most m={most} fit the global batch at dp={x.mesh.dp}; "
+                 + (f"pp <= {deepest} keeps the bubble under {x.max_bubble:.0%} with m={most}" if deepest > 1 else
+                    f"no pipeline keeps the bubble under {x.max_bubble:.0%} with m={most}: give the pp ranks to dp "
+                    "or tp, or accept the bubble")]
     layers = x.config.layers if x.config is not None else None
     v_need = math.ceil(ratio * (pp - 1) / m - 1e-9)
     if v_need > v and (layers is None or pp * v_need <= layers):
