@@ -5,10 +5,11 @@ topological order of the dependency graph (a networkx DiGraph of the activations
 position i is *valid* when the fewest values possible cross it: in a transformer that is the
 residual stream alone, between blocks and between the attention and MLP halves of a block. Among the
 valid cuts the partitioner picks the ones that make the largest stage cost as small as possible
-(dynamic programming, exact), preferring cuts where fewer bytes cross. A stage's cost is the training
-FLOPs of its nodes plus a term for the parameters it reads (``autoshard.cost``), so the embedding
-and LM head stages are not treated as free. Nothing here looks at names; a user may instead name the
-modules that stages start at.
+(dynamic programming, exact), preferring cuts where fewer bytes cross; a cut that moves several times the
+bytes of the cheapest one (the logits between an LM head and its loss) is used only when needed. A
+stage's cost is the training FLOPs of its nodes plus a term for the parameters it reads
+(``autoshard.cost``), so the embedding and LM head stages are not treated as free. Nothing here looks
+at names; a user may instead name the modules that stages start at.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from torch import fx
 
 from autoshard import cost, meta
 from autoshard.passes.propagate import requires_grad
+
+# A cut sends what crosses it forward and its gradient back, every microbatch. One value crosses between
+# the LM head and the loss too, but it is the logits, vocab/hidden times the residual stream: cuts that
+# move more than this many times the bytes of the cheapest are left out unless the stage count needs them.
+HEAVY_CUT = 4
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ def partition(
         )
     costs = _costs(gm, order)
     nbytes = [sum(_bytes(n) for n in c) for c in crossing]
+    cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
+    if len(cheap) >= num_stages - 1:
+        candidates = cheap
     if cut_after is not None:
         position = {n.name: i for i, n in enumerate(order)}
         cuts = [position[name] for name in cut_after]

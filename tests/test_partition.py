@@ -76,3 +76,14 @@ def test_a_start_module_without_a_cut_before_it_is_refused():
 def test_stages_can_start_at_the_models_own_module_names():
     _, gm = _prepared("gpt")
     assert partition(gm, 2, starts=["transformer.h.1"]).cut_after == partition(gm, 2).cut_after
+
+
+def test_a_large_vocabulary_never_gets_a_stage_of_its_own_loss():
+    """Between the LM head and the loss only one value crosses too, but it is the logits (vocab/hidden times
+    the residual stream): the partitioner does not cut there to save the loss's few FLOPs."""
+    model = build_gpt_model(n_layer=8, n_embd=128, n_head=4, vocab=32000, seq=64)
+    tokens = torch.zeros(2, 64, dtype=torch.long)
+    gm = codegen.prepare(capture(model, (tokens,), loss_fn=token_loss, example_target=tokens))
+    for stages in (4, 8):
+        cut = partition(gm, stages)
+        assert set(cut.crossing_bytes) == {2 * 64 * 128 * 4}, (cut.cut_after, cut.crossing_bytes)
