@@ -95,7 +95,7 @@ def parallelize(
     _check_supported(mesh)
     _lint(mesh, model, example_inputs, microbatches=microbatches, chunks=chunks, local_batch=local_batch)
     if groups is None:
-        groups = _groups_for(mesh, timeout)
+        groups = _groups_for(mesh, timeout, _device_of(model))
     elif groups.mesh != mesh:
         raise ValueError(f"the process groups were created for {groups.mesh}, not for {mesh}: pass groups of this mesh")
     return ParallelModel(
@@ -121,7 +121,15 @@ def parallelize(
     )
 
 
-def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
+def _device_of(model: nn.Module) -> str:
+    """Where the model's parameters live (``meta`` counts as where CUDA would be used if present)."""
+    types = {p.device.type for p in model.parameters()} - {"meta"}
+    if types:
+        return types.pop()
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _groups_for(mesh: Mesh, timeout: datetime.timedelta, device: str = "cpu") -> MeshGroups | None:
     """The process groups of ``mesh``: none for one rank outside torch.distributed, else created."""
     if not dist.is_initialized():
         if mesh.world_size == 1:
@@ -133,7 +141,10 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta) -> MeshGroups | None:
                 "script.py`, or call torch.distributed.init_process_group first"
             )
         mesh.check_world_size(int(os.environ["WORLD_SIZE"]))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL for a model on GPUs (each process on the GPU of its LOCAL_RANK, as torchrun numbers them), gloo else
+        backend = "nccl" if device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     return mesh.create_groups(timeout=timeout)
 

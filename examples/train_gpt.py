@@ -37,14 +37,18 @@ def main() -> None:
     parser.add_argument("--data-parallel", default="ddp", choices=["ddp", "fsdp"],
                         help="replicas (DDP) or FSDP2 (parameters, gradients and optimizer state sharded over dp)")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: each process on the GPU of its LOCAL_RANK, collectives over NCCL")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = autoshard.Mesh(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
-    case = build("gpt", seed=0)
-    reference = build("gpt", seed=0).model
+    case = build("gpt", seed=0, device=args.device)
+    reference = build("gpt", seed=0, device=args.device).model
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, microbatches=args.microbatches, schedule=args.schedule,
                                chunks=args.chunks, cp_attention=args.cp_attention, data_parallel=args.data_parallel)

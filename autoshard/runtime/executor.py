@@ -59,7 +59,7 @@ class PipelineExecutor:
 
     def __init__(
         self, runners: dict[int, StageRunner], *, num_stages: int, p: int, pp_ranks: list[int], group,
-        rank: int, timeout: datetime.timedelta,
+        rank: int, timeout: datetime.timedelta, device: torch.device | None = None,
     ) -> None:
         self.runners = runners
         self.num_stages = num_stages
@@ -68,6 +68,7 @@ class PipelineExecutor:
         self.group = group
         self.rank = rank
         self.timeout = timeout
+        self.device = device or torch.device("cpu")  # where received activations and the loss live
         self.records: list[Record] = []
 
     def run(self, actions: list[Action], microbatches: list[tuple[tuple, torch.Tensor]], divisor, step: int,
@@ -81,7 +82,7 @@ class PipelineExecutor:
         self._reducer = reducer
         state: dict[tuple[int, int], _MicrobatchState] = {}
         pending: list = []
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         self.records = []
         for index, action in enumerate(actions):
             start = time.perf_counter()
@@ -107,7 +108,7 @@ class PipelineExecutor:
             out = self._call(runner.program.gm, *inputs, target, *mb.inputs)
             if action.stage == self.num_stages - 1:
                 mb.loss = out[0] / divisor
-                return mb.loss.detach().float().cpu()
+                return mb.loss.detach().float()
             mb.outputs = tuple(out)
         elif action.kind == "B":
             if self._reducer is not None:
@@ -128,7 +129,7 @@ class PipelineExecutor:
             mb.output_grads = self._receive(runner.send_specs, action.stage + 1)
         else:
             raise ValueError(f"unknown action kind {action.kind!r} in {action}")
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=self.device)
 
     @staticmethod
     def _backward(mb: _MicrobatchState) -> None:
@@ -151,7 +152,7 @@ class PipelineExecutor:
 
     def _receive(self, specs: list[TensorSpec], from_stage: int) -> list[torch.Tensor]:
         peer = self._peer(from_stage)
-        buffers = [torch.empty(spec.shape, dtype=spec.dtype) for spec in specs]
+        buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
         ops = [dist.P2POp(dist.irecv, b, peer, group=self.group) for b in buffers]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait(self.timeout)

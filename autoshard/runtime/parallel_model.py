@@ -187,7 +187,7 @@ class ParallelModel(nn.Module):
                 _fsdp_accumulate(self.replica)
             call = (lambda gm, *args: self.call(self.replica, gm, *args)) if sharded else self.call
             total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps,
-                                           call=call, reducer=self._reducer)
+                                           call=call, reducer=self._reducer, device=self.device)
             with self._stall_guard("gradient reduction over dp x cp", None):
                 if self._reducer is not None:
                     self._reducer.finish()
@@ -195,7 +195,7 @@ class ParallelModel(nn.Module):
                     _fsdp_reduce(self.replica)
                 self.pipeline.sum_tied_gradients(self.replica.store)
                 return self._sum_over_dp(total)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         with self._stall_guard("setting up data parallelism", None):
             replicated = self._replicated()
         for index, (mb_inputs, mb_target) in enumerate(microbatches):
@@ -205,14 +205,23 @@ class ParallelModel(nn.Module):
                 (loss,) = self.call(replicated, program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
                 loss = loss / (divisor * program.cp_copies)
                 loss.backward()
-            total = total + loss.detach().float().cpu()
+            total = total + loss.detach().float()
         with self._stall_guard("loss all-reduce", None):
             return self._sum_over_dp(total)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank computes: its parameters' device (the current CUDA device under NCCL before any)."""
+        found = next((p.device for p in self.replica.parameters() if p.device.type != "meta"), None)
+        if found is not None:
+            return found
+        if self.groups is not None and self.groups.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def call(self, fn, *args):
         """Run a program's forward under this model's precision and activation-checkpointing options."""
-        device = next((p.device.type for p in self.replica.parameters()), "cpu")
-        autocast = torch.autocast(device, dtype=torch.bfloat16) if self.mixed_precision == "bf16" else None
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.mixed_precision == "bf16" else None
         with autocast or contextlib.nullcontext():
             if self.activation_checkpointing:
                 return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
@@ -231,13 +240,13 @@ class ParallelModel(nn.Module):
         if self.pipeline is None:
             return program(*self._cp_local(captured, inputs))
         if not self.replica.sharded_data:
-            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs, device=self.device)
             return pytree.tree_unflatten(flat, captured.gm._out_spec)
         self.replica.unshard()  # FSDP2: this rank's stages read their whole (tp-local) parameters
         try:
             for stage in program.values():
                 self.replica.store.adopt(stage.gm)
-            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs)
+            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs, device=self.device)
         finally:
             self.replica.reshard()
         return pytree.tree_unflatten(flat, captured.gm._out_spec)
@@ -463,7 +472,7 @@ class ParallelModel(nn.Module):
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = DeviceMesh.from_group(self.groups.group("data"), "cpu")
+            mesh = DeviceMesh.from_group(self.groups.group("data"), self.groups.device_type)
             # Under pipelining a stage runs one forward per microbatch: keep the parameters gathered for the
             # step rather than all-gathering them again for every microbatch (torchtitan's default too).
             fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None)

@@ -76,18 +76,20 @@ class Pipeline:
     def runners(self, stages: list[Stage], programs: dict[int, codegen.RankProgram]) -> dict[int, StageRunner]:
         return {s: StageRunner(s, programs[s], stages[s].receive_specs, stages[s].send_specs) for s in programs}
 
-    def run_step(self, runners, microbatches, divisor, step: int, call=None, reducer=None) -> torch.Tensor:
+    def run_step(self, runners, microbatches, divisor, step: int, call=None, reducer=None,
+                 device: torch.device | None = None) -> torch.Tensor:
         """One training step's actions on this rank; returns the global loss (on every pp rank)."""
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
-            group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout,
+            group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout, device=device,
         )
         total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
                                   reducer=reducer)
         dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
         return total
 
-    def forward_only(self, stages: list[Stage], programs: dict[int, codegen.RankProgram], inputs: tuple):
+    def forward_only(self, stages: list[Stage], programs: dict[int, codegen.RankProgram], inputs: tuple,
+                     device: torch.device | None = None):
         """Inference through the stages in order; the last stage's outputs are broadcast to every pp rank."""
         group, ranks = self.groups.group("pp"), self.groups.ranks("pp")
         received: list[torch.Tensor] = []
@@ -96,7 +98,7 @@ class Pipeline:
             owner = ranks[s % self.p]
             if s in programs:
                 if s > 0:
-                    received = [torch.empty(x.shape, dtype=x.dtype) for x in stages[s].receive_specs]
+                    received = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in stages[s].receive_specs]
                     for buffer in received:
                         dist.recv(buffer, src=ranks[(s - 1) % self.p], group=group)
                 out = programs[s].gm(*inputs, *received)
@@ -106,14 +108,15 @@ class Pipeline:
                 else:
                     flat_out = [t.detach().contiguous() for t in out]
             if s == self.num_stages - 1:
-                flat_out = self._broadcast_outputs(stages[s], flat_out, owner)
+                flat_out = self._broadcast_outputs(stages[s], flat_out, owner, device)
         return programs, flat_out
 
-    def _broadcast_outputs(self, last: Stage, flat_out: list[torch.Tensor], owner: int) -> list[torch.Tensor]:
+    def _broadcast_outputs(self, last: Stage, flat_out: list[torch.Tensor], owner: int,
+                           device: torch.device | None) -> list[torch.Tensor]:
         output = next(n for n in last.gm.graph.nodes if n.op == "output")
         specs = [n.meta["val"] for n in pytree.tree_leaves(output.args[0]) if isinstance(n, fx.Node)]
         if not flat_out:
-            flat_out = [torch.empty(v.shape, dtype=v.dtype) for v in specs]
+            flat_out = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in specs]
         for tensor in flat_out:
             dist.broadcast(tensor, src=owner, group=self.groups.group("pp"))
         return flat_out

@@ -39,7 +39,7 @@ def _entries(pm):
 
 def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=pm.device)
     tied = pm.pipeline.tied if pm.pipeline is not None else {}
     pp_index = pm.coord("pp")
     for target, _, param, placement in _entries(pm):
@@ -228,7 +228,7 @@ def _tp_data_mesh(pm):
     rows = pm.mesh.data_groups()[pp_index * tp:(pp_index + 1) * tp]  # row t: the data group of tp rank t
     layout = torch.tensor(rows, dtype=torch.int)
     groups = [pm.groups.group("tp"), pm.groups.group("data")]
-    return DeviceMesh.from_group(groups, "cpu", mesh=layout, mesh_dim_names=("tp", "data"))
+    return DeviceMesh.from_group(groups, pm.groups.device_type, mesh=layout, mesh_dim_names=("tp", "data"))
 
 
 def _saved_blocks(metadata, name: str) -> list[int] | None:
@@ -252,7 +252,7 @@ def _tp_mesh(pm):
 
     if pm.mesh.tp == 1:
         return None
-    return DeviceMesh.from_group(pm.groups.group("tp"), "cpu")
+    return DeviceMesh.from_group(pm.groups.group("tp"), pm.groups.device_type)
 
 
 def _assemble(pm, name: str, view: dict, metadata, param: torch.Tensor, placement: Shard | None) -> torch.Tensor:
