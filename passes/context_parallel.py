@@ -183,10 +183,11 @@ def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
         return
     if not causal:
         return
-    positions = plan.positions(rw.rank)
-    keys = torch.arange(plan.seq_len)
-    name = f"cp_causal_mask_{node.name}"
-    rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
+    name = f"cp_causal_mask_{plan.seq_len}"  # one (T/c x T) mask of this rank's positions, shared by every layer
+    if not hasattr(rw.gm, name):
+        positions = plan.positions(rw.rank)
+        keys = torch.arange(plan.seq_len)
+        rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
     with rw.gm.graph.inserting_before(node):
         mask = rw.gm.graph.get_attr(name)
     args[3], args[5] = mask, False

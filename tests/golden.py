@@ -269,7 +269,7 @@ def timeline(name: str, mesh_kwargs: dict, **options) -> str:
     return pm.timeline()
 
 
-def meta_then_checkpoint(name: str, mesh_kwargs: dict, path: str) -> dict:
+def meta_then_checkpoint(name: str, mesh_kwargs: dict, path: str, **options) -> dict:
     """A model built on meta compiles, allocates only its shards, loads a checkpoint and trains exactly."""
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
@@ -279,7 +279,7 @@ def meta_then_checkpoint(name: str, mesh_kwargs: dict, path: str) -> dict:
     saver.save_checkpoint(path)
     meta_case = build(name, device="meta")
     pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=meta_case.inputs, loss_fn=case.loss_fn,
-                               target=meta_case.target, groups=groups)
+                               target=meta_case.target, groups=groups, **options)
     allocated = pm.materialize("cpu")
     pm.load_checkpoint(path)
     reference = build(name).model

@@ -107,6 +107,14 @@ def test_a_model_built_on_meta_allocates_its_shards_and_loads_a_checkpoint(pools
         assert result["allocated"] < 0.6 * result["full"], "each rank holds about half of the parameters"
 
 
+def test_a_model_built_on_meta_under_fsdp_loads_a_checkpoint_into_its_shards(pools, tmp_path):
+    results = pools.get(4).run(golden.meta_then_checkpoint, "gpt", {"dp": 2, "tp": 2}, str(tmp_path / "ckpt"),
+                               data_parallel="fsdp")
+    for result in results:
+        assert result["loss"] < 1e-5 and result["grad"] < 1e-5, result
+        assert result["allocated"] < 0.35 * result["full"], "each rank holds about a quarter of the parameters"
+
+
 # (model, mesh, initialiser, options, the most of the model one rank may allocate)
 META_INITS = [
     ("gpt", {"tp": 2, "pp": 2}, "function", {"microbatches": 2}, 0.35),

@@ -69,3 +69,24 @@ def test_a_model_without_a_sequence_says_so():
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
     with pytest.raises(ContextParallelError, match="sequence dim could not be found"):
         plan_context_parallel(captured.gm, 2)
+
+
+def test_every_layer_shares_one_causal_mask_of_global_positions():
+    """The gathered keys' causal mask depends only on the rank's positions: one (T/c x T) buffer, not one a layer."""
+    from autoshard import codegen
+    from autoshard.capture import capture
+    from autoshard.passes.context_parallel import plan_context_parallel
+    from autoshard.passes.loss import find_token_loss, sum_loss_pass
+
+    from models import build
+
+    case = build("llama")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    sum_loss_pass(captured.gm, find_token_loss(captured.gm))  # as parallelize does: a per-token sum
+    plan = plan_context_parallel(captured.gm, 2)
+    gm = codegen.build(captured, codegen.Sharding(cp_plan=plan, cp_rank=1)).gm
+    masks = {name: b for name, b in gm.named_buffers() if name.startswith("cp_causal_mask")}
+    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith("cp_causal_mask")]
+    assert len(masks) == 1 and len(readers) == 2, (list(masks), readers)  # two layers, one mask
+    (mask,) = masks.values()
+    assert mask.shape == (8, 16) and bool(mask[0, 8]) and not bool(mask[0, 9]), "rank 1 holds positions 8..15"
