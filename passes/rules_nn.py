@@ -136,11 +136,12 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
         want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
         _mask_rows(node, ctx, want, seq, ndim)
         return Decision(Shard(seq), want)
-    if not any(ctx.of(t) == Shard(heads) for t in (q, k, v)):
-        return _pointwise(node, ctx) if all(ctx.of(t) == R for t in (q, k, v)) else replicate_all(node, ctx)
-    want = {t: Shard(heads) for t in (q, k, v) if ctx.of(t) != Shard(heads)}
-    _mask_rows(node, ctx, want, heads, ndim)
-    return Decision(Shard(heads), want)
+    for dim in (heads, *range(heads)):  # attention is independent along the head and batch dims
+        if any(ctx.of(t) == Shard(dim) for t in (q, k, v)):
+            want = {t: Shard(dim) for t in (q, k, v) if ctx.of(t) != Shard(dim)}
+            _mask_rows(node, ctx, want, dim, ndim)
+            return Decision(Shard(dim), want)
+    return _pointwise(node, ctx) if all(ctx.of(t) == R for t in (q, k, v)) else replicate_all(node, ctx)
 
 
 def _mask_rows(node: fx.Node, ctx: Context, want: dict, dim: int, ndim: int) -> None:

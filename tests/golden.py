@@ -414,3 +414,22 @@ def meta_init_that_misses_a_parameter(name: str, mesh_kwargs: dict) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def inference_slices(name: str, mesh_kwargs: dict, **options) -> dict:
+    """pm(x) under dp: equal to the unsharded outputs; which batch sizes this rank captured for inference."""
+    case = build(name)
+    reference = build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    with torch.no_grad():
+        out, expected = pm(*case.inputs), reference(*case.inputs)
+    if hasattr(expected, "logits"):  # a HuggingFace output: its cache flattens differently
+        out, expected = out.logits, expected.logits
+    flat, ref_flat = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)
+    worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(flat, ref_flat, strict=True)
+                if isinstance(a, torch.Tensor))
+    return {"worst": worst, "batches": sorted({shapes[0][0] for shapes in pm._infer}),
+            "shapes_equal": [tuple(a.shape) == tuple(b.shape) for a, b in zip(flat, ref_flat, strict=True)
+                             if isinstance(a, torch.Tensor)]}

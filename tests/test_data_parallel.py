@@ -28,3 +28,25 @@ def test_golden_data_parallel(pools, name, dp, microbatches):
 def test_local_batches_from_a_sharding_loader(pools, name):
     losses = {r["loss"] for r in pools.get(2).run(golden.local_batch_step, name, 2)}
     assert len(losses) == 1, "every rank returns the same global loss"
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_inference_under_dp_computes_each_ranks_slice_of_the_batch(pools, name):
+    """pm(x) at dp=2: each rank runs its half of the batch and the outputs are gathered, when every output
+    carries the batch (found by propagation); a model whose graph mixes in batch-sized values it builds itself
+    (HuggingFace's attention masks, BERT's token types) computes the whole batch on every rank instead."""
+    for result in pools.get(2).run(golden.inference_slices, name, {"dp": 2}):
+        assert result["worst"] < 1e-5 and all(result["shapes_equal"]), result
+        if name in ("gpt", "llama", "mlp"):
+            assert result["batches"] == [4], "the inference graph was captured at the local batch only"
+
+
+COMPOSED = [({"dp": 2, "tp": 2}, 4, {}), ({"dp": 2, "pp": 2}, 4, {"microbatches": 2}), ({"dp": 2, "cp": 2}, 4, {}),
+            ({"dp": 4}, 4, {})]
+
+
+@pytest.mark.parametrize("mesh,world,options", COMPOSED, ids=["dp2xtp2", "dp2xpp2", "dp2xcp2", "dp4"])
+def test_inference_slices_compose_with_the_other_axes(pools, mesh, world, options):
+    for result in pools.get(world).run(golden.inference_slices, "llama", mesh, **options):
+        assert result["worst"] < 1e-5 and all(result["shapes_equal"]), result
+        assert result["batches"] == [8 // mesh["dp"]], result

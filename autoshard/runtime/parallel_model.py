@@ -35,7 +35,8 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.passes.collectives import unshard
 from autoshard.passes.context_parallel import PARTIAL_OUTPUT, ContextParallelPlan, plan_context_parallel
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
-from autoshard.passes.placements import Shard
+from autoshard.passes.placements import R, Shard
+from autoshard.passes.propagate import propagate, redistributions
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 from autoshard.runtime import batching
@@ -141,6 +142,7 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self._train: dict[tuple, TrainProgram] = {}
         self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
+        self._batched: dict[tuple, list[bool] | None] = {}  # by inference capture: which outputs carry the batch
         self._stages: dict[tuple, list] = {}  # under pipeline parallelism: every stage, by capture
         self._ddp: DistributedDataParallel | None = None
         self._reducer = None  # under pipeline parallelism with dp x cp > 1: sums gradients during the backwards
@@ -228,28 +230,84 @@ class ParallelModel(nn.Module):
             return fn(*args)
 
     def forward(self, *inputs):
-        """Inference: the model's outputs for ``inputs`` (every dp rank computes the whole batch)."""
+        """Inference: the model's outputs for ``inputs``, on every rank.
+
+        Under data parallelism with a global batch, each dp rank computes its own slice of the batch and
+        the outputs are all-gathered over dp, when every output carries the batch along dim 0 (found by
+        propagating the batch dim through the inference graph); otherwise, for example for an output
+        reduced over the batch, every dp rank computes the whole batch.
+        """
+        batch = batching.batch_size(inputs)
+        if self.mesh.dp > 1 and not self.local_batch and batch is not None and batch % self.mesh.dp == 0:
+            local = batching.split(inputs, self.mesh.dp)[self.coord("dp")]
+            captured, program = self._inference(local)
+            batched = self._batch_outputs(captured, batch // self.mesh.dp)
+            if batched is not None:
+                flat, spec = self._run_inference(captured, program, local)
+                flat = [self._gather_batch(t) if split else t for t, split in zip(flat, batched, strict=True)]
+                return pytree.tree_unflatten(flat, spec)
+        captured, program = self._inference(inputs)
+        flat, spec = self._run_inference(captured, program, inputs)
+        return pytree.tree_unflatten(flat, spec)
+
+    def _inference(self, inputs: tuple):
+        """The inference capture at these input shapes and this rank's program(s) built from it (cached)."""
         key = shapes_of(inputs)
         if key not in self._infer:
             captured = capture(self.model, inputs, training=self.model.training)
             self._infer[key] = (captured, self._build(captured))
-        captured, program = self._infer[key]
-        if self.pipeline is None and self.data_parallel == "fsdp" and self.mesh.dp * self.mesh.cp > 1:
-            flat = self._replicated()(program.gm, *pytree.tree_leaves(self._cp_local(captured, inputs)))
-            return pytree.tree_unflatten(list(flat), program.out_spec)  # FSDP2 gathers the parameters around it
+        return self._infer[key]
+
+    def _run_inference(self, captured: Captured, program, inputs: tuple) -> tuple[list, pytree.TreeSpec]:
+        """This rank's flat outputs for ``inputs`` and the spec that folds them into the model's output."""
         if self.pipeline is None:
-            return program(*self._cp_local(captured, inputs))
+            if self.data_parallel == "fsdp" and self.mesh.dp * self.mesh.cp > 1:  # FSDP2 gathers the parameters
+                flat = self._replicated()(program.gm, *pytree.tree_leaves(self._cp_local(captured, inputs)))
+            else:
+                flat = program.gm(*pytree.tree_leaves(self._cp_local(captured, inputs)))
+            return list(flat), program.out_spec
+        stages = self._stages[captured.input_shapes]
         if not self.replica.sharded_data:
-            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs, device=self.device)
-            return pytree.tree_unflatten(flat, captured.gm._out_spec)
+            _, flat = self.pipeline.forward_only(stages, program, inputs, device=self.device)
+            return flat, captured.gm._out_spec
         self.replica.unshard()  # FSDP2: this rank's stages read their whole (tp-local) parameters
         try:
             for stage in program.values():
                 self.replica.store.adopt(stage.gm)
-            _, flat = self.pipeline.forward_only(self._stages[key], program, inputs, device=self.device)
+            _, flat = self.pipeline.forward_only(stages, program, inputs, device=self.device)
         finally:
             self.replica.reshard()
-        return pytree.tree_unflatten(flat, captured.gm._out_spec)
+        return flat, captured.gm._out_spec
+
+    def _batch_outputs(self, captured: Captured, local_batch: int) -> list[bool] | None:
+        """For each flat output of an inference capture at the local batch: whether it is this rank's slice of
+        the batch along dim 0. None when the outputs cannot be assembled from slices (an op mixes the batch)."""
+        if captured.input_shapes in self._batched:
+            return self._batched[captured.input_shapes]
+        gm = codegen.prepare(captured)  # without export's shape guards (they read every input)
+        seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder"
+                 and _leading_dim(n) == local_batch}
+        prop = propagate(gm, seeds, self.mesh.dp, keep_outputs=True)
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        flags: list[bool] | None = []
+        for leaf in pytree.tree_leaves(output.args[0]):
+            placement = prop.of(leaf) if isinstance(leaf, fx.Node) else R
+            if placement == Shard(0):
+                flags.append(True)
+            elif placement == R:
+                flags.append(False)
+            else:
+                flags = None
+                break
+        if any(not _broadcast_over_batch(r) for r in redistributions(prop)):
+            flags = None  # some op needs the whole batch: computing slices would be wrong
+        self._batched[captured.input_shapes] = flags
+        return flags
+
+    def _gather_batch(self, local: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.mesh.dp)]
+        dist.all_gather(parts, local.contiguous(), group=self.groups.group("dp"))
+        return torch.cat(parts, dim=0)
 
     def parameters(self, recurse: bool = True):
         """This rank's parameters (its shards), for any torch optimizer."""
@@ -567,6 +625,22 @@ def _fsdp_reduce(replica) -> None:
         for group in fsdp_state._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _broadcast_over_batch(redistribution) -> bool:
+    """A replicated value that a batch slice needs sliced is harmless when it is an expand over the batch dim:
+    every slice of it is the same (an attention mask broadcast to the batch, for example)."""
+    value = redistribution.value
+    if redistribution.src != R or redistribution.dst != Shard(0) or value.target is not torch.ops.aten.expand.default:
+        return False
+    source = value.args[0].meta.get("val")
+    target = value.meta.get("val")
+    return isinstance(source, torch.Tensor) and (source.dim() < target.dim() or source.shape[0] == 1)
+
+
+def _leading_dim(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
 
 
 def _returns_partial(gm: fx.GraphModule) -> bool:
