@@ -96,6 +96,7 @@ def parallelize(
     _lint(mesh, model, example_inputs, microbatches=microbatches, chunks=chunks, local_batch=local_batch)
     if groups is None:
         groups = _groups_for(mesh, timeout, _device_of(model))
+        _check_gpu(model)
     elif groups.mesh != mesh:
         raise ValueError(f"the process groups were created for {groups.mesh}, not for {mesh}: pass groups of this mesh")
     return ParallelModel(
@@ -127,6 +128,21 @@ def _device_of(model: nn.Module) -> str:
     if types:
         return types.pop()
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_gpu(model: nn.Module) -> None:
+    """Under NCCL every process must hold its model on its own GPU, or the collectives see one GPU twice."""
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
+        return
+    mine = torch.cuda.current_device()
+    elsewhere = sorted({str(p.device) for p in model.parameters()
+                        if p.device.type == "cuda" and p.device.index != mine})
+    if elsewhere:
+        raise ValueError(
+            f"rank {dist.get_rank()}: the model's parameters are on {', '.join(elsewhere)}, but this process's GPU is "
+            f"cuda:{mine}: call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before building the model "
+            "(or build it on meta and call pm.materialize())"
+        )
 
 
 def _groups_for(mesh: Mesh, timeout: datetime.timedelta, device: str = "cpu") -> MeshGroups | None:

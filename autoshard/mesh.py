@@ -302,7 +302,7 @@ class MeshGroups:
         """Where these groups' collectives run: ``"cuda"`` for NCCL groups, ``"cpu"`` for gloo."""
         import torch.distributed as dist
 
-        return "cuda" if dist.get_backend(self._groups[AXES[-1]]) == "nccl" else "cpu"
+        return "cuda" if "nccl" in str(dist.get_backend(self._groups[AXES[-1]])) else "cpu"
 
     def to_device_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """A torch DeviceMesh over the already-created groups, dims named ``AXES`` (creates no groups)."""

@@ -185,8 +185,9 @@ def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
         return
     name = f"cp_causal_mask_{plan.seq_len}"  # one (T/c x T) mask of this rank's positions, shared by every layer
     if not hasattr(rw.gm, name):
-        positions = plan.positions(rw.rank)
-        keys = torch.arange(plan.seq_len)
+        device = q.meta["val"].device
+        device = device if device.type != "meta" else torch.device("cpu")  # materialize() moves it later
+        positions, keys = plan.positions(rw.rank).to(device), torch.arange(plan.seq_len, device=device)
         rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
     with rw.gm.graph.inserting_before(node):
         mask = rw.gm.graph.get_attr(name)

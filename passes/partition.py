@@ -69,16 +69,14 @@ def partition(
         )
     costs = _costs(gm, order)
     nbytes = [sum(_bytes(n) for n in c) for c in crossing]
-    cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
-    if len(cheap) >= num_stages - 1:
-        candidates = cheap
     if cut_after is not None:
         position = {n.name: i for i, n in enumerate(order)}
         cuts = [position[name] for name in cut_after]
     elif starts is not None:
         cuts = _cuts_at(order, candidates, starts, num_stages)
     else:
-        cuts = _balanced_cuts(costs, candidates, nbytes, num_stages)
+        cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
+        cuts = _balanced_cuts(costs, cheap if len(cheap) >= num_stages - 1 else candidates, nbytes, num_stages)
     return _result(order, costs, cuts, nbytes, len(candidates))
 
 

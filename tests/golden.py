@@ -433,3 +433,15 @@ def inference_slices(name: str, mesh_kwargs: dict, **options) -> dict:
     return {"worst": worst, "batches": sorted({shapes[0][0] for shapes in pm._infer}),
             "shapes_equal": [tuple(a.shape) == tuple(b.shape) for a, b in zip(flat, ref_flat, strict=True)
                              if isinstance(a, torch.Tensor)]}
+
+
+def frozen_weights(name: str, mesh_kwargs: dict, frozen: list[str], **options) -> dict:
+    """Fine-tuning: some weights frozen (requires_grad=False) in the model; the rest trains exactly."""
+    case = build(name)
+    for param_name, param in case.model.named_parameters():
+        if any(param_name.startswith(f) for f in frozen):
+            param.requires_grad_(False)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(case.model, mesh, case.inputs, case.loss_fn, target=case.target,
+                              groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report)}

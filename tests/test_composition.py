@@ -148,11 +148,12 @@ FSDP_MESHES = [
     ({"dp": 2, "pp": 2}, 4, {}),
     ({"dp": 2, "pp": 2}, 4, {"schedule": "interleaved", "chunks": 2}),
     ({"dp": 2, "tp": 2, "pp": 2}, 8, {}),
+    ({"pp": 2, "cp": 2}, 4, {}),  # FSDP2 over the cp ranks: they hold the same parameters
 ]
 
 
 @pytest.mark.parametrize("mesh,world,options", FSDP_MESHES,
-                         ids=["dp2", "dp2xtp2", "dp2xcp2", "dp2xpp2", "dp2xpp2-interleaved", "dp2xtp2xpp2"])
+                         ids=["dp2", "dp2xtp2", "dp2xcp2", "dp2xpp2", "dp2xpp2-interleaved", "dp2xtp2xpp2", "pp2xcp2"])
 def test_golden_fully_sharded_data_parallel(pools, mesh, world, options):
     results = pools.get(world).run(golden.golden, "gpt", mesh, microbatches=2, data_parallel="fsdp", **options)
     for rank, result in enumerate(results):
@@ -183,3 +184,13 @@ def test_pipelined_data_parallel_sums_gradients_during_the_backward(pools, mesh,
         line = result["timeline"].splitlines()[-1]
         launched, total = (int(w) for w in line.split("buckets")[0].split(":")[1].split(" of "))
         assert total > 4 and launched >= total - 2, line
+
+
+@pytest.mark.parametrize("mesh,options", [({"dp": 2, "pp": 2}, {"microbatches": 2}),
+                                          ({"dp": 2, "tp": 2}, {}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 2, "data_parallel": "fsdp"})],
+                         ids=["dp2xpp2", "dp2xtp2", "fsdp-dp2xpp2"])
+def test_frozen_weights_stay_frozen_and_the_rest_trains_exactly(pools, mesh, options):
+    frozen = ["transformer.wte", "transformer.h.0.attn"]  # the tied embedding / LM head, and one attention
+    for rank, result in enumerate(pools.get(4).run(golden.frozen_weights, "gpt", mesh, frozen, **options)):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"

@@ -188,11 +188,17 @@ class ParallelModel(nn.Module):
             if sharded:
                 _fsdp_accumulate(self.replica)
             call = (lambda gm, *args: self.call(self.replica, gm, *args)) if sharded else self.call
-            total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor, self._steps,
-                                           call=call, reducer=self._reducer, device=self.device)
-            with self._stall_guard("gradient reduction over dp x cp", None):
+            try:
+                total = self.pipeline.run_step(program.runners, [(a[:-1], a[-1]) for a in local], divisor,
+                                               self._steps, call=call, reducer=self._reducer, device=self.device)
+            except Exception:
+                if self._reducer is not None:
+                    self._reducer.reset()
+                raise
+            with self._stall_guard("gradient sums (dp x cp, tied weights) and the loss sum", None):
                 if self._reducer is not None:
                     self._reducer.finish()
+                    self._reduce_leftovers()
                 if sharded:
                     _fsdp_reduce(self.replica)
                 self.pipeline.sum_tied_gradients(self.replica.store)
@@ -377,7 +383,7 @@ class ParallelModel(nn.Module):
                      "buckets launched while the backward still ran")
         return text
 
-    def materialize(self, device="cpu", *, buffers=None, init=None) -> int:
+    def materialize(self, device=None, *, buffers=None, init=None) -> int:
         """For a model built on ``meta``: allocate only this rank's shards on ``device``, then fill them from a
         checkpoint (``load_checkpoint``) or, with ``init``, by the model's own initialisers (see ``state.materialize``).
         """
@@ -414,7 +420,8 @@ class ParallelModel(nn.Module):
                 mine[target] = self._gather(target, read(store.get_parameter(target)))
         if self.pipeline is not None:
             everyone: list = [None] * self.mesh.pp
-            dist.all_gather_object(everyone, {t: v.detach() if v is not None else None for t, v in mine.items()},
+            # on the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU index
+            dist.all_gather_object(everyone, {t: v.detach().cpu() if v is not None else None for t, v in mine.items()},
                                    group=self.groups.group("pp"))
             mine = {t: v for part in everyone for t, v in part.items()}
         # A parameter the graph never reads is held by no program: report the model's own (never trained) tensor.
@@ -530,7 +537,7 @@ class ParallelModel(nn.Module):
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = DeviceMesh.from_group(self.groups.group("data"), self.groups.device_type)
+            mesh = DeviceMesh.from_group(self.groups.group("data"), self.device.type)
             # Under pipelining a stage runs one forward per microbatch: keep the parameters gathered for the
             # step rather than all-gathering them again for every microbatch (torchtitan's default too).
             fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None)
@@ -561,6 +568,17 @@ class ParallelModel(nn.Module):
             return self._sum_over_dp(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
         views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
+
+    def _reduce_leftovers(self) -> None:
+        """Sum over dp x cp the gradients of parameters the reducer has no bucket for (first read by a capture
+        made after it was built), in one flat all-reduce in name order."""
+        grads = [p.grad for _, p in sorted(self.replica.store.named_parameters())
+                 if p.grad is not None and not self._reducer.covers(p)]
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.groups.group("data"))
+            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(summed)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""
@@ -614,7 +632,8 @@ def _fsdp_accumulate(replica) -> None:
 
 def _fsdp_reduce(replica) -> None:
     """FSDP2 under a pipeline, after the last backward: reduce-scatter the gradients and reshard (as
-    torch.distributed.pipelining does, since no single backward is the step's last one)."""
+    torch.distributed.pipelining does, since no single backward is the step's last one). It calls FSDP2's
+    own post-backward steps, private API that torch.distributed.pipelining uses the same way (torch 2.13)."""
     from torch.distributed.fsdp import fully_shard
 
     replica.set_is_last_backward(True)

@@ -68,7 +68,8 @@ class Pipeline:
         """Sums over ``group`` (dp x cp) of this rank's gradients, launched during each stage's last backward."""
         stage_params = {
             s: [store.get_parameter(n.target) for n in program.gm.graph.nodes
-                if n.op == "get_attr" and store._lookup(n.target) is not None]
+                if n.op == "get_attr" and store._lookup(n.target) is not None
+                and store.get_parameter(n.target).requires_grad]  # a frozen weight has no gradient to sum
             for s, program in programs.items()
         }
         return GradientReducer(stage_params, self.actions[self.pp_index], group)
@@ -141,6 +142,8 @@ class Pipeline:
             if self.pp_index not in ranks:
                 continue
             param = store.get_parameter(name)
+            if not param.requires_grad:
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:

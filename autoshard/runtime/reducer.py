@@ -48,7 +48,7 @@ class GradientReducer:
                  bucket_bytes: int | None = None) -> None:
         self.group = group
         backwards = [(a.stage, a.microbatch) for a in actions if a.kind == "B"]
-        self.final = {stage: microbatch for stage, microbatch in backwards}  # the last B of each stage
+        self.final = dict(backwards)  # the last B of each stage (later pairs overwrite earlier ones)
         order = {stage: i for i, (stage, _) in enumerate(backwards)}  # later final backward -> larger
         owner: dict[int, int] = {}
         for stage, params in stage_params.items():
@@ -81,6 +81,15 @@ class GradientReducer:
             if bucket.stage == stage:
                 bucket.ready = {id(p) for p in bucket.params}
         self._launch_ready()
+
+    def covers(self, param: nn.Parameter) -> bool:
+        return id(param) in self._bucket_of
+
+    def reset(self) -> None:
+        """Forget a step that failed part-way (its launched sums are abandoned), so the next starts clean."""
+        for bucket in self.buckets:
+            bucket.ready, bucket.work, bucket.grads, bucket.flat = set(), None, [], None
+        self._next, self._overlapped, self._armed = 0, 0, None
 
     def finish(self) -> None:
         """Wait for every bucket's sum and write it back into the gradients; ready for the next step."""

@@ -173,13 +173,14 @@ def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
     and written as without FSDP2.
     """
     mesh = _tp_mesh(pm)
+    meshes: dict = {}  # the (tp, dp x cp) mesh for FSDP2 shards, made once
     view = {}
     for target, name, param, placement in _entries(pm):
         padded = placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp
         blocked_here = placement is not None and placement.blocks is not None
         saved = _saved_blocks(metadata, name) if for_load else None
         if _fsdp_direct(pm, target, param, placement, saved):
-            view[name] = _fsdp_dtensor(pm, target, param, placement, for_load)
+            view[name] = _fsdp_dtensor(pm, target, param, placement, for_load, meshes)
             continue
         if _is_fsdp(param):  # the whole tp-local tensor, as without FSDP2
             param = torch.empty(param.shape, dtype=param.dtype) if for_load else param.full_tensor()
@@ -205,7 +206,7 @@ def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
     return view
 
 
-def _fsdp_dtensor(pm, target: str, param, placement: Shard | None, for_load: bool):
+def _fsdp_dtensor(pm, target: str, param, placement: Shard | None, for_load: bool, meshes: dict):
     """An FSDP2 shard of a (tp-sharded) parameter as a DTensor of the whole parameter over (tp, dp x cp)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
@@ -217,7 +218,10 @@ def _fsdp_dtensor(pm, target: str, param, placement: Shard | None, for_load: boo
     if pm.mesh.tp == 1:
         return DTensor.from_local(data, param.device_mesh, [DShard(0)], run_check=False, shape=shape, stride=stride)
     tp = DShard(placement.dim) if placement is not None else Replicate()
-    return DTensor.from_local(data, _tp_data_mesh(pm), [tp, DShard(0)], run_check=False, shape=shape, stride=stride)
+    if "tp x data" not in meshes:
+        meshes["tp x data"] = _tp_data_mesh(pm)
+    return DTensor.from_local(data, meshes["tp x data"], [tp, DShard(0)], run_check=False, shape=shape,
+                              stride=stride)
 
 
 def _tp_data_mesh(pm):
@@ -228,7 +232,7 @@ def _tp_data_mesh(pm):
     rows = pm.mesh.data_groups()[pp_index * tp:(pp_index + 1) * tp]  # row t: the data group of tp rank t
     layout = torch.tensor(rows, dtype=torch.int)
     groups = [pm.groups.group("tp"), pm.groups.group("data")]
-    return DeviceMesh.from_group(groups, pm.groups.device_type, mesh=layout, mesh_dim_names=("tp", "data"))
+    return DeviceMesh.from_group(groups, pm.device.type, mesh=layout, mesh_dim_names=("tp", "data"))
 
 
 def _saved_blocks(metadata, name: str) -> list[int] | None:
@@ -252,7 +256,7 @@ def _tp_mesh(pm):
 
     if pm.mesh.tp == 1:
         return None
-    return DeviceMesh.from_group(pm.groups.group("tp"), pm.groups.device_type)
+    return DeviceMesh.from_group(pm.groups.group("tp"), pm.device.type)
 
 
 def _assemble(pm, name: str, view: dict, metadata, param: torch.Tensor, placement: Shard | None) -> torch.Tensor:
@@ -280,7 +284,7 @@ def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------- materialising
 
 
-def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, torch.Tensor] | None = None,
+def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[str, torch.Tensor] | None = None,
                 init=None) -> int:
     """Give a model built on ``meta`` real storage: this rank's shards only, then fill them.
 
@@ -288,7 +292,8 @@ def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, to
     programs are rebound to them, and the devices baked into their graphs (``arange(..., device=meta)``)
     are rewritten. Buffers are parameter-free state the compiler cannot invent: give the ones the
     programs read in ``buffers`` (by their names in the model) unless the model has none on ``meta``.
-    Returns the bytes allocated for parameters.
+    Returns the bytes allocated for parameters. ``device`` defaults to the rank's own (its CUDA device
+    under NCCL, else the CPU).
 
     ``init=None`` leaves the shards zero for ``load_checkpoint``. Otherwise the model's own
     initialisers fill them: ``init=True`` calls every module's ``reset_parameters()``, and a function
@@ -299,7 +304,12 @@ def materialize(pm, device: str | torch.device = "cpu", *, buffers: dict[str, to
     model.apply(init)`` gives the unsharded model. Peak memory is this rank's shards plus the largest
     module's parameters. An initialiser that reads parameters of other modules sees them on ``meta``.
     """
-    device = torch.device(device)
+    device = pm.device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if pm.groups is not None and device.type != pm.groups.device_type:
+        raise ValueError(f"materialize({str(device)!r}): this rank's process groups communicate on "
+                         f"{pm.groups.device_type}; materialize there (the default)")
     store = pm.replica.store
     allocated = 0
     if pm.replica.sharded_data:  # FSDP2 allocates its own shards (of dp x cp) of this rank's parameters
@@ -341,7 +351,8 @@ def _initialise(pm, device: torch.device, init) -> None:
         originals = {attr: p for attr, p in module._parameters.items() if p is not None}
         if not originals:
             if init is not True:
-                init(module)  # it may draw random numbers (the unsharded model's apply would too)
+                with torch.no_grad():
+                    init(module)  # it may draw random numbers (the unsharded model's apply would too)
             continue
         fresh = [id(p) not in full for p in originals.values()]
         for param in originals.values():
@@ -423,13 +434,16 @@ def _materialize_buffers(gm, device: torch.device, given: dict[str, torch.Tensor
     for name, buffer in list(gm.named_buffers()):
         if buffer.device == device:
             continue
+        owner, _, attr = name.rpartition(".")
+        if buffer.device.type != "meta":  # real data (autoshard's own masks, say): move it
+            (gm.get_submodule(owner) if owner else gm).register_buffer(attr, buffer.to(device), persistent=False)
+            continue
         original = name.removeprefix(MODEL_PREFIX)
         if original not in given:
             raise ValueError(
                 f"buffer {original} of the model is on {buffer.device} and the programs read it: pass its value, "
                 f"materialize(buffers={{'{original}': tensor}})"
             )
-        owner, _, attr = name.rpartition(".")
         (gm.get_submodule(owner) if owner else gm).register_buffer(attr, given[original].to(device), persistent=False)
 
 
