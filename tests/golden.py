@@ -445,3 +445,31 @@ def frozen_weights(name: str, mesh_kwargs: dict, frozen: list[str], **options) -
     report = autoshard.verify(case.model, mesh, case.inputs, case.loss_fn, target=case.target,
                               groups=groups_for(mesh), **options)
     return {"ok": report.ok, "report": str(report)}
+
+
+class _ShapeDependent(torch.nn.Module):
+    """Reads ``extra`` only for batches larger than 4: a later capture brings a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y + self.extra(x) if x.shape[0] > 4 else y
+
+
+def fsdp_capture_with_new_parameters() -> str:
+    torch.manual_seed(0)
+    model = _ShapeDependent()
+    mesh = autoshard.Mesh(dp=2)
+    x, t = torch.randn(8, 8), torch.randn(8, 8)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(x,), loss_fn=_mse, target=t, groups=groups_for(mesh),
+                               data_parallel="fsdp")
+    pm.step(x, target=t)
+    try:
+        pm.step(torch.randn(16, 8), target=torch.randn(16, 8))
+    except ValueError as e:
+        return str(e)
+    return "no error"

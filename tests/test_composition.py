@@ -194,3 +194,9 @@ def test_frozen_weights_stay_frozen_and_the_rest_trains_exactly(pools, mesh, opt
     frozen = ["transformer.wte", "transformer.h.0.attn"]  # the tied embedding / LM head, and one attention
     for rank, result in enumerate(pools.get(4).run(golden.frozen_weights, "gpt", mesh, frozen, **options)):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+def test_fsdp_refuses_a_later_capture_with_parameters_of_its_own(pools):
+    for message in pools.get(2).run(golden.fsdp_capture_with_new_parameters):
+        assert "reads parameters no earlier capture read (model.extra.weight" in message, message
+        assert "data_parallel='ddp'" in message

@@ -463,10 +463,25 @@ class ParallelModel(nn.Module):
                                                  attention=self.cp_attention)
         sharding = self._sharding(self.groups.coords if self.groups else {}, training=captured.with_loss)
         if self.pipeline is None:
-            return codegen.build(captured, sharding, store=self.replica.store)
-        stages, programs = self.pipeline.build(captured, sharding, self.replica.store)
-        self._stages[captured.input_shapes] = stages
-        return programs
+            built = codegen.build(captured, sharding, store=self.replica.store)
+        else:
+            stages, built = self.pipeline.build(captured, sharding, self.replica.store)
+            self._stages[captured.input_shapes] = stages
+        self._check_fully_sharded(captured)
+        return built
+
+    def _check_fully_sharded(self, captured: Captured) -> None:
+        """Under FSDP2 the parameters are sharded once: a later capture may not bring parameters of its own."""
+        if not self.replica.sharded_data:
+            return
+        new = [name for name, p in self.replica.store.named_parameters() if not hasattr(p, "device_mesh")]
+        if new:
+            raise ValueError(
+                f"the capture at input shapes {captured.input_shapes} reads parameters no earlier capture read "
+                f"({', '.join(new[:3])}{'...' if len(new) > 3 else ''}), and under data_parallel='fsdp' the "
+                "parameters were sharded when the first training graph was captured: capture first with inputs "
+                "that reach every parameter (pass that example target to parallelize), or use data_parallel='ddp'"
+            )
 
     def _sharding(self, coords, *, training: bool = True, groups: bool = True) -> codegen.Sharding:
         """How the rank at ``coords`` shards a captured graph (without process groups when ``groups`` is off)."""
