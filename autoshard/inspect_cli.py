@@ -87,6 +87,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a block tp does not divide: error (default) or keep it replicated")
     c.add_argument("--cp-attention", choices=("gather", "ring"), default="gather", help="attention over cp (gather)")
     c.add_argument("--cp-load-balance", action="store_true", help="give cp rank r chunks r and 2c-1-r")
+    c.add_argument("--data-parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="replicas summed over dp x cp (ddp), or FSDP2 sharding over them (fsdp)")
     c.add_argument("--pipeline-starts", metavar="MODULES",
                    help="comma-separated modules at which the stages after the first begin (default: balanced)")
     b = parser.add_argument_group("made-up inputs, for a factory that returns a bare model")
@@ -137,7 +139,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     starts = [s.strip() for s in args.pipeline_starts.split(",") if s.strip()] if args.pipeline_starts else None
     return dict(mesh=mesh, rank=args.rank, microbatches=args.microbatches, chunks=args.chunks, schedule=schedule,
                 tp_indivisible=args.tp_indivisible, cp_attention=args.cp_attention,
-                cp_load_balance=args.cp_load_balance, pipeline_starts=starts)
+                cp_load_balance=args.cp_load_balance, pipeline_starts=starts, data_parallel=args.data_parallel)
 
 
 def _one_line(text: str) -> str:
@@ -338,6 +340,7 @@ class Inspection:
     actions: dict | None = None
     notes: list[str] = field(default_factory=list)
     lint: list = field(default_factory=list)
+    data_parallel: str = "ddp"
 
     @property
     def coords(self) -> dict[str, int]:
@@ -350,7 +353,8 @@ class Inspection:
 
 def inspect_rank(case: Case, *, mesh: Mesh, rank: int = 0, microbatches: int = 1, chunks: int = 1,
                  schedule: str = "1f1b", tp_indivisible: str = "error", cp_attention: str = "gather",
-                 cp_load_balance: bool = False, pipeline_starts: list[str] | None = None) -> Inspection:
+                 cp_load_balance: bool = False, pipeline_starts: list[str] | None = None,
+                 data_parallel: str = "ddp") -> Inspection:
     """Compile ``case`` for ``rank`` of ``mesh`` as ``parallelize`` does, without processes."""
     from autoshard import codegen
     from autoshard.capture import capture
@@ -373,8 +377,10 @@ def inspect_rank(case: Case, *, mesh: Mesh, rank: int = 0, microbatches: int = 1
         captured = capture(case.model, inputs, loss_fn=case.loss_fn, example_target=target)
     else:
         captured = capture(case.model, inputs, training=case.model.training)
+    if data_parallel not in ("ddp", "fsdp"):
+        raise InspectError(f"--data-parallel {data_parallel!r}: use ddp or fsdp")
     out = Inspection(case=case, mesh=mesh, rank=rank, microbatches=microbatches, chunks=chunks, schedule=schedule,
-                     captured=captured, microbatch_inputs=values)
+                     captured=captured, microbatch_inputs=values, data_parallel=data_parallel)
     if training:
         out.token_loss = find_token_loss(captured.gm)
         if out.token_loss is not None:
@@ -603,7 +609,16 @@ def _collectives(x: Inspection) -> list[str]:
         params = {id(q): q for program in x.programs.values() for q in program.gm.parameters() if q.requires_grad}
         grads = sum(q.numel() * q.element_size() for q in params.values())
         over = " x ".join(f"{a}={x.mesh.degree(a)}" for a in ("dp", "cp") if x.mesh.degree(a) > 1)
-        lines.append(f"per step: all-reduce (sum) of this rank's gradients over {data} ranks ({over}): {_bytes(grads)}")
+        if x.data_parallel == "fsdp":
+            gathers = "once per step" if x.mesh.pp > 1 else "for each microbatch's forward and backward"
+            lines.append(f"per step: FSDP2 over {data} ranks ({over}): this rank's parameters all-gathered {gathers} "
+                         f"({_bytes(grads)}), its gradients reduce-scattered (sum, {_bytes(grads)}); each rank keeps "
+                         f"1/{data} of them, of their gradients and of the optimizer state")
+        else:
+            how = ("in buckets launched during the last backward that finishes them" if x.mesh.pp > 1
+                   else "bucketed by DistributedDataParallel during the last microbatch's backward")
+            lines.append(f"per step: all-reduce (sum) of this rank's gradients over {data} ranks ({over}): "
+                         f"{_bytes(grads)}, {how}")
     tied = [line for line in _pipeline(x, False) if "is used on pp ranks" in line]
     if tied:
         lines.append("per step: tied parameters' gradients summed over the pp ranks that use them")

@@ -73,6 +73,14 @@ def test_context_parallel_shows_the_sequence_split_and_its_gathers(capsys, tmp_p
     check_dot((tmp_path / "rank1.dot").read_text(), collectives=6, receives=0)
 
 
+def test_fsdp_over_a_pipeline_is_described(capsys):
+    out = inspect(capsys, GPT, "--mesh", "dp=2,pp=2", "--microbatches", "2", "--data-parallel", "fsdp")
+    assert "per step: FSDP2 over 2 ranks (dp=2): this rank's parameters all-gathered once per step" in out, out
+    assert "each rank keeps 1/2 of them, of their gradients and of the optimizer state" in out
+    out = inspect(capsys, GPT, "--mesh", "dp=2,pp=2", "--microbatches", "2")
+    assert "in buckets launched during the last backward that finishes them" in out
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_and_pipeline_parallel_for_two_ranks(capsys, rank):
     out = inspect(capsys, GPT, "--mesh", "tp=2,pp=2", "--rank", str(rank), "--microbatches", "2")
