@@ -14,6 +14,9 @@ is indexed with the block's key positions), and merges the block into an online 
 (float64 inputs stay float64). The result is ``acc / l``; the saved log-sum-exp ``lse = m + log(l)`` is
 all the backward needs of the softmax. Rows whose every key is masked give zeros, as
 ``F.scaled_dot_product_attention`` does, and no NaN (their ``lse`` is ``-inf``; the backward gives them 0).
+Under a causal mask a block is computed in pieces, runs of consecutive query positions against runs of
+key positions (one each for contiguous chunks, two under load balance), and a piece whose keys all lie
+after its queries is skipped (``RingAttention.pairs``): with load balance about half of every block.
 
 Backward, the twin (``c`` steps over the same ring). The key/value blocks travel again; each step recomputes
 the block's probabilities from the saved ``lse`` (``P = exp(score - lse)``) and forms the usual gradients
@@ -71,6 +74,7 @@ class RingAttention(_ParallelOp):
         self.causal, self.scale = bool(causal), scale
         self.layout = [torch.as_tensor(p, dtype=torch.long).cpu() for p in layout]
         self.seq_len = sum(len(p) for p in self.layout)
+        self._pairs: dict[int, list[tuple[slice, list[slice]]]] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,9 +102,27 @@ class RingAttention(_ParallelOp):
         """The group to exchange blocks over, or None when there is no ring (size 1)."""
         return self._run_group()
 
-    def skips(self, src: int) -> bool:
-        """Whether rank ``src``'s block adds nothing here: causal, and every key after every query (host check)."""
-        return self.causal and bool(self.layout[src].min() > self.layout[self.rank].max())
+    def query_runs(self) -> list[slice]:
+        """This rank's queries in the pieces the blocks are computed for: runs of consecutive positions when
+        causal (so a wholly masked part can be left out), all at once otherwise."""
+        mine = self.layout[self.rank]
+        return _runs(mine) if self.causal else [slice(0, len(mine))]
+
+    def pairs(self, src: int) -> list[tuple[slice, list[slice]]]:
+        """The parts of rank ``src``'s block this rank's queries attend: for each run of consecutive query
+        positions (one, or two under load balance), the runs of ``src``'s key positions that are not wholly
+        after it (causal). Parts wholly masked are never computed (host check, cached)."""
+        if src not in self._pairs:
+            mine, theirs = self.layout[self.rank], self.layout[src]
+            out = []
+            for rows in self.query_runs():
+                last = mine[rows].max()
+                runs = _runs(theirs) if self.causal else [slice(0, len(theirs))]
+                cols = [c for c in runs if not (self.causal and bool(theirs[c].min() > last))]
+                if cols:
+                    out.append((rows, cols))
+            self._pairs[src] = out
+        return self._pairs[src]
 
     def extra_repr(self) -> str:
         return (f"causal={self.causal}, scale={self.scale}, tokens={len(self.layout[self.rank])}/{self.seq_len}, "
@@ -131,6 +153,24 @@ class _Ring:
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t in received]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag) for t in sends]
         return dist.batch_isend_irecv(ops), received
+
+
+def _runs(positions: torch.Tensor) -> list[slice]:
+    """Runs of consecutive positions, as slices of the local order (load balance gives two per rank)."""
+    breaks = [0, *(int(i) + 1 for i in torch.nonzero(positions[1:] - positions[:-1] != 1).flatten()), len(positions)]
+    return [slice(a, b) for a, b in zip(breaks, breaks[1:], strict=False)]
+
+
+def _take(t: torch.Tensor, runs: list[slice]) -> torch.Tensor:
+    """The rows (dim -2) of ``t`` in ``runs``: a view for one run."""
+    return t[..., runs[0], :] if len(runs) == 1 else torch.cat([t[..., r, :] for r in runs], dim=-2)
+
+
+def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """An explicit mask's rows for these queries (a mask broadcast over the rows is shared)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask
+    return mask[..., rows, :]
 
 
 def _wait(works: list) -> None:
@@ -209,16 +249,21 @@ class _RingAttentionFn(torch.autograd.Function):
         scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qpos = op.layout[rank].to(q.device)
         ring = _Ring(group, size, rank) if size > 1 else None
-        qf, state, block = q.to(_acc(q)), _Online(), (k, v)
+        qf, block = q.to(_acc(q)), (k, v)
+        states = {rows.start: _Online() for rows in op.query_runs()}  # one online softmax per query run
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
             kpos = op.layout[src].to(q.device)
-            if not op.skips(src):
-                state.add(_scores(qf, _heads(block[0], q), qpos, kpos, mask, op.causal, scale), _heads(block[1], q))
+            for rows, cols in op.pairs(src):
+                kb, vb = _take(block[0], cols), _take(block[1], cols)
+                s = _scores(qf[..., rows, :], _heads(kb, q), qpos[rows], torch.cat([kpos[c] for c in cols]),
+                            _rows(mask, rows), op.causal, scale)
+                states[rows.start].add(s, _heads(vb, q))
             _wait(works)
             block = tuple(incoming)
-        out, lse = state.result()
+        results = [states[rows.start].result() for rows in op.query_runs()]
+        out, lse = torch.cat([r[0] for r in results], dim=-2), torch.cat([r[1] for r in results], dim=-1)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.op, ctx.scale = op, scale
         return out.to(q.dtype)
@@ -235,27 +280,40 @@ class _RingAttentionFn(torch.autograd.Function):
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))[..., None]  # fully masked rows: P = 0
         qpos = op.layout[rank].to(q.device)
         dmask = qf.new_zeros(mask.shape) if _mask_grad(ctx, mask) else None
-        dq = None
+        dq = qf.new_zeros(q.shape)
         block, grads = (k, v), (qf.new_zeros(k.shape), qf.new_zeros(v.shape))
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
             kpos = op.layout[src].to(q.device)
-            if not op.skips(src):
-                kf, vf = _heads(block[0], q), _heads(block[1], q)
-                p = torch.exp(_scores(qf, kf, qpos, kpos, mask, op.causal, scale) - lse)
-                ds = p * (torch.matmul(dof, vf.transpose(-2, -1)) - delta)
-                dq = torch.matmul(ds, kf) * scale + (0 if dq is None else dq)
-                grads = (grads[0] + _fold_heads(torch.matmul(ds.transpose(-2, -1), qf) * scale, block[0]),
-                         grads[1] + _fold_heads(torch.matmul(p.transpose(-2, -1), dof), block[1]))
+            for rows, cols in op.pairs(src):
+                kb, vb = _take(block[0], cols), _take(block[1], cols)
+                kf, vf = _heads(kb, q), _heads(vb, q)
+                cpos, qr, dor = torch.cat([kpos[c] for c in cols]), qf[..., rows, :], dof[..., rows, :]
+                p = torch.exp(_scores(qr, kf, qpos[rows], cpos, _rows(mask, rows), op.causal, scale)
+                              - lse[..., rows, :])
+                ds = p * (torch.matmul(dor, vf.transpose(-2, -1)) - delta[..., rows, :])
+                dq[..., rows, :] += (torch.matmul(ds, kf) * scale).sum_to_size(dq[..., rows, :].shape)
+                _add_rows(grads[0], cols, _fold_heads(torch.matmul(ds.transpose(-2, -1), qr) * scale, kb))
+                _add_rows(grads[1], cols, _fold_heads(torch.matmul(p.transpose(-2, -1), dor), vb))
                 if dmask is not None:
-                    _add_mask_grad(dmask, ds, kpos)
+                    _add_mask_grad(dmask if dmask.dim() < 2 or dmask.shape[-2] == 1 else dmask[..., rows, :],
+                                   ds, cpos)
             grad_works, grad_incoming = ring.shift(list(grads), _GRAD_TAG) if ring else ([], grads)
             _wait(works)
             _wait(grad_works)
             block, grads = tuple(incoming), tuple(grad_incoming)
         dmask = None if dmask is None else dmask.to(mask.dtype)
-        return dq.sum_to_size(q.shape).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dmask, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dmask, None
+
+
+def _add_rows(acc: torch.Tensor, runs: list[slice], grad: torch.Tensor) -> None:
+    """Add ``grad`` (the rows of ``runs``, concatenated) into the travelling accumulator ``acc``."""
+    start = 0
+    for r in runs:
+        n = r.stop - r.start
+        acc[..., r, :] += grad[..., start:start + n, :]
+        start += n
 
 
 def _mask_grad(ctx, mask: torch.Tensor | None) -> bool:

@@ -107,6 +107,7 @@ CASES = {
     "float-mask-full": _case(causal=False, mask="float", seed=3),
     "bool-mask-masked-row": _case(causal=False, mask="bool", load_balance=True, seed=4),
     "gqa-causal-balanced-scale": _case(load_balance=True, kv_heads=2, scale=0.3, seed=5),
+    "float-mask-causal-balanced": _case(mask="float", load_balance=True, seed=6),
 }
 
 
@@ -207,3 +208,16 @@ def run_wrong_rank() -> str:
 def test_refuses_a_group_it_was_not_built_for(pools):
     messages = pools.get(2).run(run_wrong_rank)
     assert all("was built for rank" in m for m in messages), messages
+
+
+def test_wholly_masked_parts_of_a_block_are_not_computed():
+    """Load balance at cp=2, 16 tokens: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11. Causal attention never
+    needs rank 0's first run against rank 1's keys, nor rank 1's queries against rank 0's last run."""
+    layout = _layout(2, True)
+    zero = RingAttention(causal=True, scale=None, layout=layout, group=None, size=2, rank=0)
+    one = RingAttention(causal=True, scale=None, layout=layout, group=None, size=2, rank=1)
+    assert zero.pairs(0) == [(slice(0, 4), [slice(0, 4)]), (slice(4, 8), [slice(0, 4), slice(4, 8)])]
+    assert zero.pairs(1) == [(slice(4, 8), [slice(0, 8)])]
+    assert one.pairs(0) == [(slice(0, 8), [slice(0, 4)])]
+    full = RingAttention(causal=False, scale=None, layout=layout, group=None, size=2, rank=0)
+    assert full.pairs(1) == [(slice(0, 8), [slice(0, 8)])], "without a causal mask the block is one piece"
