@@ -142,13 +142,11 @@ def notes(jobs: dict) -> list[str]:
         "with the square of the sequence. `ring` keeps only its own K/V block and adds one copy of the attention "
         "output per layer (layers · B · T/c · hidden · 4 bytes: its fp32 result, saved before it is laid out for "
         "the model's transpose).",
-        "- *contiguous*: without load balance (rank r holds the r-th of c chunks). The ring skips only a whole K/V "
-        "block that lies entirely after every query of the rank: contiguous, rank r computes r + 1 of the c "
-        "blocks (c(c+1)/2 in all); load-balanced (chunks r and 2c-1-r), no block is ever wholly masked, so every "
-        "rank computes all c blocks, each half masked (c² in all): the work is even, but at the slowest "
-        "contiguous rank's amount, not below it. `gather` computes the full (T/c) × T scores under the mask "
-        "either way. With 4 ranks sharing 2 cores the total work counts, so there the contiguous ring can come out "
-        "faster.",
+        "- *contiguous*: without load balance (rank r holds the r-th of c chunks). The ring computes a causal block "
+        "in pieces (runs of consecutive query positions against runs of key positions) and skips every piece whose "
+        "keys all lie after its queries: contiguous, rank r computes r + 1 of the c blocks (uneven work); "
+        "load-balanced (chunks r and 2c-1-r), every rank computes the same amount, about half the c blocks, so the "
+        "slowest rank finishes sooner. `gather` computes the full (T/c) × T scores under the mask either way.",
         "- *MiB sent* per rank per step, forward / backward. *measured*: every call of `torch.distributed` during "
         "one step, counted by `bench/cp_comm.py` and attributed to attention when it comes from the graph's "
         "context-parallel ops; bytes sent under gloo's ring algorithms (all-gather: (c-1) local blocks; "
