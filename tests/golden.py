@@ -473,3 +473,35 @@ def fsdp_capture_with_new_parameters() -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+class _GrowsWithTheBatch(torch.nn.Module):
+    """Three layers, and a fourth that only batches larger than 2 rows per microbatch read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.extra = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x + self.extra(x) if x.shape[0] > 2 else x
+
+
+def later_capture_reads_more_parameters(mesh_kwargs: dict, **options) -> dict:
+    """The first training graph (2 rows per microbatch) never reads ``extra``; a later one (4 rows) does. Its
+    gradient is still summed over dp, so the parallel model stays equal to the unsharded one."""
+    import copy
+
+    from autoshard.verify import compare
+
+    torch.manual_seed(0)
+    model = _GrowsWithTheBatch()
+    reference = copy.deepcopy(model)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    small, large = torch.randn(8, 8), torch.randn(16, 8)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(small,), loss_fn=_mse, target=torch.randn(8, 8),
+                               groups=groups_for(mesh), **options)
+    report = compare(reference, pm, (large,), torch.randn(16, 8), loss_fn=_mse)
+    return {"ok": report.ok, "report": str(report)}

@@ -200,3 +200,9 @@ def test_fsdp_refuses_a_later_capture_with_parameters_of_its_own(pools):
     for message in pools.get(2).run(golden.fsdp_capture_with_new_parameters):
         assert "reads parameters no earlier capture read (model.extra.weight" in message, message
         assert "data_parallel='ddp'" in message
+
+
+def test_a_later_capture_with_more_parameters_still_sums_them_over_dp(pools):
+    for rank, result in enumerate(pools.get(4).run(golden.later_capture_reads_more_parameters, {"dp": 2, "pp": 2},
+                                                   microbatches=2)):
+        assert result["ok"], f"rank {rank}:\n{result['report']}"
