@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoshard.explain import _bytes
 from autoshard.mesh import AXES, Mesh
 
 NAME = "inspect"
@@ -695,10 +696,3 @@ def _count(n: int) -> str:
             return f"{n / scale:.3g}{unit}"
     return str(n)
 
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"

@@ -166,6 +166,14 @@ def _take(t: torch.Tensor, runs: list[slice]) -> torch.Tensor:
     return t[..., runs[0], :] if len(runs) == 1 else torch.cat([t[..., r, :] for r in runs], dim=-2)
 
 
+def _pieces(op: RingAttention, src: int, block: tuple[torch.Tensor, torch.Tensor]):
+    """For each piece of rank ``src``'s block this rank attends (``op.pairs``): the query rows, the block's row
+    runs, their keys and values, and those keys' global positions."""
+    kpos = op.layout[src].to(block[0].device)
+    for rows, cols in op.pairs(src):
+        yield rows, cols, _take(block[0], cols), _take(block[1], cols), torch.cat([kpos[c] for c in cols])
+
+
 def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     """An explicit mask's rows for these queries (a mask broadcast over the rows is shared)."""
     if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
@@ -254,11 +262,8 @@ class _RingAttentionFn(torch.autograd.Function):
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
-            kpos = op.layout[src].to(q.device)
-            for rows, cols in op.pairs(src):
-                kb, vb = _take(block[0], cols), _take(block[1], cols)
-                s = _scores(qf[..., rows, :], _heads(kb, q), qpos[rows], torch.cat([kpos[c] for c in cols]),
-                            _rows(mask, rows), op.causal, scale)
+            for rows, _, kb, vb, cpos in _pieces(op, src, block):
+                s = _scores(qf[..., rows, :], _heads(kb, q), qpos[rows], cpos, _rows(mask, rows), op.causal, scale)
                 states[rows.start].add(s, _heads(vb, q))
             _wait(works)
             block = tuple(incoming)
@@ -285,11 +290,9 @@ class _RingAttentionFn(torch.autograd.Function):
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
-            kpos = op.layout[src].to(q.device)
-            for rows, cols in op.pairs(src):
-                kb, vb = _take(block[0], cols), _take(block[1], cols)
+            for rows, cols, kb, vb, cpos in _pieces(op, src, block):
                 kf, vf = _heads(kb, q), _heads(vb, q)
-                cpos, qr, dor = torch.cat([kpos[c] for c in cols]), qf[..., rows, :], dof[..., rows, :]
+                qr, dor = qf[..., rows, :], dof[..., rows, :]
                 p = torch.exp(_scores(qr, kf, qpos[rows], cpos, _rows(mask, rows), op.causal, scale)
                               - lse[..., rows, :])
                 ds = p * (torch.matmul(dor, vf.transpose(-2, -1)) - delta[..., rows, :])

@@ -197,8 +197,7 @@ class ParallelModel(nn.Module):
                 raise
             with self._stall_guard("gradient sums (dp x cp, tied weights) and the loss sum", None):
                 if self._reducer is not None:
-                    self._reducer.finish()
-                    self._reduce_leftovers()
+                    self._reducer.finish(self.replica.store.named_parameters())
                 if sharded:
                     _fsdp_reduce(self.replica)
                 self.pipeline.sum_tied_gradients(self.replica.store)
@@ -583,17 +582,6 @@ class ParallelModel(nn.Module):
             return self._sum_over_dp(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
         views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
-
-    def _reduce_leftovers(self) -> None:
-        """Sum over dp x cp the gradients of parameters the reducer has no bucket for (first read by a capture
-        made after it was built), in one flat all-reduce in name order."""
-        grads = [p.grad for _, p in sorted(self.replica.store.named_parameters())
-                 if p.grad is not None and not self._reducer.covers(p)]
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.groups.group("data"))
-            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(summed)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""

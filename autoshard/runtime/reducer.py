@@ -82,20 +82,25 @@ class GradientReducer:
                 bucket.ready = {id(p) for p in bucket.params}
         self._launch_ready()
 
-    def covers(self, param: nn.Parameter) -> bool:
-        return id(param) in self._bucket_of
-
     def reset(self) -> None:
         """Forget a step that failed part-way (its launched sums are abandoned), so the next starts clean."""
         for bucket in self.buckets:
             bucket.ready, bucket.work, bucket.grads, bucket.flat = set(), None, [], None
         self._next, self._overlapped, self._armed = 0, 0, None
 
-    def finish(self) -> None:
-        """Wait for every bucket's sum and write it back into the gradients; ready for the next step."""
+    def finish(self, named_parameters=()) -> None:
+        """Wait for every bucket's sum and write it back into the gradients; ready for the next step.
+
+        Gradients of ``named_parameters`` that no bucket holds (first read by a capture made after this
+        reducer) are summed too, in one flat all-reduce in name order.
+        """
         for bucket in self.buckets:
             bucket.ready = {id(p) for p in bucket.params}
         self._launch_ready()
+        rest = _Bucket(-1, [p for _, p in sorted(named_parameters, key=lambda item: item[0])
+                            if p.grad is not None and id(p) not in self._bucket_of])
+        self.buckets.append(rest)
+        _launch(rest, self.group)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -103,6 +108,7 @@ class GradientReducer:
                                         strict=True):
                     grad.copy_(summed)
             bucket.ready, bucket.work, bucket.grads, bucket.flat = set(), None, [], None
+        self.buckets.remove(rest)
         self._next = 0
         self.overlapped, self._overlapped = self._overlapped, 0
 
@@ -117,12 +123,16 @@ class GradientReducer:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
-            bucket = self.buckets[self._next]
-            bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
-            if bucket.grads:
-                bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
-                bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            _launch(self.buckets[self._next], self.group)
             self._next += 1
+
+
+def _launch(bucket: _Bucket, group) -> None:
+    """Start the asynchronous sum of a bucket's gradients (one flat tensor)."""
+    bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
+    if bucket.grads:
+        bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
+        bucket.work = dist.all_reduce(bucket.flat, group=group, async_op=True)
 
 
 def _buckets(stage: int, params: list[nn.Parameter], cap: int) -> list[_Bucket]:
