@@ -181,6 +181,10 @@ class ParallelModel(nn.Module):
         microbatches = self._microbatch_views(inputs, target)
         self._steps += 1
         divisor = self._divisor(inputs, target, microbatches)
+        with self._fresh_gradients():
+            return self._step(microbatches, divisor)
+
+    def _step(self, microbatches: list, divisor) -> torch.Tensor:
         if self.pipeline is not None:
             program = self._program(*microbatches[0])
             local = [self._cp_local(program.captured, (*i, t)) for i, t in microbatches]
@@ -582,6 +586,30 @@ class ParallelModel(nn.Module):
             return self._sum_over_dp(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
         views = batching.split((*inputs, target), self.mesh.dp * self.microbatches)
         return sum(program.count_gm(*view) for view in views).float()
+
+    @contextlib.contextmanager
+    def _fresh_gradients(self):
+        """Set aside the gradients of earlier ``step()`` calls and add them back after this step's sums.
+
+        Every sum a step makes (over dp x cp, over tied copies on several pipeline ranks) must add this step's
+        gradients only: a gradient that still holds an earlier, already summed step would be counted once per
+        rank. So gradient accumulation over several steps equals eager ``backward()`` calls. FSDP2 adds each
+        reduce-scattered gradient into the sharded gradient it keeps, so it needs no help.
+        """
+        if self.replica.sharded_data:
+            yield
+            return
+        earlier = {}
+        for p in self.replica.parameters():
+            if p.grad is not None:
+                earlier[p], p.grad = p.grad, None
+        try:
+            yield
+        finally:
+            for p, grad in earlier.items():
+                if p.grad is not None:
+                    grad.add_(p.grad)
+                p.grad = grad
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""

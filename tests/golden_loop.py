@@ -1,0 +1,222 @@
+"""Per-rank checks of the parallel model driven as an ordinary training loop drives a model.
+
+Each function runs on every rank of a worker pool (see ``launcher.py``) and returns plain data. They cover
+what golden tests of single steps miss: gradient accumulation over several ``step()`` calls, switching
+between ``train()`` and ``eval()``, data a tokenizer got wrong, a new input shape, a weight shared by
+three uses on different pipeline stages, and a model whose cheapest cut leaves a stage without weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+from autoshard.verify import compare
+
+from golden import groups_for
+from models import VOCAB, build, token_data, token_loss
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual.detach().float(), expected.detach().float(), **TOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _second_batch(case, seed: int = 11) -> tuple[tuple, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if case.name == "mlp":
+        return (torch.randn_like(case.inputs[0]),), torch.randn_like(case.target)
+    ids, target = token_data(gen)
+    return (ids,), target
+
+
+def accumulation(name: str, mesh_kwargs: dict, *, calls: int = 2, **options) -> dict:
+    """``step()`` called ``calls`` times before ``optimizer.step()`` accumulates exactly as eager ``backward()``s."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    batches = [(case.inputs, case.target)] + [_second_batch(case, 11 + i) for i in range(calls - 1)]
+    params = list(pm.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if params else None
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    compared = 0
+    for _ in range(2):  # two optimizer steps, each over `calls` accumulated steps
+        for inputs, target in batches:
+            loss = pm.step(*inputs, target=target)
+            ref_loss = case.loss_fn(reference(*inputs), target)
+            ref_loss.backward()
+            _close(loss, ref_loss, "loss")
+        grads = pm.gradients()
+        for n, p in reference.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                _close(grads[n], p.grad, f"accumulated gradient of {n}")
+                compared += 1
+        if opt:
+            opt.step()
+            opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = pm.full_parameters()
+    for n, p in reference.named_parameters(remove_duplicate=False):
+        _close(full[n], p, f"parameter {n} after the optimizer steps")
+    return {"compared": compared}
+
+
+def eval_mode(name: str, mesh_kwargs: dict, **options) -> dict:
+    """After training in train mode with dropout on, ``pm.eval()`` turns dropout off (and ``pm.train()`` on)."""
+    torch.manual_seed(0)
+    model = _dropout_gpt2()
+    torch.manual_seed(0)
+    reference = _dropout_gpt2()
+    reference.load_state_dict(model.state_dict())
+    case = build("hf_gpt2")
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target,
+                               groups=groups_for(mesh), **options)
+    params = list(pm.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if params else None
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):  # dropout draws differ between the two, so train on the eval-mode reference's gradient
+        pm.step(*case.inputs, target=case.target)
+        if opt:
+            opt.step()
+            opt.zero_grad()
+    full = pm.full_parameters()
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(full[n])
+    del ref_opt
+    pm.eval()
+    reference.eval()
+    with torch.no_grad():
+        first, second = pm(*case.inputs).logits, pm(*case.inputs).logits
+        expected = reference(*case.inputs).logits
+    _close(first, second, "two eval-mode calls")
+    _close(first, expected, "eval-mode logits")
+    pm.train()
+    with torch.no_grad():
+        a, b = pm(*case.inputs).logits, pm(*case.inputs).logits
+    return {"train_mode_differs": (a - b).abs().max().item(), "training": pm.training}
+
+
+def _dropout_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from models import FFN, HIDDEN, MAX_POS, N_HEAD, N_LAYER
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=N_LAYER, n_head=N_HEAD,
+                     n_inner=FFN, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def bad_data(name: str, mesh_kwargs: dict, what: str, **options) -> str:
+    """A step with an id or target outside the vocabulary raises the unsharded model's error on every rank."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    ids, target = case.inputs[0].clone(), case.target.clone()
+    bad = {"big id": (ids, 500), "negative id": (ids, -3), "big target": (target, VOCAB + 7),
+           "negative target": (target, -5)}
+    tensor, value = bad[what]
+    tensor[-1, 3] = value  # in the last dp rank's slice only: every rank must still refuse
+    try:
+        pm.step(ids, target=target)
+    except (IndexError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def new_shape(name: str, mesh_kwargs: dict, seq: int, **options) -> str:
+    """After training at one shape, a step at a shape the mesh cannot split fails alike on every rank."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    pm.step(*case.inputs, target=case.target)
+    ids, target = case.inputs[0][:, :seq], case.target[:, :seq]
+    try:
+        pm.step(ids, target=target)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "accepted"
+
+
+class SharedThrice(nn.Module):
+    """An encoder-decoder whose encoder embedding, decoder embedding and LM head are one tensor (T5-style)."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 48, ffn: int = 128) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, hidden)
+        self.enc = nn.ModuleList(_Block(hidden, ffn) for _ in range(2))
+        self.dec = nn.ModuleList(_Block(hidden, ffn) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.shared.weight
+        self.hidden = hidden
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.shared(ids)
+        for block in self.enc:
+            x = block(x)
+        y = self.shared(ids.flip(1)) + x.mean(dim=1, keepdim=True)
+        for block in self.dec:
+            y = block(y)
+        return self.head(y * self.hidden**-0.5)
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def shared_thrice(mesh_kwargs: dict, **options) -> dict:
+    """The weight used three times on different stages sums its gradient over every copy exactly once."""
+    torch.manual_seed(0)
+    model = SharedThrice()
+    reference = SharedThrice()
+    reference.load_state_dict(model.state_dict())
+    ids, target = token_data(torch.Generator().manual_seed(2))
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (ids,), token_loss, target=target, groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
+class TinyHeadClassifier(nn.Module):
+    """A classifier whose logits (4 classes) are far smaller than its hidden states: the cheapest cut is
+    after the head, which would leave the last stage only the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(20, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                    nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def tiny_head(mesh_kwargs: dict, **options) -> dict:
+    """Every pipeline rank holds parameters, and the run equals the unsharded one."""
+    torch.manual_seed(0)
+    model = TinyHeadClassifier()
+    gen = torch.Generator().manual_seed(3)
+    x, target = torch.randn(8, 20, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    reference = TinyHeadClassifier()
+    reference.load_state_dict(model.state_dict())
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(x,), loss_fn=F.cross_entropy, target=target,
+                               groups=groups_for(mesh), **options)
+    held = sum(p.numel() for p in pm.parameters())
+    report = compare(reference, pm, (x,), target, loss_fn=F.cross_entropy)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "held": held}
+
