@@ -45,6 +45,12 @@ class Captured:
     input_shapes: tuple
     names: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
+    training: bool = True  # the model's mode during the capture: dropout and batch norm ops depend on it
+
+    @property
+    def key(self) -> tuple:
+        """What tells captures of one model apart: the input shapes and the mode."""
+        return self.input_shapes, self.training
 
     @property
     def num_nodes(self) -> int:
@@ -109,6 +115,7 @@ def capture(
         input_shapes=shapes_of(args),
         names=_original_names(gm, model),
         seconds=seconds,
+        training=training,
     )
 
 

@@ -140,6 +140,7 @@ class ParallelModel(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.replica = _Replica(codegen.ParamStore())
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
+        self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._train: dict[tuple, TrainProgram] = {}
         self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
         self._batched: dict[tuple, list[bool] | None] = {}  # by inference capture: which outputs carry the batch
@@ -261,9 +262,9 @@ class ParallelModel(nn.Module):
 
     def _inference(self, inputs: tuple):
         """The inference capture at these input shapes and this rank's program(s) built from it (cached)."""
-        key = shapes_of(inputs)
+        key = (shapes_of(inputs), self.training)
         if key not in self._infer:
-            captured = capture(self.model, inputs, training=self.model.training)
+            captured = capture(self.model, inputs, training=self.training)
             self._infer[key] = (captured, self._build(captured))
         return self._infer[key]
 
@@ -275,7 +276,7 @@ class ParallelModel(nn.Module):
             else:
                 flat = program.gm(*pytree.tree_leaves(self._cp_local(captured, inputs)))
             return list(flat), program.out_spec
-        stages = self._stages[captured.input_shapes]
+        stages = self._stages[captured.key]
         if not self.replica.sharded_data:
             _, flat = self.pipeline.forward_only(stages, program, inputs, device=self.device)
             return flat, captured.gm._out_spec
@@ -291,8 +292,8 @@ class ParallelModel(nn.Module):
     def _batch_outputs(self, captured: Captured, local_batch: int) -> list[bool] | None:
         """For each flat output of an inference capture at the local batch: whether it is this rank's slice of
         the batch along dim 0. None when the outputs cannot be assembled from slices (an op mixes the batch)."""
-        if captured.input_shapes in self._batched:
-            return self._batched[captured.input_shapes]
+        if captured.key in self._batched:
+            return self._batched[captured.key]
         gm = codegen.prepare(captured)  # without export's shape guards (they read every input)
         seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder"
                  and _leading_dim(n) == local_batch}
@@ -310,7 +311,7 @@ class ParallelModel(nn.Module):
                 break
         if any(not _broadcast_over_batch(r) for r in redistributions(prop)):
             flags = None  # some op needs the whole batch: computing slices would be wrong
-        self._batched[captured.input_shapes] = flags
+        self._batched[captured.key] = flags
         return flags
 
     def _gather_batch(self, local: torch.Tensor) -> torch.Tensor:
@@ -469,7 +470,7 @@ class ParallelModel(nn.Module):
             built = codegen.build(captured, sharding, store=self.replica.store)
         else:
             stages, built = self.pipeline.build(captured, sharding, self.replica.store)
-            self._stages[captured.input_shapes] = stages
+            self._stages[captured.key] = stages
         self._check_fully_sharded(captured)
         return built
 
@@ -509,9 +510,10 @@ class ParallelModel(nn.Module):
         )
 
     def _program(self, mb_inputs: tuple, mb_target: torch.Tensor) -> TrainProgram:
-        key = shapes_of((*mb_inputs, mb_target))
+        key = (shapes_of((*mb_inputs, mb_target)), self.training)
         if key not in self._train:
-            captured = capture(self.model, mb_inputs, loss_fn=self.loss_fn, example_target=mb_target)
+            captured = capture(self.model, mb_inputs, loss_fn=self.loss_fn, example_target=mb_target,
+                               training=self.training)
             token_loss = find_token_loss(captured.gm)
             count_gm = None
             if token_loss is not None:
@@ -524,7 +526,7 @@ class ParallelModel(nn.Module):
                 copies = self.mesh.cp if self.mesh.cp > 1 and not _returns_partial(built.gm) else 1
                 self._train[key] = TrainProgram(captured, built, token_loss, count_gm, cp_copies=copies)
             else:
-                stages = self._stages[key]
+                stages = self._stages[captured.key]
                 first = built[min(built)]
                 runners = self.pipeline.runners(stages, built)
                 if self._reducer is None and self.mesh.dp * self.mesh.cp > 1 and self.data_parallel == "ddp":
