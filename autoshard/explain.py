@@ -49,14 +49,18 @@ def _pipeline(pm) -> list[str]:
 
 def _graphs(pm) -> list[str]:
     lines = ["", "captured graphs:"]
-    for key, program in pm._train.items():
-        c = program.captured
-        lines.append(f"  training  {_shapes(key)}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s")
-    for key, c in pm._infer.items():
-        lines.append(f"  inference {_shapes(key)}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s")
+    for program in pm._train.values():
+        lines.append(_graph("training ", program.captured))
+    for c, _ in pm._infer.values():
+        lines.append(_graph("inference", c))
     if len(lines) == 2:
         lines.append("  none yet (the training graph is captured at the first step())")
     return lines
+
+
+def _graph(kind: str, c) -> str:
+    mode = "" if c.training else " (eval mode)"
+    return f"  {kind} {_shapes(c.input_shapes)}{mode}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s"
 
 
 def _parameters(pm) -> list[str]:

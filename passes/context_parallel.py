@@ -91,7 +91,7 @@ def plan_context_parallel(
     if len(lengths) != 1:
         raise ContextParallelError(f"inputs {found} have different sequence lengths {sorted(lengths)}")
     plan = ContextParallelPlan(size, found, lengths.pop(), load_balance, attention)
-    _check_divisible(plan)
+    check_divisible(plan)
     return plan
 
 
@@ -109,7 +109,8 @@ def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int
     return False
 
 
-def _check_divisible(plan: ContextParallelPlan) -> None:
+def check_divisible(plan: ContextParallelPlan) -> None:
+    """Raise what would work when ``plan``'s sequence length does not split into its cp ranks (and chunks)."""
     parts = plan.size * (2 if plan.load_balance else 1)
     if plan.seq_len % parts:
         works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]

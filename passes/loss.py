@@ -71,7 +71,7 @@ def token_count_graph(gm: fx.GraphModule, loss: TokenLoss) -> fx.GraphModule:
     """A graph taking the same flat inputs as ``gm`` that returns the number of counted tokens."""
     node = _node(gm, loss.node)
     target = node.args[1]
-    needed = _ancestors(target)
+    needed = ancestors(target)
     if any(n.op in ("get_attr", "call_module") for n in needed):
         raise ValueError(f"the target of the loss {loss.node} depends on parameters; cannot count its tokens")
     graph = fx.Graph()
@@ -85,7 +85,8 @@ def token_count_graph(gm: fx.GraphModule, loss: TokenLoss) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()

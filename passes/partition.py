@@ -75,9 +75,36 @@ def partition(
     elif starts is not None:
         cuts = _cuts_at(order, candidates, starts, num_stages)
     else:
+        weights = _weights_read(gm, order)
         cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
-        cuts = _balanced_cuts(costs, cheap if len(cheap) >= num_stages - 1 else candidates, nbytes, num_stages)
+        cuts = None
+        if len(cheap) >= num_stages - 1:
+            cuts = _balanced_cuts(costs, cheap, nbytes, num_stages, weights)
+        if cuts is None:
+            cuts = _balanced_cuts(costs, candidates, nbytes, num_stages, weights)
+        if cuts is None:
+            raise PartitionError(
+                f"no cut into {num_stages} stages gives every stage a parameter to train (a stage that only computes "
+                f"the loss leaves its rank nothing to optimise): use at most {_most_stages(candidates, weights)} "
+                "stages (pipeline degree x chunks)"
+            )
     return _result(order, costs, cuts, nbytes, len(candidates))
+
+
+def _weights_read(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
+    """For each activation node, how many trainable parameters it reads (tied copies count on every reader)."""
+    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    return [sum(1 for s in n.all_input_nodes if s.op == "get_attr" and s.target in trainable) for n in order]
+
+
+def _most_stages(candidates: list[int], weights: list[int]) -> int:
+    """The most stages the candidate cuts can make with parameters in every one (greedy from the front)."""
+    stages, held = 1, 0
+    for i, w in enumerate(weights):
+        held += w
+        if i in candidates and held and sum(weights[i + 1:]):
+            stages, held = stages + 1, 0
+    return stages
 
 
 def _activation_dag(gm: fx.GraphModule) -> tuple[list[fx.Node], nx.DiGraph]:
@@ -129,11 +156,15 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int], stages: int) -> list[int]:
-    """Choose ``stages - 1`` candidate cuts minimising the largest stage cost, then the bytes crossing."""
-    prefix = [0.0]
-    for c in costs:
+def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int], stages: int,
+                   weights: list[int]) -> list[int] | None:
+    """Choose ``stages - 1`` candidate cuts minimising the largest stage cost, then the bytes crossing, such that
+    every stage reads a parameter (None when no choice does): a stage without one leaves its rank no weights to
+    train, whatever the cost model says."""
+    prefix, held = [0.0], [0]
+    for c, w in zip(costs, weights, strict=True):
         prefix.append(prefix[-1] + c)
+        held.append(held[-1] + w)
     points = [-1, *candidates]  # position -1: before the first activation
     end = len(costs) - 1
     # best[k][j]: (largest stage cost, bytes crossing) of k stages ending at points[j]
@@ -144,7 +175,7 @@ def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int],
             options = [
                 (max(prev[0], prefix[points[j] + 1] - prefix[points[i] + 1]), prev[1] + nbytes[points[j]], prev[2])
                 for i, prev in best[k - 1].items()
-                if i < j
+                if i < j and held[points[j] + 1] > held[points[i] + 1]
             ]
             if options:
                 score, size, path = min(options, key=lambda o: (o[0], o[1]))
@@ -153,8 +184,9 @@ def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int],
     finals = [
         (max(prev[0], prefix[end + 1] - prefix[points[i] + 1]), prev[1], prev[2])
         for i, prev in best[stages - 1].items()
+        if held[end + 1] > held[points[i] + 1]
     ]
-    return min(finals, key=lambda o: (o[0], o[1]))[2]
+    return min(finals, key=lambda o: (o[0], o[1]))[2] if finals else None
 
 
 def _cuts_at(order: list[fx.Node], candidates: list[int], starts: list[str], stages: int) -> list[int]:

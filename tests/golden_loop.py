@@ -141,9 +141,11 @@ def new_shape(name: str, mesh_kwargs: dict, seq: int, **options) -> str:
     pm.step(*case.inputs, target=case.target)
     ids, target = case.inputs[0][:, :seq], case.target[:, :seq]
     try:
-        pm.step(ids, target=target)
+        loss = pm.step(ids, target=target)
     except ValueError as e:
         return f"ValueError: {e}"
+    reference = build(name).model
+    _close(loss, case.loss_fn(reference(ids), target), f"loss at sequence {seq}")
     return "accepted"
 
 

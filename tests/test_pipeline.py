@@ -25,8 +25,8 @@ CONFIGS = [
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_golden_pipeline(pools, name, pp, microbatches, schedule, chunks):
     run = pools.get(pp).run
-    if name == "mlp" and pp * chunks > 6:  # three linears and a loss: at most 6 places to cut
-        with pytest.raises(WorkerError, match=r"8 stages need 7 cuts.*use at most 6 stages"):
+    if name == "mlp" and pp * chunks > 3:  # three linears: a fourth stage would hold no parameter, only the loss
+        with pytest.raises(WorkerError, match=r"(8 stages need 7 cuts.*use at most 6|parameter to train.*at most 3) st"):
             run(golden.golden, name, {"pp": pp}, microbatches=microbatches, schedule=schedule, chunks=chunks)
         return
     results = run(golden.golden, name, {"pp": pp}, microbatches=microbatches, schedule=schedule, chunks=chunks)

@@ -27,3 +27,43 @@ def test_eval_turns_dropout_off_and_train_turns_it_on(pools, mesh):
     for result in pools.get(2).run(golden_loop.eval_mode, "hf_gpt2", mesh):
         assert result["training"] is True
         assert result["train_mode_differs"] > 1e-3, "pm.train() did not turn dropout back on"
+
+
+BAD = ["big id", "negative id", "big target", "negative target"]
+
+
+@pytest.mark.parametrize("what", BAD)
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2}, {"pp": 2}], ids=["tp2", "dp2", "pp2"])
+def test_ids_and_targets_outside_the_vocabulary_raise_on_every_rank(pools, mesh, what):
+    results = pools.get(2).run(golden_loop.bad_data, "gpt", mesh, what)
+    expected = "IndexError: Target" if "target" in what else "IndexError: index out of range in self"
+    for rank, message in enumerate(results):
+        assert message.startswith(expected), f"rank {rank}: {message}"
+
+
+@pytest.mark.parametrize("what", ["big id", "big target"])
+def test_bad_data_raises_on_all_ranks_of_a_three_axis_mesh(pools, what):
+    results = pools.get(8).run(golden_loop.bad_data, "hf_llama", {"dp": 2, "tp": 2, "pp": 2}, what, microbatches=2)
+    assert all(m.startswith("IndexError") for m in results), results
+
+
+@pytest.mark.parametrize("options", [{}, {"cp_load_balance": True}, {"cp_attention": "ring"}],
+                         ids=["gather", "load-balanced", "ring"])
+def test_a_sequence_the_cp_ranks_cannot_split_is_refused_alike_on_every_rank(pools, options):
+    results = pools.get(2).run(golden_loop.new_shape, "gpt", {"cp": 2}, 15, **options)
+    assert results[0] == results[1], results
+    assert results[0].startswith("ValueError") and "length 15" in results[0], results[0]
+    assert "pad the sequence to a multiple of" in results[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"cp_load_balance": True}], ids=["gather", "load-balanced"])
+def test_a_new_sequence_length_that_splits_gets_its_own_cp_plan(pools, options):
+    assert pools.get(2).run(golden_loop.new_shape, "gpt", {"cp": 2}, 12, **options) == ["accepted"] * 2
+
+
+@pytest.mark.parametrize("mesh,options", [({"pp": 2}, {}), ({"pp": 2}, {"microbatches": 2, "schedule": "gpipe"})],
+                         ids=["pp2", "pp2-gpipe"])
+def test_a_tiny_head_leaves_no_pipeline_stage_without_parameters(pools, mesh, options):
+    for rank, result in enumerate(pools.get(2).run(golden_loop.tiny_head, mesh, **options)):
+        assert result["held"] > 0, f"pp rank {rank} holds no parameters"
+        assert result["ok"] and result["compared"] > 0, result["report"]

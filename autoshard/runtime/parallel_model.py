@@ -16,6 +16,7 @@ replaced by a summing communication hook.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import warnings
@@ -33,7 +34,13 @@ from autoshard import codegen
 from autoshard.capture import Captured, capture, shapes_of
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.passes.collectives import unshard
-from autoshard.passes.context_parallel import PARTIAL_OUTPUT, ContextParallelPlan, plan_context_parallel
+from autoshard.passes.context_parallel import (
+    PARTIAL_OUTPUT,
+    ContextParallelPlan,
+    check_divisible,
+    plan_context_parallel,
+)
+from autoshard.passes.input_checks import InputChecks, input_checks
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.propagate import propagate, redistributions
@@ -126,7 +133,9 @@ class ParallelModel(nn.Module):
         if tp_plan is not None and tp_plan.size != mesh.tp:
             raise ValueError(f"the tp plan was made for tp={tp_plan.size}, the mesh has tp={mesh.tp}")
         self.plan: TensorParallelPlan | None = tp_plan
-        self.cp_plan: ContextParallelPlan | None = None
+        self.cp_plan: ContextParallelPlan | None = None  # of the latest capture
+        self._cp_plans: dict[tuple, ContextParallelPlan] = {}  # by capture: a new sequence length gets its own
+        self._cp_positions: dict[int, int] = {}  # position of each sequence-split input -> its sequence dim
         self.cp_attention = cp_attention
         self.cp_load_balance = cp_load_balance
         if mixed_precision not in (None, "bf16"):
@@ -143,6 +152,7 @@ class ParallelModel(nn.Module):
         self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._train: dict[tuple, TrainProgram] = {}
         self._infer: dict[tuple, tuple[Captured, codegen.RankProgram]] = {}
+        self._checks: dict[tuple, InputChecks] = {}  # by capture: the range checks of its ids and targets
         self._batched: dict[tuple, list[bool] | None] = {}  # by inference capture: which outputs carry the batch
         self._stages: dict[tuple, list] = {}  # under pipeline parallelism: every stage, by capture
         self._ddp: DistributedDataParallel | None = None
@@ -179,7 +189,9 @@ class ParallelModel(nn.Module):
         if self.loss_fn is None:
             raise ValueError("step() needs a loss: pass loss_fn=... to autoshard.parallelize")
         self._check_batch(inputs)
+        self._check_sequence((*inputs, target))
         microbatches = self._microbatch_views(inputs, target)
+        self._check_data(self._program(*microbatches[0]).captured, (*inputs, target))
         self._steps += 1
         divisor = self._divisor(inputs, target, microbatches)
         with self._fresh_gradients():
@@ -247,16 +259,19 @@ class ParallelModel(nn.Module):
         propagating the batch dim through the inference graph); otherwise, for example for an output
         reduced over the batch, every dp rank computes the whole batch.
         """
+        self._check_sequence(inputs)
         batch = batching.batch_size(inputs)
         if self.mesh.dp > 1 and not self.local_batch and batch is not None and batch % self.mesh.dp == 0:
             local = batching.split(inputs, self.mesh.dp)[self.coord("dp")]
             captured, program = self._inference(local)
+            self._check_data(captured, inputs)
             batched = self._batch_outputs(captured, batch // self.mesh.dp)
             if batched is not None:
                 flat, spec = self._run_inference(captured, program, local)
                 flat = [self._gather_batch(t) if split else t for t, split in zip(flat, batched, strict=True)]
                 return pytree.tree_unflatten(flat, spec)
         captured, program = self._inference(inputs)
+        self._check_data(captured, inputs)
         flat, spec = self._run_inference(captured, program, inputs)
         return pytree.tree_unflatten(flat, spec)
 
@@ -462,9 +477,8 @@ class ParallelModel(nn.Module):
                     "column -> row pattern, no vocab-parallel embedding): it runs fully replicated on the tp ranks",
                     stacklevel=4,
                 )
-        if self.mesh.cp > 1 and self.cp_plan is None:
-            self.cp_plan = plan_context_parallel(captured.gm, self.mesh.cp, load_balance=self.cp_load_balance,
-                                                 attention=self.cp_attention)
+        if self.mesh.cp > 1:
+            self.cp_plan = self._cp_plans[captured.key] = self._plan_context_parallel(captured)
         sharding = self._sharding(self.groups.coords if self.groups else {}, training=captured.with_loss)
         if self.pipeline is None:
             built = codegen.build(captured, sharding, store=self.replica.store)
@@ -498,14 +512,37 @@ class ParallelModel(nn.Module):
             training=training,
         )
 
+    def _plan_context_parallel(self, captured: Captured) -> ContextParallelPlan:
+        """The first capture's cp plan when this capture's sequence is as long, else a plan of its own."""
+        names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
+        plan = self.cp_plan
+        if plan is not None and all(
+            name in names and captured.input_shapes[names.index(name)][dim] == plan.seq_len
+            for name, dim in plan.inputs.items()
+        ):
+            return plan
+        plan = plan_context_parallel(captured.gm, self.mesh.cp, load_balance=self.cp_load_balance,
+                                     attention=self.cp_attention)
+        if not self._cp_positions:
+            self._cp_positions = {names.index(name): dim for name, dim in plan.inputs.items()}
+        return plan
+
+    def _check_sequence(self, values: tuple) -> None:
+        """Refuse, on every rank alike and before any collective, a sequence the cp ranks cannot split."""
+        for position, dim in self._cp_positions.items():
+            value = values[position] if position < len(values) else None
+            if isinstance(value, torch.Tensor) and value.dim() > dim:
+                check_divisible(dataclasses.replace(self.cp_plan, seq_len=value.shape[dim]))
+
     def _cp_local(self, captured: Captured, args: tuple) -> tuple:
         """This cp rank's tokens of the sequence-split inputs (all of every other input)."""
-        if self.cp_plan is None:
+        plan = self._cp_plans.get(captured.key)
+        if plan is None:
             return args
         names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
-        index = self.cp_plan.positions(self.coord("cp"))
+        index = plan.positions(self.coord("cp"))
         return tuple(
-            a.index_select(self.cp_plan.inputs[name], index.to(a.device)) if name in self.cp_plan.inputs else a
+            a.index_select(plan.inputs[name], index.to(a.device)) if name in plan.inputs else a
             for name, a in zip(names, args, strict=True)
         )
 
@@ -612,6 +649,23 @@ class ParallelModel(nn.Module):
                 if p.grad is not None:
                     grad.add_(p.grad)
                 p.grad = grad
+
+    def _check_data(self, captured: Captured, values: tuple) -> None:
+        """Refuse ids and targets outside the vocabulary, on every rank alike, before any collective.
+
+        ``values`` is what this rank was given (the global batch, or its own slice with ``local_batch``); the
+        checks run on every microbatch-sized piece of it, as the capture is at the microbatch's shape.
+        """
+        if captured.key not in self._checks:
+            self._checks[captured.key] = input_checks(captured.gm)
+        checks = self._checks[captured.key]
+        if not checks.checks:
+            return
+        batch = batching.batch_size(values)
+        size = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
+        parts = batch // size if batch and size and batch % size == 0 else 1
+        for piece in batching.split(values, parts):
+            checks.run(*piece)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""

@@ -1,0 +1,216 @@
+"""The architecture corpus at every mesh: which models nobody here wrote does autoshard train exactly?
+
+    .venv/bin/python bench/corpus.py                     # or: make corpus (all of it; about an hour)
+    .venv/bin/python bench/corpus.py --meshes tp2 dp2    # some meshes
+    .venv/bin/python bench/corpus.py --only llama gpt2   # some architectures
+    .venv/bin/python bench/corpus.py --limit 20          # the first 20 architectures
+
+Every architecture of ``tests/corpus`` (every causal LM of the installed transformers, a few masked-LM and
+encoder-decoder families, torch's own transformer modules) is first built and trained eagerly at tiny size;
+those that cannot be are listed with the reason and not counted. Each of the rest is run through
+``autoshard.verify`` (3 SGD steps, every gradient) at dp=2, tp=2, pp=2, cp=2 and dp2 x tp2 x pp2 (2
+microbatches where pp > 1), and classified exact / wrong / refused / crash (``tests/corpus/cells.py``).
+
+Resumable: each cell's result is cached in ``bench/corpus.json`` (keyed by architecture and mesh, with the
+transformers and torch versions; another version starts afresh), so an interrupted run continues where it
+stopped and ``--rerun`` recomputes cells. Cost: one pool of worker processes per world size, reused by
+every cell; a pool is restarted only after a cell that crashed or stalled (its groups may be left
+mid-collective). ``bench/corpus.md`` is rewritten after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+# tests/ first: its package ``corpus`` must win over this file's own name.
+sys.path[:0] = [str(REPO / "tests")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from corpus import cells  # noqa: E402
+from corpus.architectures import check_eager, names  # noqa: E402
+
+from launcher import WorkerPool, WorkerTimeout  # noqa: E402
+
+ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
+TIMEOUT = {2: 240.0, 8: 600.0}  # seconds before a cell counts as stalled, by world size
+STATUSES = ("exact", "wrong", "refused", "crash")
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def load(path: Path) -> dict:
+    """The cached results, or an empty cache when absent or from other library versions."""
+    fresh = {**versions(), "unbuildable": {}, "buildable": [], "cells": {}}
+    if not path.exists():
+        return fresh
+    cache = json.loads(path.read_text())
+    return cache if all(cache.get(k) == v for k, v in versions().items()) else fresh
+
+
+def save(cache: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def sort_buildable(cache: dict, selected: list[str], path: Path) -> list[str]:
+    """Train each selected architecture eagerly once (cached): the buildable ones, in corpus order."""
+    known = set(cache["buildable"]) | set(cache["unbuildable"])
+    for name in selected:
+        if name in known:
+            continue
+        reason = check_eager(name)
+        if reason is None:
+            cache["buildable"].append(name)
+        else:
+            cache["unbuildable"][name] = reason
+        print(f"eager {name}: {reason or 'ok'}", flush=True)
+        save(cache, path)
+    return [n for n in selected if n in cache["buildable"]]
+
+
+class Pools:
+    """One worker pool per world size, restarted after a cell that may have left its groups unusable."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def get(self, world: int) -> WorkerPool:
+        pool = self.pools.get(world)
+        if pool is None or pool.broken:
+            for other in [w for w in self.pools if w != world]:
+                self.pools.pop(other).close()  # two cores: never keep two worlds of idle workers
+            pool = self.pools[world] = WorkerPool(world)
+        return pool
+
+    def discard(self, world: int) -> None:
+        pool = self.pools.pop(world, None)
+        if pool is not None:
+            pool.broken = True
+            pool.close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+def run_one(pools: Pools, name: str, label: str) -> dict:
+    """One cell: its outcome as plain data, with the wall time."""
+    mesh, options = cells.MESHES[label]
+    world = cells.world_size(label)
+    timeout = TIMEOUT[world]
+    start = time.monotonic()
+    try:
+        results = pools.get(world).run(cells.run_cell, name, mesh, timeout=timeout, **options)
+        found = cells.outcome(results)
+    except WorkerTimeout as e:
+        found = cells.Outcome("crash", f"stalled: no result within {timeout:.0f} s ({str(e).splitlines()[0]})")
+        results = []
+    except Exception as e:  # noqa: BLE001 - a worker that died: the cell crashed, the run goes on
+        found = cells.Outcome("crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        results = []
+    if found.status == "crash":
+        pools.discard(world)
+    detail = next((r.get("traceback") or r.get("report") for r in results if r.get("traceback") or r.get("report")),
+                  None)
+    return {"status": found.status, "message": found.message, "max_abs": found.max_abs, "share": found.share,
+            "seconds": round(time.monotonic() - start, 1), "detail": detail}
+
+
+def _cell_text(cell: dict | None) -> str:
+    if cell is None:
+        return "not run"
+    text = cells.Outcome(cell["status"], cell["message"], cell["max_abs"]).text()
+    return text.replace("|", "/").replace("\n", " ")[:110]
+
+
+def summary(cache: dict, buildable: list[str]) -> list[str]:
+    """The summary lines: architectures exact at every mesh, then the counts per mesh."""
+    rows = cache["cells"]
+    complete = [n for n in buildable if all(m in rows.get(n, {}) for m in ORDER)]
+    exact = [n for n in complete if all(rows[n][m]["status"] == "exact" for m in ORDER)]
+    lines = [f"**{len(exact)} of {len(buildable)} architectures exact at every mesh** "
+             f"({len(complete)} of {len(buildable)} run at every mesh so far).", ""]
+    lines += ["| mesh | run | exact | wrong | refused | crash | not run |", "|---|---|---|---|---|---|---|"]
+    for m in ORDER:
+        got = [rows[n][m]["status"] for n in buildable if m in rows.get(n, {})]
+        counts = " | ".join(str(got.count(s)) for s in STATUSES)
+        lines.append(f"| {m} | {len(got)} | {counts} | {len(buildable) - len(got)} |")
+    return lines
+
+
+def write_table(cache: dict, every: list[str], path: Path) -> None:
+    """``bench/corpus.md``: the summary, one row per buildable architecture, then the unbuildable ones."""
+    buildable = [n for n in every if n in cache["buildable"]]
+    rows = cache["cells"]
+    lines = [
+        "# The architecture corpus", "",
+        f"transformers {cache['transformers']}, torch {cache['torch']}. Written by `bench/corpus.py` "
+        "(`make corpus`); each cell is `autoshard.verify` (3 SGD steps, every gradient, fp32 tolerances) of the "
+        "tiny architecture at that mesh: exact / wrong by the largest difference / refused with autoshard's "
+        "error / crash (an internal error, a stall, or ranks that disagree). \"tp2 share\" is the bytes of rank "
+        "0's parameters over the whole model's at tp=2 (0.50 is the aim). \"not run\" cells were not run yet.",
+        "", *summary(cache, buildable), "",
+        "| architecture | " + " | ".join(ORDER) + " | tp2 share |",
+        "|---|" + "---|" * (len(ORDER) + 1),
+    ]
+    for name in buildable:
+        row = rows.get(name, {})
+        share = row.get("tp2", {}).get("share")
+        cols = [_cell_text(row.get(m)) for m in ORDER] + [f"{share:.2f}" if share is not None else ""]
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    unbuildable = [n for n in every if n in cache["unbuildable"]]
+    lines += ["", f"## Not counted: {len(unbuildable)} architectures that do not build or train eagerly at tiny size",
+              "", "| architecture | reason |", "|---|---|"]
+    lines += [f"| {n} | {cache['unbuildable'][n].replace('|', '/')[:200]} |" for n in unbuildable]
+    unchecked = [n for n in every if n not in buildable and n not in unbuildable]
+    if unchecked:
+        lines += ["", f"Not built yet: {', '.join(unchecked)}."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="architectures to run (names as in the table)")
+    parser.add_argument("--meshes", nargs="*", choices=list(ORDER), default=list(ORDER))
+    parser.add_argument("--limit", type=int, help="run only the first N architectures")
+    parser.add_argument("--rerun", action="store_true", help="recompute cells already in the cache")
+    parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
+    parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
+    args = parser.parse_args(argv)
+    cache = load(args.cache)
+    every = names()
+    selected = [n for n in every if not args.only or n in args.only][: args.limit]
+    buildable = sort_buildable(cache, selected, args.cache)
+    write_table(cache, every, args.out)
+    pools = Pools()
+    try:
+        for label in [m for m in ORDER if m in args.meshes]:
+            for name in buildable:
+                row = cache["cells"].setdefault(name, {})
+                if label in row and not args.rerun:
+                    continue
+                row[label] = run_one(pools, name, label)
+                print(f"{label:12s} {name:28s} {row[label]['seconds']:6.1f}s  "
+                      f"{cells.Outcome(**{k: row[label][k] for k in ('status', 'message', 'max_abs')}).text()}",
+                      flush=True)
+                save(cache, args.cache)
+                write_table(cache, every, args.out)
+    finally:
+        pools.close()
+
+
+if __name__ == "__main__":
+    main()

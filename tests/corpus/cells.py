@@ -1,0 +1,144 @@
+"""One corpus cell: an architecture at a mesh, run on every rank of a worker pool and classified.
+
+A cell is one of:
+
+- ``exact``: ``autoshard.verify``'s comparison (outputs, the loss of 3 optimizer steps, every gradient,
+  every parameter after the steps, replicas bit-identical) holds at fp32 tolerances;
+- ``wrong``: it runs but differs; the largest difference and the first differing value are kept;
+- ``refused``: autoshard raised an error meant for the user (a ``ValueError``, ``NotImplementedError``,
+  ``TypeError`` or a capture error raised by autoshard's own code) on every rank;
+- ``crash``: anything else: an internal error (``AssertionError``, ``KeyError``, an error raised inside
+  torch while autoshard drives it), a stall, or ranks that disagree (one refuses, another waits).
+
+``run_cell`` runs on each rank and never raises, so one failing architecture leaves the pool usable;
+``outcome`` combines the ranks' results into the cell.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import autoshard
+from autoshard.verify import compare
+from corpus.architectures import build
+
+from golden import groups_for
+
+# Mesh label -> (degrees, parallelize options): the corpus's columns; 2 microbatches wherever pp > 1.
+MESHES: dict[str, tuple[dict, dict]] = {
+    "tp2": ({"tp": 2}, {}),
+    "dp2": ({"dp": 2}, {}),
+    "pp2": ({"pp": 2}, {"microbatches": 2}),
+    "cp2": ({"cp": 2}, {}),
+    "dp2xtp2xpp2": ({"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
+}
+
+_USER_ERRORS = (ValueError, NotImplementedError, TypeError)
+_STALLS = ("StepError", "PipelineStall")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A cell's classification, as the corpus table prints it."""
+
+    status: str  # exact | wrong | refused | crash
+    message: str = ""  # wrong: the largest difference and where; refused/crash: the error's first line
+    max_abs: float = 0.0
+    share: float | None = None  # bytes of this rank's parameters / bytes of the whole model (rank 0)
+
+    def text(self) -> str:
+        if self.status == "exact":
+            return "exact"
+        if self.status == "wrong":
+            return f"wrong by {self.max_abs:.1e}"
+        return f"{self.status}: {self.message}"
+
+
+def world_size(label: str) -> int:
+    size = 1
+    for degree in MESHES[label][0].values():
+        size *= degree
+    return size
+
+
+def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3) -> dict:
+    """This rank's part of the golden run of ``name`` at ``mesh_kwargs``; plain data, never raises."""
+    try:
+        case = build(name)
+        mesh = autoshard.Mesh(**mesh_kwargs)
+        reference = copy.deepcopy(case.model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                       target=case.target, microbatches=microbatches, groups=groups_for(mesh))
+            share = parameter_share(pm, reference)
+            report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=steps)
+    except Exception as e:  # noqa: BLE001 - classified, not raised: the next cell needs the pool
+        return {"status": _classify(e), "message": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
+    if not report.differences:
+        return {"status": "crash", "message": "verify compared nothing", "share": share}
+    failures = report.failures()
+    if report.ok:
+        return {"status": "exact", "share": share}
+    worst = max(failures, key=lambda d: d.max_abs) if failures else None
+    message = f"{worst.what} (first: {failures[0].what})" if worst else "replicas not bit-identical"
+    return {"status": "wrong", "max_abs": worst.max_abs if worst else 0.0, "message": message,
+            "report": str(report)[:3000], "share": share}
+
+
+def parameter_share(pm, reference: torch.nn.Module) -> float:
+    """Bytes of the parameters this rank holds over the bytes of the whole model (0.5 is the aim at tp=2)."""
+    local = sum(p.numel() * p.element_size() for p in pm.parameters())
+    full = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return local / full if full else 0.0
+
+
+def _classify(e: BaseException) -> str:
+    """``refused`` for an error autoshard raises for the user, ``crash`` for anything else."""
+    if type(e).__name__ in _STALLS:
+        return "crash"
+    if type(e).__name__ == "CaptureError" or (isinstance(e, _USER_ERRORS) and _raised_by_autoshard(e)):
+        return "refused"
+    return "crash"
+
+
+def _raised_by_autoshard(e: BaseException) -> bool:
+    """Whether the innermost frame of the traceback is autoshard's own code (not torch's, not the model's)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return False
+    roots = (Path(autoshard.__file__).parent, Path(autoshard.passes.__file__).parent)
+    where = Path(frames[-1].filename).resolve()
+    return any(root.resolve() in where.parents for root in roots)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(e).__name__}: {text}"[:240]
+
+
+def outcome(results: list[dict]) -> Outcome:
+    """The cell from every rank's result: the worst rank decides; ranks that disagree on an error crash."""
+    share = results[0].get("share")
+    statuses = {r["status"] for r in results}
+    if statuses <= {"exact", "wrong"}:
+        wrong = [r for r in results if r["status"] == "wrong"]
+        if not wrong:
+            return Outcome("exact", share=share)
+        worst = max(wrong, key=lambda r: r["max_abs"])
+        return Outcome("wrong", worst["message"], worst["max_abs"], share)
+    if statuses == {"refused"}:
+        return Outcome("refused", results[0]["message"], share=share)
+    rank, first = next((i, r) for i, r in enumerate(results) if r["status"] in ("crash", "refused"))
+    if statuses == {"crash"}:
+        return Outcome("crash", first["message"], share=share)
+    others = ", ".join(f"rank {i} {r['status']}" for i, r in enumerate(results) if i != rank)
+    return Outcome("crash", f"ranks disagree: rank {rank} {first['status']} ({first['message']}); {others}", 0.0,
+                   share)
