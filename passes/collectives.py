@@ -306,18 +306,26 @@ class VocabParallelEmbedding(_VocabRange):
     """Looks up the ids in this rank's vocab range [vocab_start, vocab_end); other ids give zeros (a partial).
 
     No communication: the pass follows it with a ``ReduceFromParallel``. ``padding_idx`` is a global id whose
-    row gets no gradient, as in ``F.embedding``.
+    row gets no gradient, as in ``F.embedding``. ``num_embeddings`` is the real (unpadded) vocabulary: an id
+    outside it raises ``F.embedding``'s ``IndexError`` on every rank (they all see the same ids), where it
+    would otherwise count as another rank's id and look up zeros.
     """
 
     kind, backward_kind = "local", "local"
 
     def __init__(self, *, group: ProcessGroup | None, size: int, rank: int, vocab_start: int, vocab_end: int,
-                 padding_idx: int | None = None) -> None:
+                 num_embeddings: int | None = None, padding_idx: int | None = None) -> None:
         super().__init__(group=group, size=size, rank=rank, vocab_start=vocab_start, vocab_end=vocab_end)
+        self.num_embeddings = (vocab_end - vocab_start) * size if num_embeddings is None else num_embeddings
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self._check_local(weight.shape[0], "the local weight")
+        bad = ids[(ids < 0) | (ids >= self.num_embeddings)]
+        if bad.numel():
+            raise IndexError(f"index out of range in self: token id {int(bad[0])} is not in the vocabulary of "
+                             f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}); check that the "
+                             f"tokenizer matches the model's vocabulary)")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = torch.where(outside, 0, ids - self.vocab_start)  # row 0 stands in, then is zeroed
         pad = self.padding_idx
@@ -328,7 +336,8 @@ class VocabParallelEmbedding(_VocabRange):
 
     def extra_repr(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return f"vocab_start={self.vocab_start}, vocab_end={self.vocab_end}{pad}, size={self.size}"
+        return (f"vocab_start={self.vocab_start}, vocab_end={self.vocab_end}, num_embeddings={self.num_embeddings}"
+                f"{pad}, size={self.size}")
 
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, 0
@@ -338,7 +347,10 @@ class VocabParallelCrossEntropy(_VocabRange):
     """``F.cross_entropy`` over logits sharded along the vocab (last) dim, without gathering the logits.
 
     ``forward(logits_local (..., V_local), target (...))``. Local columns at global index >= ``vocab_size``
-    are padding (the vocab padded to divide the degree) and count as -inf logits. Computed in fp32.
+    are padding (the vocab padded to divide the degree) and count as -inf logits. Computed in fp32; the loss
+    has the logits' dtype, or float32 under autocast (cross-entropy is on autocast's float32 list, so eager
+    autocast returns a float32 loss). A target outside [0, vocab_size) that is not ``ignore_index`` raises
+    ``F.cross_entropy``'s ``IndexError`` on every rank, before any communication.
     """
 
     kind, backward_kind = "all_reduce", "local"
@@ -365,7 +377,14 @@ class VocabParallelCrossEntropy(_VocabRange):
         if target.shape != logits.shape[:-1]:
             raise ValueError(f"VocabParallelCrossEntropy: target of shape {tuple(target.shape)} does not match "
                              f"logits of shape {tuple(logits.shape)} (the vocab must be the last dim)")
-        return _CrossEntropy.apply(logits, target, self, self._run_group())
+        bad = target[(target != self.ignore_index) & ((target < 0) | (target >= self.vocab_size))]
+        if bad.numel():
+            raise IndexError(f"Target {int(bad[0])} is out of bounds. The vocabulary has {self.vocab_size} entries "
+                             f"and the ignored target is {self.ignore_index}; check the labels against the model's "
+                             f"vocabulary")
+        autocast = torch.is_autocast_enabled(logits.device.type)
+        out_dtype = torch.float32 if autocast else logits.dtype
+        return _CrossEntropy.apply(logits, target, self, self._run_group(), out_dtype)
 
     def extra_repr(self) -> str:
         extra = f", label_smoothing={self.label_smoothing}" if self.label_smoothing else ""
@@ -382,7 +401,7 @@ class VocabParallelCrossEntropy(_VocabRange):
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, op: VocabParallelCrossEntropy, group):
+    def forward(ctx, logits, target, op: VocabParallelCrossEntropy, group, out_dtype):
         x = logits.float().reshape(-1, logits.shape[-1])  # (N, V_local)
         t = target.reshape(-1)  # (N,)
         real = op.real_columns
@@ -410,9 +429,9 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(exp.div_(stats[0].unsqueeze(1)), local_t, owned, keep, count)
         ctx.op, ctx.shape, ctx.dtype = op, logits.shape, logits.dtype
         if op.reduction == "none":
-            return loss.reshape(target.shape).to(logits.dtype)
+            return loss.reshape(target.shape).to(out_dtype)
         total = loss.sum()
-        return (total / count if op.reduction == "mean" else total).to(logits.dtype)
+        return (total / count if op.reduction == "mean" else total).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -429,7 +448,7 @@ class _CrossEntropy(torch.autograd.Function):
         if op.reduction == "mean":
             scale = scale / count
         grad *= torch.where(keep, scale, 0.0).unsqueeze(1)
-        return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None
+        return grad.reshape(ctx.shape).to(ctx.dtype), None, None, None, None
 
 
 COLLECTIVES: tuple[type[_ParallelOp], ...] = (

@@ -19,7 +19,7 @@ from autoshard import meta
 from autoshard.passes.collectives import ReduceFromParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autoshard.passes.placements import R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
-from autoshard.passes.rules import LOCALIZERS, localizer
+from autoshard.passes.rules import LOCALIZERS, arg, localizer
 
 aten = torch.ops.aten
 _REDUCTIONS = ("none", "mean", "sum")
@@ -113,8 +113,7 @@ def _split(node: fx.Node, rw: Rewriter) -> None:
     if not isinstance(source, Shard):
         return
     ndim = len(node.args[0].meta["val"].shape)
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    if dim % ndim != source.dim:
+    if arg(node, "dim") % ndim != source.dim:
         return
     sizes = node.args[1]
     local = [s // rw.size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // rw.size
@@ -130,55 +129,70 @@ def _repeat_interleave(node: fx.Node, rw: Rewriter) -> None:
 
 @localizer(aten.linear.default, aten.addmm.default)
 def _row_linear(node: fx.Node, rw: Rewriter) -> None:
-    """x @ W_local is a partial sum: all-reduce it, then add the bias once."""
-    if node.target is aten.linear.default:
-        x, w, b, out_dim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, 0
-    else:
-        b, x, w, out_dim = node.args[0], node.args[1], node.args[2], 1
+    """alpha * x @ W_local is a partial sum: all-reduce it, then add beta * bias once.
+
+    The bias is cast to the partial's dtype, as the one linear would have: under autocast the sum is
+    in the autocast dtype, and a float32 bias must not promote it.
+    """
+    linear = node.target is aten.linear.default
+    x, w, b = (arg(node, n) for n in (("input", "weight", "bias") if linear else ("mat1", "mat2", "self")))
+    alpha, beta = (1, 1) if linear else (arg(node, "alpha"), arg(node, "beta"))
     placement = rw.placement(w)
-    if not isinstance(placement, Shard) or placement.dim == out_dim:
+    if not isinstance(placement, Shard) or placement.dim == (0 if linear else 1):
         return
     graph = node.graph
-    with graph.inserting_before(node):
-        op = aten.linear.default if node.target is aten.linear.default else aten.mm.default
-        partial = graph.call_function(op, (x, w))
-        partial.meta.update(node.meta)
+
+    def add(op, args, kwargs=None) -> fx.Node:
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args, kwargs or {})
+        new.meta.update(node.meta)
+        return new
+
+    partial = add(aten.linear.default if linear else aten.mm.default, (x, w))
+    if alpha != 1:
+        partial = add(aten.mul.Tensor, (partial, alpha))
     out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)
     if b is not None:
-        with graph.inserting_before(node):
-            biased = graph.call_function(aten.add.Tensor, (out, b))
-            biased.meta.update(node.meta)
-        out = biased
+        out = add(aten.add.Tensor, (out, add(aten.type_as.default, (b, out))), {"alpha": beta} if beta != 1 else {})
     rw.replace(node, out)
 
 
 @localizer(aten.embedding.default)
 def _vocab_embedding(node: fx.Node, rw: Rewriter) -> None:
-    w, ids = node.args[0], node.args[1]
+    """The vocab-parallel lookup, carrying ``padding_idx`` (the rule refuses the arguments it cannot carry)."""
+    w, ids = arg(node, "weight"), arg(node, "indices")
     if rw.placement(w) != Shard(0):
         return
-    start, end = _vocab_range(w.meta["val"].shape[0], rw)
-    lookup = rw.module(
-        VocabParallelEmbedding(vocab_start=start, vocab_end=end, **rw.collective_args), (ids, w), before=node, like=node
-    )
+    assert not arg(node, "scale_grad_by_freq") and not arg(node, "sparse"), "the embedding rule refuses these"
+    vocab = w.meta["val"].shape[0]
+    pad = arg(node, "padding_idx")
+    start, end = _vocab_range(vocab, rw)
+    module = VocabParallelEmbedding(vocab_start=start, vocab_end=end, num_embeddings=vocab,
+                                    padding_idx=None if pad == -1 else pad, **rw.collective_args)
+    lookup = rw.module(module, (ids, w), before=node, like=node)
     rw.replace(node, rw.module(ReduceFromParallel(**rw.collective_args), (lookup,), before=node, like=node))
 
 
 @localizer(aten.cross_entropy_loss.default)
 def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
-    logits, target = node.args[0], node.args[1]
+    """The vocab-parallel loss, carrying reduction, ignore_index and label_smoothing (the rule refuses the rest)."""
+    logits, target = arg(node, "self"), arg(node, "target")
     if rw.placement(logits) != Shard(1):
         return
-    args = list(node.args) + [None] * (6 - len(node.args))
-    reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
-    ignore_index = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
-    smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
+    assert arg(node, "weight") is None, "the cross-entropy rule refuses class weights"
     vocab = logits.meta["val"].shape[1]
     start, end = _vocab_range(vocab, rw)
     module = VocabParallelCrossEntropy(
-        vocab_start=start, vocab_end=end, vocab_size=vocab, ignore_index=ignore_index,
-        reduction=_REDUCTIONS[reduction], label_smoothing=smoothing, **rw.collective_args,
+        vocab_start=start, vocab_end=end, vocab_size=vocab, ignore_index=arg(node, "ignore_index"),
+        reduction=_REDUCTIONS[arg(node, "reduction")], label_smoothing=arg(node, "label_smoothing"),
+        **rw.collective_args,
     )
+    if logits.meta["val"].dim() > 2:  # (N, C, d1, ...): the module takes the classes last
+        with node.graph.inserting_before(node):
+            logits = node.graph.call_function(aten.movedim.int, (logits, 1, -1))
+        logits.meta.update({k: v for k, v in node.meta.items() if k != meta.VAL})
+        val = logits.args[0].meta[meta.VAL]
+        logits.meta[meta.VAL] = torch.empty(val.movedim(1, -1).shape, dtype=val.dtype, device="meta")
     rw.replace(node, rw.module(module, (logits, target), before=node, like=node))
 
 

@@ -33,6 +33,7 @@ class Decision:
     conflict: str | None = None
     blocks_hint: tuple[int, ...] | None = None
     fallback: bool = False
+    reason: str | None = None  # why a rule that could shard this op refuses (an argument it cannot carry)
 
 
 class Context:
@@ -91,10 +92,43 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
     return replicate_all(node, ctx)
 
 
-def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint=None) -> Decision:
+def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint=None,
+                  reason: str | None = None) -> Decision:
     """All inputs replicated, output replicated; a fallback only if some input was not replicated."""
     want = {n: R for n in tensor_inputs(node) if not isinstance(ctx.of(n), Replicate)}
-    return Decision(_replicated_like(node), want, conflict=conflict, blocks_hint=hint, fallback=bool(want))
+    return Decision(_replicated_like(node), want, conflict=conflict, blocks_hint=hint, fallback=bool(want),
+                    reason=reason if want else None)
+
+
+def refuse(node: fx.Node, ctx: Context, argument: str, why: str) -> Decision:
+    """Replicate ``node`` because its rewrite cannot carry ``argument``; the reason names the op and the value."""
+    reason = f"{node.target}: {argument}={arg(node, argument)!r} {why}"
+    return replicate_all(node, ctx, reason=reason)
+
+
+_MISSING = object()
+
+
+def arg(node: fx.Node, name: str, default=_MISSING):
+    """Argument ``name`` of an op node, positional or keyword, else its schema's default.
+
+    Rules and localizers read every argument by name through this, so a positional and a keyword
+    spelling of the same call are one case, and an argument can never be silently skipped.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.kwargs.get(name, None if default is _MISSING else default)
+    for i, a in enumerate(schema.arguments):
+        if a.name != name:
+            continue
+        if i < len(node.args) and not a.kwarg_only:
+            return node.args[i]
+        if name in node.kwargs:
+            return node.kwargs[name]
+        if default is not _MISSING:
+            return default
+        return a.default_value if a.has_default_value() else None
+    raise KeyError(f"{node.target} has no argument {name!r}; its schema: {schema}")
 
 
 def _replicated_like(node: fx.Node):
@@ -166,7 +200,8 @@ def _transpose(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     ndim = len(ctx.shape(node))
-    a, b = _dim(node.args[1], ndim), _dim(node.args[2], ndim)
+    names = ("dim0", "dim1") if node.target is aten.transpose.int else ("axis0", "axis1")
+    a, b = (_dim(arg(node, name), ndim) for name in names)
     dim = b if p.dim == a else a if p.dim == b else p.dim
     return Decision(Shard(dim, p.blocks))
 
@@ -183,7 +218,19 @@ def _permute(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     ndim = len(ctx.shape(node))
-    order = [_dim(d, ndim) for d in node.args[1]]
+    order = [_dim(d, ndim) for d in arg(node, "dims")]
+    return Decision(Shard(order.index(p.dim), p.blocks))
+
+
+@rule(aten.movedim.int)
+def _movedim(node: fx.Node, ctx: Context) -> Decision:
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    ndim = len(ctx.shape(node))
+    source, destination = _dim(arg(node, "source"), ndim), _dim(arg(node, "destination"), ndim)
+    order = [d for d in range(ndim) if d != source]
+    order.insert(destination, source)  # output dim i holds input dim order[i]
     return Decision(Shard(order.index(p.dim), p.blocks))
 
 
@@ -192,17 +239,18 @@ def _unsqueeze(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
         return _pointwise(node, ctx)
-    k = _dim(node.args[1], len(ctx.shape(node)))
+    k = _dim(arg(node, "dim"), len(ctx.shape(node)))
     return Decision(Shard(p.dim + (1 if k <= p.dim else 0), p.blocks))
 
 
-@rule(aten.squeeze.dim, aten.squeeze.dims)
+@rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def _squeeze(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
         return _pointwise(node, ctx)
     in_shape = ctx.shape(node.args[0])
-    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dims = range(len(in_shape)) if node.target is aten.squeeze.default else arg(node, "dim")
+    dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
     removed = [d for d in (_dim(d, len(in_shape)) for d in dims) if in_shape[d] == 1]
     return Decision(Shard(p.dim - sum(d < p.dim for d in removed), p.blocks))
 
@@ -295,12 +343,21 @@ def _slice(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
         return _pointwise(node, ctx)
-    ndim = len(ctx.shape(node.args[0]))
-    dim = _dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    shape = ctx.shape(node.args[0])
+    dim = _dim(arg(node, "dim"), len(shape))
     if dim == p.dim:
+        if _whole_slice(node, shape[dim]):  # x[:, :] keeps every element, and so the shard
+            return Decision(p)
         return replicate_all(node, ctx)
     removed = node.target is aten.select.int and dim < p.dim
     return Decision(Shard(p.dim - removed, p.blocks))
+
+
+def _whole_slice(node: fx.Node, size: int) -> bool:
+    if node.target is not aten.slice.Tensor:
+        return False
+    start, end, step = arg(node, "start"), arg(node, "end"), arg(node, "step")
+    return start in (None, 0) and (end is None or end >= size) and step == 1
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
@@ -312,11 +369,7 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
             return replicate_all(node, ctx)
         return Decision(_replicated_like(node))
     in_shape = ctx.shape(node.args[0])
-    default = 0
-    dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default)
-    if node.target is aten.unbind.int:
-        dim_arg = node.args[1] if len(node.args) > 1 else 0
-    dim = _dim(dim_arg, len(in_shape))
+    dim = _dim(arg(node, "dim"), len(in_shape))
     if dim != p.dim:
         shift = node.target is aten.unbind.int and dim < p.dim
         return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in pieces))
@@ -335,7 +388,7 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
 def _cat(node: fx.Node, ctx: Context) -> Decision:
     tensors = node.args[0]
     ndim = len(ctx.shape(node))
-    dim = _dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    dim = _dim(arg(node, "dim"), ndim)
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
     if not shards:
         return _pointwise(node, ctx)
@@ -350,6 +403,8 @@ def _repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None or p.blocks is not None:
         return _pointwise(node, ctx) if p is None else replicate_all(node, ctx)
+    if arg(node, "dim") is None and len(ctx.shape(node.args[0])) > 1:  # repeats the flattened tensor
+        return replicate_all(node, ctx)
     return Decision(p)  # repeating each of this rank's heads gives exactly its share of the repeated heads
 
 

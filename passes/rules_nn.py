@@ -15,8 +15,11 @@ from autoshard.passes.rules import (
     Context,
     Decision,
     _dim,
+    _indivisible,
     _one_input_shard,
     _pointwise,
+    arg,
+    refuse,
     replicate_all,
     rule,
     tensor_inputs,
@@ -33,7 +36,7 @@ def _softmax(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
         return _pointwise(node, ctx)
-    dim = _dim(node.args[1], len(ctx.shape(node)))
+    dim = _dim(arg(node, "dim"), len(ctx.shape(node)))
     return Decision(p) if dim != p.dim else replicate_all(node, ctx)
 
 
@@ -43,23 +46,26 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     ndim = len(ctx.shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(ndim))
-    dims = [_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = arg(node, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    dims = [_dim(d, ndim) for d in dims] or list(range(ndim))  # None and [] both reduce every dim
+    keepdim = arg(node, "keepdim")
     if p.dim in dims:
         return replicate_all(node, ctx)
     return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
 
 
-@rule(aten.layer_norm.default)
+@rule(aten.layer_norm.default, aten.rms_norm.default)
 def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
+    """Normalised over the trailing ``normalized_shape`` dims: a shard elsewhere stays, weight and bias whole."""
+    p = ctx.of(node.args[0])
+    params = {n: R for n in tensor_inputs(node) if n is not node.args[0] and not isinstance(ctx.of(n), Replicate)}
+    if not isinstance(p, Shard):  # a sharded weight or bias is gathered: every row needs all of it
+        return Decision(R, {**params, node.args[0]: R} if isinstance(p, Partial) else params)
     ndim = len(ctx.shape(node))
-    if p.dim >= ndim - len(node.args[1]):
+    if p.dim >= ndim - len(arg(node, "normalized_shape")):
         return replicate_all(node, ctx)
-    return Decision(p, {n: R for n in tensor_inputs(node)[1:] if not isinstance(ctx.of(n), Replicate)})
+    return Decision(p, params)
 
 
 # ------------------------------------------------------------------------------------- matmuls and attention
@@ -132,12 +138,19 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     ndim = len(ctx.shape(q))
     heads, seq = ndim - 3, ndim - 2
     if ctx.of(q) == Shard(seq):  # queries split by position: every key is needed (gathered, or passed around a ring)
+        if ctx.ring_attention and arg(node, "dropout_p"):
+            return refuse(node, ctx, "dropout_p", "is not applied by ring attention (use cp attention='gather')")
         kv = Shard(seq) if ctx.ring_attention else R
         want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
         _mask_rows(node, ctx, want, seq, ndim)
         return Decision(Shard(seq), want)
     for dim in (heads, *range(heads)):  # attention is independent along the head and batch dims
         if any(ctx.of(t) == Shard(dim) for t in (q, k, v)):
+            if dim == heads and arg(node, "enable_gqa"):
+                counts = {ctx.shape(t)[dim] for t in (q, k, v)}
+                if any(c % ctx.size for c in counts):  # query head i reads kv head i // group: split both evenly
+                    what = "heads of the grouped-query attention (enable_gqa=True)"
+                    return replicate_all(node, ctx, conflict=_indivisible(min(counts), ctx.size, what))
             want = {t: Shard(dim) for t in (q, k, v) if ctx.of(t) != Shard(dim)}
             _mask_rows(node, ctx, want, dim, ndim)
             return Decision(Shard(dim), want)
@@ -146,7 +159,7 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
 
 def _mask_rows(node: fx.Node, ctx: Context, want: dict, dim: int, ndim: int) -> None:
     """An explicit mask follows the queries' shard on ``dim`` unless it broadcasts there."""
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask = arg(node, "attn_mask")
     if not isinstance(mask, fx.Node):
         return
     mshape = ctx.shape(mask)
@@ -165,7 +178,12 @@ def _mask_rows(node: fx.Node, ctx: Context, want: dict, dim: int, ndim: int) -> 
 def _embedding(node: fx.Node, ctx: Context) -> Decision:
     w, ids = node.args[0], node.args[1]
     pw, pids = ctx.of(w), ctx.of(ids)
-    if pw == Shard(0):
+    if pw == Shard(0):  # vocab-parallel: each rank looks up its rows (padding_idx is carried)
+        if arg(node, "scale_grad_by_freq"):
+            return refuse(node, ctx, "scale_grad_by_freq", "is not supported by the vocab-parallel lookup (counts "
+                          "would include other ranks' ids)")
+        if arg(node, "sparse"):
+            return refuse(node, ctx, "sparse", "(sparse gradients) is not supported by the vocab-parallel lookup")
         return Decision(R, {ids: R} if pids != R else {})
     if pw == R and isinstance(pids, Shard):
         return Decision(Shard(pids.dim))
@@ -175,14 +193,23 @@ def _embedding(node: fx.Node, ctx: Context) -> Decision:
 @rule(aten.cross_entropy_loss.default)
 def _cross_entropy(node: fx.Node, ctx: Context) -> Decision:
     logits, target = node.args[0], node.args[1]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    if ctx.of(logits) == Shard(1) and weight is None:
+    weight = arg(node, "weight")
+    p, ndim = ctx.of(logits), len(ctx.shape(logits))
+    probabilities = ctx.shape(target) == ctx.shape(logits)  # class probabilities, not class indices
+    if p == Shard(1) and ndim >= 2:  # the class dim split: the vocab-parallel loss
+        if weight is not None:
+            return refuse(node, ctx, "weight", "(class weights) is not supported by the vocab-parallel loss")
+        if probabilities:
+            return refuse(node, ctx, "target", "(class probabilities, not indices) is not supported by the "
+                          "vocab-parallel loss")
         return Decision(R, {target: R} if ctx.of(target) != R else {})
-    p = ctx.of(logits)
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    if isinstance(p, Shard) and p.dim == 0 and reduction in (0, 2):  # rows (tokens) split: a per-token loss
-        want = {target: Shard(0, p.blocks)} if ctx.of(target) != Shard(0, p.blocks) else {}
-        return Decision(Shard(0, p.blocks) if reduction == 0 else Partial(), want)
+    reduction = arg(node, "reduction")
+    if isinstance(p, Shard) and p.dim != 1 and ndim >= 2 and reduction in (0, 2):  # rows (tokens) split
+        rows = Shard(p.dim if probabilities or p.dim == 0 else p.dim - 1, p.blocks)  # the target has no class dim
+        want: dict[fx.Node, Placement] = {target: rows} if ctx.of(target) != rows else {}
+        if isinstance(weight, fx.Node) and ctx.of(weight) != R:
+            want[weight] = R
+        return Decision(rows if reduction == 0 else Partial(), want)
     return replicate_all(node, ctx)
 
 
@@ -198,10 +225,11 @@ def _vocab_embedding_module(node: fx.Node, ctx: Context) -> Decision:
 def _vocab_cross_entropy_module(node: fx.Node, ctx: Context) -> Decision:
     p = ctx.of(node.args[0])
     module = node.graph.owning_module.get_submodule(node.target)
-    if isinstance(p, Shard) and p.dim == 0 and module.reduction in ("sum", "none"):
-        target = node.args[1]
-        want = {target: Shard(0, p.blocks)} if ctx.of(target) != Shard(0, p.blocks) else {}
-        return Decision(Shard(0, p.blocks) if module.reduction == "none" else Partial(), want)
+    vocab_dim = len(ctx.shape(node.args[0])) - 1  # the module takes the vocab last, the target without it
+    if isinstance(p, Shard) and p.dim < vocab_dim and module.reduction in ("sum", "none"):
+        target, rows = node.args[1], Shard(p.dim, p.blocks)
+        want = {target: rows} if ctx.of(target) != rows else {}
+        return Decision(rows if module.reduction == "none" else Partial(), want)
     return replicate_all(node, ctx)
 
 

@@ -37,7 +37,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
         if decision is None:
             continue
         if decision.fallback:
-            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name))
+            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name, decision.reason))
         sharded = _has_shard(prop.of(node))
         for value, dst in decision.want.items():
             if prop.of(value) != dst:
@@ -100,13 +100,14 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:
                                            device="meta")
 
 
-def _warn_fallback(node: fx.Node, axis: str) -> str:
+def _warn_fallback(node: fx.Node, axis: str, reason: str | None = None) -> str:
     import warnings
 
     from autoshard import meta
 
     where = meta.source_line(node) or meta.module_path(node) or "unknown source"
-    message = (f"no {axis} sharding rule for {node.target} ({node.name}, from {where}): its sharded inputs are "
-               "gathered and it runs replicated (correct, but slower)")
+    what = f"the {axis} rewrite refuses {reason}" if reason else f"no {axis} sharding rule for {node.target}"
+    message = (f"{what} ({node.name}, from {where}): its sharded inputs are gathered and it runs replicated "
+               "(correct, but slower)")
     warnings.warn(f"autoshard: {message}", stacklevel=3)
     return message

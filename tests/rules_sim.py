@@ -1,0 +1,251 @@
+"""An in-process tensor-parallel simulator: one op, sharded as its rule decides, run on every rank at once.
+
+``simulate(op, args, kwargs, shard={i: placement}, size=t)`` builds a one-op graph (floating-point tensors
+become parameters, so gradients flow as in a model; integer and bool tensors become inputs), propagates the
+given placements of the tensors (numbered in the order they appear in ``args``), rewrites the graph for each
+rank with the real pass (``apply_placements``: collectives inserted, localizers run), gives each rank its
+shard of every tensor, and runs all ranks' graphs in lockstep threads. The collectives of
+``passes.collectives`` are simulated in process: an all-reduce sums (or maxes) the ranks' values in rank
+order, an all-gather concatenates them. The same graph run unsharded is the reference: the outputs, and
+the gradients for one random cotangent, gathered back to full shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autoshard import meta
+from autoshard.passes import collectives, localize
+from autoshard.passes.placements import Placement, R, Shard
+from autoshard.passes.propagate import propagate, requires_grad
+from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements
+
+USER_LINE = 'File "/home/user/model.py", line 42, in forward\n    y = the_op(x)'
+
+
+class _World:
+    """The ranks' meeting point: each collective is an exchange of every rank's value, in lockstep."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.slots: list = [None] * size
+        self.calls = [0] * size
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.detach().clone()
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # nobody writes the next exchange before everyone has read this one
+        self.calls[rank] += 1
+        return values
+
+
+@dataclass(frozen=True)
+class SimGroup:
+    world: _World
+    rank: int
+
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    if group is None:
+        return x
+    values = torch.stack(group.world.exchange(group.rank, x))
+    return values.amax(0) if op == dist.ReduceOp.MAX else values.sum(0)
+
+
+def _all_gather(x, dim, size, blocks, group):
+    if group is None:
+        return x
+    return collectives.unshard(group.world.exchange(group.rank, x), dim, blocks)
+
+
+@contextlib.contextmanager
+def simulated_collectives():
+    saved = collectives._all_reduce, collectives._all_gather, collectives._ParallelOp._run_group
+    collectives._all_reduce, collectives._all_gather = _all_reduce, _all_gather
+    collectives._ParallelOp._run_group = lambda self: None if self.size == 1 else self.group
+    try:
+        yield
+    finally:
+        collectives._all_reduce, collectives._all_gather, collectives._ParallelOp._run_group = saved
+
+
+@dataclass
+class Outcome:
+    """What one simulation found: reference and per-rank values, and what the pass decided."""
+
+    expected: list[torch.Tensor]  # the unsharded graph's outputs
+    expected_grads: dict[str, torch.Tensor]
+    outputs: list[list[torch.Tensor]]  # per rank
+    grads: list[dict[str, torch.Tensor]]  # per rank, gathered to full shape
+    placement: object  # the op's output placement
+    reason: str | None  # why the rule refused to shard, if it did
+    fallbacks: list[str]  # the pass's fallback messages (with warnings)
+    modules: list[str]  # class names of the modules the rewrite inserted on rank 0
+    code: str  # rank 0's code
+    errors: list[BaseException | None] = field(default_factory=list)
+    collectives_before_error: list[int] = field(default_factory=list)
+
+    def assert_exact(self, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+        for rank, (outs, grads) in enumerate(zip(self.outputs, self.grads, strict=True)):
+            for i, (got, want) in enumerate(zip(outs, self.expected, strict=True)):
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True,
+                                           msg=lambda m, r=rank, i=i: f"rank {r}, output {i}: {m}\n{self.code}")
+            assert set(grads) == set(self.expected_grads), (rank, set(grads), set(self.expected_grads))
+            for name, want in self.expected_grads.items():
+                torch.testing.assert_close(grads[name], want, rtol=rtol, atol=atol, equal_nan=True,
+                                           msg=lambda m, r=rank, n=name: f"rank {r}, grad of {n}: {m}\n{self.code}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement != R or any(m.startswith("Vocab") or m == "ReduceFromParallel" for m in self.modules)
+
+
+def _build(op, args, kwargs) -> tuple[fx.GraphModule, list[str], fx.Node]:
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    root, graph, names, nodes = nn.Module(), fx.Graph(), [], {}
+    for i, t in enumerate(tensors):
+        if t.is_floating_point():
+            name = f"p{i}"
+            root.register_parameter(name, nn.Parameter(t.detach().clone()))
+            node = graph.get_attr(name)
+        else:
+            name = f"x{i}"
+            node = graph.placeholder(name)
+        node.meta[meta.VAL] = torch.empty_like(t, device="meta")
+        names.append(name)
+        nodes[id(t)] = node
+    swap = lambda v: nodes[id(v)] if isinstance(v, torch.Tensor) else v  # noqa: E731
+    node = graph.call_function(op, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs))
+    on_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+    value = op(*pytree.tree_map(on_meta, args), **pytree.tree_map(on_meta, kwargs))
+    node.meta[meta.VAL] = pytree.tree_map(lambda v: torch.empty_like(v, device="meta"), value)
+    node.meta[meta.STACK_TRACE] = USER_LINE
+    if isinstance(value, (list, tuple)):
+        outs = []
+        for i, v in enumerate(value):
+            item = graph.call_function(operator.getitem, (node, i))
+            item.meta[meta.VAL] = torch.empty_like(v, device="meta")
+            outs.append(item)
+        graph.output(tuple(outs))
+    else:
+        graph.output((node,))
+    return fx.GraphModule(root, graph), names, node
+
+
+def _local(t: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
+    if not isinstance(placement, Shard):
+        return t
+    extra = -t.shape[placement.dim] % size
+    if extra:  # a dim the degree does not divide is padded with zeros, as the pass pads parameters
+        shape = list(t.shape)
+        shape[placement.dim] = extra
+        t = torch.cat([t, t.new_zeros(shape)], placement.dim)
+    index = collectives.local_indices(t.shape[placement.dim], rank, size, placement.blocks)
+    return t.index_select(placement.dim, index)
+
+
+def _full(parts: list[torch.Tensor], placement: Placement, n: int) -> torch.Tensor:
+    if not isinstance(placement, Shard):
+        return parts[0]
+    return collectives.unshard(parts, placement.dim, placement.blocks).narrow(placement.dim, 0, n)
+
+
+def _run(gm: fx.GraphModule, inputs: list, cotangents, autocast: torch.dtype | None):
+    context = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with context:
+        outs = list(gm(*inputs))
+    pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c.to(o.dtype) for o, c in pairs])
+    return [o.detach() for o in outs], {n: p.grad for n, p in gm.named_parameters() if p.grad is not None}
+
+
+def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Placement], size: int = 2,
+             autocast: torch.dtype | None = None, seed: int = 0, before: Callable | None = None) -> Outcome:
+    """Run ``op(*args, **kwargs)`` unsharded and sharded over ``size`` simulated ranks (see the module doc)."""
+    kwargs = kwargs or {}
+    gm, names, op_node = _build(op, args, kwargs)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    seeds = {names[i]: p for i, p in shard.items()}
+    reference = copy.deepcopy(gm)
+    inputs = [t for t, n in zip(tensors, names, strict=True) if n.startswith("x")]
+    gen = torch.Generator().manual_seed(seed)
+    vals = op_node.meta[meta.VAL]
+    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    cotangents = [torch.randn(v.shape, generator=gen) for v in vals]
+    try:
+        expected, expected_grads = _run(reference, inputs, cotangents, autocast)
+    except (IndexError, RuntimeError) as e:  # bad data: the sharded program must fail the same way
+        expected, expected_grads = [e], {}
+
+    world, programs, fallbacks = _World(size), [], []
+    decision = None
+    for rank in range(size):
+        local = copy.deepcopy(gm)
+        prop = propagate(local, seeds, size)
+        decision = decision or prop.decisions[next(n for n in local.graph.nodes if n.name == op_node.name)]
+        rw = localize.Rewriter(local, prop, size=size, rank=rank, group=SimGroup(world, rank),
+                               grad=requires_grad(local))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply_placements(local, prop, rw, AxisStyle("tp"))
+        if rank == 0:
+            fallbacks = [str(w.message) for w in caught] + local.meta.get(FALLBACKS, [])
+        local.graph.eliminate_dead_code()
+        local.recompile()
+        for name, p in list(local.named_parameters()):
+            setattr(local, name, nn.Parameter(_local(p.detach(), seeds.get(name, R), rank, size)))
+        programs.append(local)
+    local_inputs = [[_local(t, seeds.get(n, R), r, size) for t, n in zip(tensors, names, strict=True)
+                     if n.startswith("x")] for r in range(size)]
+
+    results: list = [None] * size
+    errors: list = [None] * size
+    calls: list = [0] * size
+
+    def work(rank: int) -> None:
+        try:
+            if before is not None:
+                before(rank)
+            results[rank] = _run(programs[rank], local_inputs[rank], cotangents, autocast)
+        except BaseException as e:  # noqa: BLE001 - every rank's failure is reported to the test
+            errors[rank], calls[rank] = e, world.calls[rank]
+            world.barrier.abort()
+
+    with simulated_collectives():
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    modules = [type(m).__name__ for _, m in programs[0].named_children()]
+    outcome = Outcome(expected, expected_grads, [], [], decision.out, decision.reason, fallbacks, modules,
+                      programs[0].code, errors, calls)
+    if any(e is not None for e in errors):
+        return outcome
+    outcome.outputs = [r[0] for r in results]
+    for rank in range(size):
+        grads = {}
+        for n, g in expected_grads.items():
+            p = seeds.get(n, R)
+            if isinstance(p, Shard):  # each rank holds its shard of the gradient: gather them
+                parts = [results[r][1].get(n) for r in range(size)]
+                if all(part is not None for part in parts):
+                    grads[n] = _full(parts, p, g.shape[p.dim])
+            elif n in results[rank][1]:  # a replicated parameter's gradient must be whole on every rank
+                grads[n] = results[rank][1][n]
+        outcome.grads.append(grads)
+    return outcome

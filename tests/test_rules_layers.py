@@ -1,0 +1,231 @@
+"""Rules for the layers of a network (matmuls, attention, norms, softmax, reductions) against the global ops.
+
+Each case shards the inputs as given, lets the rule decide, runs every rank's local rewrite with the
+collectives simulated in process (``rules_sim``) and compares forward and backward with the unsharded
+op, over the arguments the captured models use: biases, ``alpha``/``beta``, ``scale``, ``is_causal``,
+masks that broadcast, grouped-query heads, ``eps``, ``normalized_shape``, ``dim`` lists, negative dims,
+``keepdim``, ``correction``, ``dtype``, ``half_to_float``, and bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rules_sim import simulate
+
+from autoshard.passes.placements import P, R, Shard
+
+aten = torch.ops.aten
+
+
+def rand(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ linear layers
+
+LINEAR_CASES = [  # (op, args, kwargs, shard, expected output placement)
+    pytest.param(aten.linear.default, (rand(3, 8), rand(6, 8, seed=1), rand(6, seed=2)), {},
+                 {1: Shard(0), 2: Shard(0)}, Shard(1), id="linear-column"),
+    pytest.param(aten.linear.default, (rand(2, 3, 8), rand(6, 8, seed=1)), {}, {1: Shard(0)}, Shard(2),
+                 id="linear-column-3d-nobias"),
+    pytest.param(aten.linear.default, (rand(2, 3, 8), rand(6, 8, seed=1), rand(6, seed=2)), {}, {1: Shard(1)}, R,
+                 id="linear-row"),
+    pytest.param(aten.linear.default, (rand(2, 3, 8), rand(6, 8, seed=1)), {}, {1: Shard(1)}, R,
+                 id="linear-row-nobias"),
+    pytest.param(aten.linear.default, (rand(4, 3, 8), rand(6, 8, seed=1), rand(6, seed=2)), {}, {0: Shard(0)},
+                 Shard(0), id="linear-batch-split"),
+    pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {},
+                 {2: Shard(1), 0: Shard(0)}, Shard(1), id="addmm-column"),
+    pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {}, {2: Shard(0)}, R,
+                 id="addmm-row"),
+    pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {"beta": 0.5, "alpha": 2.0},
+                 {2: Shard(0)}, R, id="addmm-row-alpha-beta"),
+    pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {"beta": 0.0},
+                 {2: Shard(0)}, R, id="addmm-row-beta0"),
+    pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {"beta": 3, "alpha": -1},
+                 {2: Shard(1), 0: Shard(0)}, Shard(1), id="addmm-column-alpha-beta"),
+]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", LINEAR_CASES)
+def test_linear_layers(op, args, kwargs, shard, placement, size):
+    out = simulate(op, args, kwargs, shard=shard, size=size)
+    assert out.placement == placement
+    out.assert_exact()
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", LINEAR_CASES)
+def test_linear_layers_keep_the_autocast_dtype(op, args, kwargs, shard, placement):
+    """A row-parallel split adds a float32 bias to a bf16 partial: it must not promote the sum to float32."""
+    out = simulate(op, args, kwargs, shard=shard, autocast=torch.bfloat16)
+    assert out.expected[0].dtype == torch.bfloat16
+    # bf16 has an 8-bit significand: each rank's partial and the sum are rounded once more than the one
+    # matmul of the unsharded op, so the results agree to a few bf16 ulps (2**-8 relative), not exactly.
+    out.assert_exact(rtol=2e-2, atol=2e-2)
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+B, H, T, E = 2, 4, 5, 3
+
+
+def qkv(heads_kv: int = H):
+    return rand(B, H, T, E), rand(B, heads_kv, T, E, seed=1), rand(B, heads_kv, T, E, seed=2)
+
+
+ATTENTION_CASES = [  # (args, kwargs, shard, expected placement)
+    pytest.param(qkv(), {}, {0: Shard(1), 1: Shard(1), 2: Shard(1)}, Shard(1), id="heads"),
+    pytest.param(qkv(), {"is_causal": True, "scale": 0.3}, {0: Shard(1), 1: Shard(1), 2: Shard(1)}, Shard(1),
+                 id="heads-causal-scale"),
+    pytest.param((*qkv(), None, 0.0, True), {}, {0: Shard(1)}, Shard(1), id="heads-q-only-positional-causal"),
+    pytest.param((*qkv(), rand(B, 1, T, T, seed=3)), {}, {0: Shard(1), 1: Shard(1), 2: Shard(1)}, Shard(1),
+                 id="heads-mask-broadcast"),
+    pytest.param((*qkv(), rand(B, H, T, T, seed=3)), {}, {0: Shard(1), 1: Shard(1), 2: Shard(1)}, Shard(1),
+                 id="heads-mask-per-head"),
+    pytest.param((*qkv(), rand(T, T, seed=3) > 0), {"scale": 2.0}, {0: Shard(1), 1: Shard(1), 2: Shard(1)},
+                 Shard(1), id="heads-bool-mask-2d"),
+    pytest.param(qkv(heads_kv=2), {"enable_gqa": True}, {0: Shard(1), 1: Shard(1), 2: Shard(1)}, Shard(1),
+                 id="gqa-heads"),
+    pytest.param(qkv(), {"is_causal": True}, {0: Shard(0), 1: Shard(0), 2: Shard(0)}, Shard(0), id="batch"),
+    pytest.param(qkv(), {"is_causal": True}, {0: Shard(3)}, R, id="head-dim-split-gathers"),
+]
+
+
+@pytest.mark.parametrize("args,kwargs,shard,placement", ATTENTION_CASES)
+def test_attention(args, kwargs, shard, placement):
+    out = simulate(aten.scaled_dot_product_attention.default, args, kwargs, shard=shard)
+    assert out.placement == placement
+    out.assert_exact()
+
+
+def test_grouped_query_heads_the_degree_does_not_divide_are_refused():
+    args = qkv(heads_kv=2)
+    out = simulate(aten.scaled_dot_product_attention.default, args, {"enable_gqa": True},
+                   shard={0: Shard(1), 1: Shard(1), 2: Shard(1)}, size=4)
+    assert out.placement == R
+    out.assert_exact()
+
+
+def test_ring_attention_refuses_dropout():
+    from rules_sim import _build
+
+    from autoshard.passes.rules import Context, decide
+
+    gm, _, node = _build(aten.scaled_dot_product_attention.default, (*qkv(), None, 0.1), {})
+    q = node.args[0]
+    decision = decide(node, Context(2, {q: Shard(2)}, ring_attention=True))
+    assert decision.out == R and "dropout_p=0.1" in decision.reason
+    assert decide(node, Context(2, {q: Shard(2)}, ring_attention=False)).out == Shard(2)
+
+
+# ------------------------------------------------------------------------------------------------ norms
+
+NORM_CASES = [  # (op, args, kwargs, shard, placement)
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [6], rand(6, seed=1), rand(6, seed=2), 1e-3), {},
+                 {0: Shard(1)}, Shard(1), id="layer-norm-tokens"),
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [4, 6], rand(4, 6, seed=1), None), {}, {0: Shard(0)},
+                 Shard(0), id="layer-norm-two-dims-batch"),
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [4, 6], rand(4, 6, seed=1), None), {}, {0: Shard(1)},
+                 R, id="layer-norm-over-the-split-dim"),
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [6]), {"eps": 0.5}, {0: Shard(2)}, R,
+                 id="layer-norm-hidden-split"),
+    pytest.param(aten.layer_norm.default, (rand(2, 4, 6), [6], rand(6, seed=1), rand(6, seed=2)), {},
+                 {1: Shard(0)}, R, id="layer-norm-weight-split-gathers"),
+    pytest.param(aten.rms_norm.default, (rand(2, 4, 6), [6], rand(6, seed=1), 1e-2), {}, {0: Shard(1)}, Shard(1),
+                 id="rms-norm-tokens"),
+    pytest.param(aten.rms_norm.default, (rand(2, 4, 6), [6], rand(6, seed=1)), {}, {0: Shard(2)}, R,
+                 id="rms-norm-hidden-split"),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", NORM_CASES)
+def test_norms(op, args, kwargs, shard, placement):
+    out = simulate(op, args, kwargs, shard=shard)
+    assert out.placement == placement
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------- softmax and reductions
+
+SOFTMAX_CASES = [
+    pytest.param(aten.softmax.int, (rand(2, 4, 6), -1), {}, {0: Shard(1)}, Shard(1), id="softmax-last"),
+    pytest.param(aten.softmax.int, (rand(2, 4, 6), 1), {}, {0: Shard(1)}, R, id="softmax-over-split"),
+    pytest.param(aten.softmax.int, (rand(2, 4, 6), -2), {}, {0: Shard(1)}, R, id="softmax-negative-over-split"),
+    pytest.param(aten.softmax.int, (rand(2, 4, 6), 2, torch.float64), {}, {0: Shard(0)}, Shard(0),
+                 id="softmax-dtype"),
+    pytest.param(aten._softmax.default, (rand(2, 4, 6), -1, False), {}, {0: Shard(1)}, Shard(1), id="_softmax"),
+    pytest.param(aten.log_softmax.int, (rand(2, 4, 6), 2), {}, {0: Shard(0)}, Shard(0), id="log-softmax"),
+    pytest.param(aten._log_softmax.default, (rand(2, 4, 6), 0, False), {}, {0: Shard(0)}, R,
+                 id="_log-softmax-over-split"),
+]
+
+REDUCE_CASES = [
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [-1]), {}, {0: Shard(1)}, Shard(1), id="sum-last"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [0, 2], True), {}, {0: Shard(1)}, Shard(1),
+                 id="sum-list-keepdim"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [0]), {}, {0: Shard(1)}, Shard(0), id="sum-before-split"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [1]), {}, {0: Shard(1)}, R, id="sum-over-split"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), []), {}, {0: Shard(1)}, R, id="sum-empty-list-is-all"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), None, True), {}, {0: Shard(1)}, R, id="sum-none-is-all"),
+    pytest.param(aten.sum.dim_IntList, (rand(2, 4, 6), [2]), {"dtype": torch.float64}, {0: Shard(0)}, Shard(0),
+                 id="sum-dtype"),
+    pytest.param(aten.mean.dim, (rand(2, 4, 6), [-1], True), {}, {0: Shard(1)}, Shard(1), id="mean-keepdim"),
+    pytest.param(aten.mean.dim, (rand(2, 4, 6), [-3, -1]), {}, {0: Shard(1)}, Shard(0), id="mean-negative-list"),
+    pytest.param(aten.amax.default, (rand(2, 4, 6), [2]), {}, {0: Shard(1)}, Shard(1), id="amax"),
+    pytest.param(aten.amax.default, (rand(2, 4, 6),), {}, {0: Shard(1)}, R, id="amax-default-is-all"),
+    pytest.param(aten.amax.default, (rand(2, 4, 6), [], True), {}, {0: Shard(1)}, R, id="amax-empty-keepdim"),
+    pytest.param(aten.var.correction, (rand(2, 4, 6), [-1]), {"correction": 0, "keepdim": True}, {0: Shard(1)},
+                 Shard(1), id="var-correction0-keepdim"),
+    pytest.param(aten.var.correction, (rand(2, 4, 6), [2]), {"correction": 2}, {0: Shard(0)}, Shard(0),
+                 id="var-correction2"),
+    pytest.param(aten.var.correction, (rand(2, 4, 6), None), {}, {0: Shard(0)}, R, id="var-all"),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", SOFTMAX_CASES + REDUCE_CASES)
+def test_softmax_and_reductions(op, args, kwargs, shard, placement):
+    out = simulate(op, args, kwargs, shard=shard)
+    assert out.placement == placement
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------- matmuls
+
+MATMUL_CASES = [
+    pytest.param(aten.matmul.default, (rand(2, 4, 5, 3), rand(2, 4, 3, 6, seed=1)), {0: Shard(1), 1: Shard(1)},
+                 Shard(1), id="matmul-heads"),
+    pytest.param(aten.matmul.default, (rand(2, 4, 5, 3), rand(3, 6, seed=1)), {0: Shard(1)}, Shard(1),
+                 id="matmul-broadcast-2d"),
+    pytest.param(aten.matmul.default, (rand(2, 4, 5, 3), rand(1, 4, 3, 6, seed=1)), {0: Shard(0)}, Shard(0),
+                 id="matmul-broadcast-batch"),
+    pytest.param(aten.matmul.default, (rand(2, 6, 3), rand(2, 3, 4, seed=1)), {0: Shard(1)}, Shard(1),
+                 id="matmul-rows"),
+    pytest.param(aten.matmul.default, (rand(2, 6, 4), rand(2, 4, 6, seed=1)), {0: Shard(2), 1: Shard(1)}, R,
+                 id="matmul-contraction-gathers"),
+    pytest.param(aten.matmul.default, (rand(6, 4), rand(4, seed=1)), {0: Shard(0)}, R, id="matmul-vector"),
+    pytest.param(aten.bmm.default, (rand(4, 5, 3), rand(4, 3, 6, seed=1)), {1: Shard(0)}, Shard(0), id="bmm-batch"),
+    pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 5, seed=1)), {1: Shard(2)}, R, id="bmm-columns"),
+]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op,args,shard,placement", MATMUL_CASES)
+def test_matmuls(op, args, shard, placement, size):
+    if size == 4 and any(args[i].shape[p.dim] % 4 for i, p in shard.items()):
+        pytest.skip("a dim that 4 does not divide")
+    out = simulate(op, args, shard=shard, size=size)
+    assert out.placement == placement
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+def test_partial_inputs_are_summed_first():
+    """A row-parallel output feeding a norm: the pending sum is all-reduced before the norm reads it."""
+    from rules_sim import _build
+
+    from autoshard.passes.rules import Context, decide
+
+    _, _, node = _build(aten.layer_norm.default, (rand(2, 4, 6), [6]), {})
+    decision = decide(node, Context(2, {node.args[0]: P}))
+    assert decision.out == R and decision.want == {node.args[0]: R}

@@ -1,0 +1,255 @@
+"""Rules for views, reshapes, slicing, joining and element-wise ops against the global ops.
+
+Each case shards an input as given, lets the rule decide, runs every rank's local rewrite with the
+collectives simulated in process (``rules_sim``), and compares forward and backward with the unsharded
+op, over negative dims, dim lists, ``-1`` sizes, blocked shards, broadcasting and dtypes. The last tests
+check that every op of the rule table and every localizer has cases here or in the other
+``test_rules_*`` files.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rules_sim import simulate
+
+from autoshard.passes.placements import R, Shard
+
+aten = torch.ops.aten
+BIG = 9223372036854775807  # what export writes for an open slice end
+
+
+def rand(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+x3 = rand(2, 4, 6)
+QKV = Shard(1, (4, 4, 4))  # a fused projection's columns: every rank holds its part of each block
+
+VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
+    (aten.transpose.int, (x3, 1, 2), {}, {0: Shard(1)}, Shard(2)),
+    (aten.transpose.int, (x3, -1, 0), {}, {0: Shard(0)}, Shard(2)),
+    (aten.swapaxes.default, (x3, 0, -2), {}, {0: Shard(1)}, Shard(0)),
+    (aten.t.default, (rand(4, 6),), {}, {0: Shard(0)}, Shard(1)),
+    (aten.permute.default, (x3, [2, 0, 1]), {}, {0: Shard(1)}, Shard(2)),
+    (aten.permute.default, (x3, [-1, -3, -2]), {}, {0: Shard(2)}, Shard(0)),
+    (aten.movedim.int, (x3, 1, -1), {}, {0: Shard(1)}, Shard(2)),
+    (aten.movedim.int, (x3, -1, 0), {}, {0: Shard(0)}, Shard(1)),
+    (aten.unsqueeze.default, (rand(2, 4), 0), {}, {0: Shard(1)}, Shard(2)),
+    (aten.unsqueeze.default, (rand(2, 4), -1), {}, {0: Shard(1)}, Shard(1)),
+    (aten.unsqueeze.default, (rand(2, 4), -3), {}, {0: Shard(0)}, Shard(1)),
+    (aten.squeeze.dim, (rand(2, 1, 4), 1), {}, {0: Shard(2)}, Shard(1)),
+    (aten.squeeze.dim, (rand(2, 1, 4), -2), {}, {0: Shard(0)}, Shard(0)),
+    (aten.squeeze.dims, (rand(1, 4, 1, 6), [0, -2]), {}, {0: Shard(3)}, Shard(1)),
+    (aten.squeeze.default, (rand(1, 4, 1, 6),), {}, {0: Shard(3)}, Shard(1)),
+    (aten.view.default, (x3, [2, 4, 2, 3]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.view.default, (x3, [2, 4, -1, 3]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.view.default, (rand(2, 4, 2, 3), [2, 4, 6]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.reshape.default, (x3, [8, 6]), {}, {0: Shard(1)}, Shard(0, (4, 4))),
+    (aten.reshape.default, (x3, [-1, 6]), {}, {0: Shard(0)}, Shard(0)),
+    (aten._unsafe_view.default, (x3, [2, 24]), {}, {0: Shard(1)}, Shard(1)),
+    (aten.reshape.default, (rand(2, 12), [2, 3, 4]), {}, {0: Shard(1, (4, 4, 4))}, Shard(2)),
+    (aten.expand.default, (rand(2, 1, 6), [2, 3, 6]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.expand.default, (rand(2, 1, 6), [-1, 3, -1]), {}, {0: Shard(0)}, Shard(0)),
+    (aten.expand.default, (rand(4, 6), [2, 4, 6]), {}, {0: Shard(1)}, Shard(2)),
+    (aten.slice.Tensor, (rand(4, 6), 0, 1, 3), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 6), 1, 0, 3), {}, {0: Shard(1)}, R),
+    (aten.slice.Tensor, (rand(4, 6), 1, 0, BIG), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 6), -1, None, None), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 6), 1, 0, None, 2), {}, {0: Shard(1)}, R),
+    (aten.slice.Tensor, (rand(4, 6),), {"dim": 1, "start": 2}, {0: Shard(1)}, R),
+    (aten.select.int, (x3, 0, 1), {}, {0: Shard(2)}, Shard(1)),
+    (aten.select.int, (x3, -1, 2), {}, {0: Shard(2)}, R),
+    (aten.select.int, (x3, 2, -1), {}, {0: Shard(1)}, Shard(1)),
+    (aten.narrow.default, (rand(4, 6), 0, 1, 2), {}, {0: Shard(1)}, Shard(1)),
+    (aten.narrow.default, (rand(4, 6), -1, 1, 2), {}, {0: Shard(1)}, R),
+    (aten.split.Tensor, (rand(4, 12), 3, 1), {}, {0: Shard(0)}, (Shard(0),) * 4),
+    (aten.split.Tensor, (rand(4, 12), 4, -1), {}, {0: QKV}, (Shard(1),) * 3),
+    (aten.split.Tensor, (rand(4, 12), 4, 1), {}, {0: Shard(1)}, (R,) * 3),
+    (aten.split_with_sizes.default, (rand(4, 12), [8, 4], 1), {}, {0: Shard(1, (8, 4))}, (Shard(1),) * 2),
+    (aten.split_with_sizes.default, (rand(4, 12), [1, 3]), {}, {0: Shard(1)}, (Shard(1),) * 2),
+    (aten.chunk.default, (rand(4, 12), 3, -1), {}, {0: QKV}, (Shard(1),) * 3),
+    (aten.chunk.default, (rand(4, 12), 2, 1), {}, {0: Shard(0)}, (Shard(0),) * 2),
+    (aten.unbind.int, (rand(3, 4, 6), 0), {}, {0: Shard(2)}, (Shard(1),) * 3),
+    (aten.unbind.int, (rand(3, 4, 6), -1), {}, {0: Shard(1)}, (Shard(1),) * 6),
+    (aten.unbind.int, (rand(4, 6),), {}, {0: Shard(0)}, (R,) * 4),
+    (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], 1), {}, {0: Shard(0), 1: Shard(0)}, Shard(0)),
+    (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], -1), {}, {0: Shard(0)}, Shard(0)),
+    (aten.cat.default, ([rand(2, 4), rand(6, 4, seed=1)],), {}, {0: Shard(1)}, Shard(1)),
+    (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0), 1: Shard(0)}, R),
+    (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, 1), {}, {0: Shard(1)}, Shard(1)),
+    (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, 1), {"output_size": 8}, {0: Shard(1)}, Shard(1)),
+    (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, -3), {}, {0: Shard(1)}, Shard(1)),
+    (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2), {}, {0: Shard(1)}, R),
+]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", VIEW_CASES, ids=lambda v: str(v) if callable(v) else None)
+def test_views_and_slices(op, args, kwargs, shard, placement, size):
+    tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+    if size == 4 and any(_blocks_of(tensors[i], p) % 4 for i, p in shard.items()):
+        pytest.skip("a block that 4 does not divide")
+    out = simulate(op, args, kwargs, shard=shard, size=size)
+    assert out.placement == placement
+    out.assert_exact()
+
+
+def _blocks_of(t: torch.Tensor, p: Shard) -> int:
+    import math
+
+    return math.gcd(*(p.blocks or (t.shape[p.dim],)))
+
+
+# ------------------------------------------------------------------------------------------ element-wise
+
+pos = rand(2, 4, 6).abs() + 0.5
+y6 = rand(6, seed=1)  # broadcast along the last dim
+yb = rand(2, 1, 6, seed=2)  # broadcast along the split dim
+mask = rand(2, 4, 6, seed=3) > 0
+POINTWISE_CASES = [  # (op, args, kwargs, shard): the output keeps the input's split
+    (aten.add.Tensor, (x3, y6), {"alpha": 2}, {0: Shard(1)}),
+    (aten.add.Tensor, (yb, x3), {}, {1: Shard(1)}),
+    (aten.add.Scalar, (x3, 3.0), {}, {0: Shard(2)}),
+    (aten.sub.Tensor, (x3, yb), {"alpha": -1.5}, {0: Shard(1)}),
+    (aten.rsub.Scalar, (x3, 2.0), {}, {0: Shard(1)}),
+    (aten.rsub.Tensor, (x3, x3 * 2), {}, {0: Shard(1), 1: Shard(1)}),
+    (aten.mul.Tensor, (x3, rand(4, 1, seed=5)), {}, {0: Shard(1)}),
+    (aten.mul.Tensor, (x3, rand(4, 1, seed=5)), {}, {1: Shard(0)}),
+    (aten.div.Tensor, (x3, pos), {}, {0: Shard(2), 1: Shard(2)}),
+    (aten.div.Tensor_mode, (x3, pos), {"rounding_mode": "floor"}, {0: Shard(0)}),
+    (aten.pow.Tensor_Scalar, (x3, 3), {}, {0: Shard(1)}),
+    (aten.pow.Tensor_Tensor, (pos, x3), {}, {0: Shard(1)}),
+    (aten.pow.Scalar, (2.0, x3), {}, {0: Shard(1)}),
+    (aten.maximum.default, (x3, yb), {}, {0: Shard(2)}),
+    (aten.minimum.default, (x3, y6), {}, {1: Shard(0)}),
+    (aten.where.self, (mask, x3, yb), {}, {0: Shard(1)}),
+    (aten.where.self, (mask, x3, y6), {}, {1: Shard(2)}),
+    (aten.where.ScalarOther, (mask, x3, 0.5), {}, {1: Shard(0)}),
+    (aten.masked_fill.Scalar, (x3, mask, -1.0), {}, {0: Shard(1)}),
+    (aten.masked_fill.Scalar, (x3, rand(4, 1, seed=4) > 0, -1.0), {}, {1: Shard(0)}),
+    (aten.clamp.default, (x3, -0.5, 0.5), {}, {0: Shard(1)}),
+    (aten.clamp.Tensor, (x3, y6 - 1, y6 + 1), {}, {0: Shard(2)}),
+    (aten.eq.Tensor, (x3, x3.round()), {}, {0: Shard(1)}),
+    (aten.ne.Scalar, (x3, 0.0), {}, {0: Shard(1)}),
+    (aten.lt.Tensor, (x3, y6), {}, {0: Shard(2)}),
+    (aten.le.Scalar, (x3, 0.1), {}, {0: Shard(1)}),
+    (aten.gt.Tensor, (x3, yb), {}, {0: Shard(1)}),
+    (aten.ge.Scalar, (x3, -0.1), {}, {0: Shard(1)}),
+    (aten.__and__.Tensor, (mask, ~mask), {}, {0: Shard(1)}),
+    (aten.__or__.Tensor, (mask, rand(6, seed=9) > 0), {}, {0: Shard(2)}),
+    (aten.logical_not.default, (mask,), {}, {0: Shard(1)}),
+    (aten.bitwise_not.default, (mask,), {}, {0: Shard(1)}),
+    (aten.to.dtype, (x3, torch.float64), {}, {0: Shard(1)}),
+    (aten._to_copy.default, (x3,), {"dtype": torch.float64}, {0: Shard(1)}),
+    (aten.type_as.default, (x3, rand(3, seed=6).double()), {}, {0: Shard(1)}),
+    (aten.contiguous.default, (x3,), {}, {0: Shard(1)}),
+    (aten.clone.default, (x3,), {}, {0: Shard(1)}),
+    (aten.alias.default, (x3,), {}, {0: Shard(1)}),
+    (aten.detach.default, (x3,), {}, {0: Shard(1)}),
+    (aten.lift_fresh_copy.default, (x3,), {}, {0: Shard(1)}),
+    (aten.dropout.default, (x3, 0.0, True), {}, {0: Shard(1)}),
+    (aten.dropout.default, (x3, 0.5, False), {}, {0: Shard(1)}),
+    (aten.native_dropout.default, (x3, 0.0, True), {}, {0: Shard(1)}),
+    (aten.fill.Scalar, (x3, 2.0), {}, {0: Shard(1)}),
+    (aten.zeros_like.default, (x3,), {}, {0: Shard(1)}),
+    (aten.ones_like.default, (x3,), {"dtype": torch.float64}, {0: Shard(1)}),
+    (aten.full_like.default, (x3, 3.0), {}, {0: Shard(1)}),
+    (aten.neg.default, (x3,), {}, {0: Shard(1)}),
+    (aten.rsqrt.default, (pos,), {}, {0: Shard(1)}),
+    (aten.sqrt.default, (pos,), {}, {0: Shard(1)}),
+    (aten.exp.default, (x3,), {}, {0: Shard(1)}),
+    (aten.log.default, (pos,), {}, {0: Shard(1)}),
+    (aten.tanh.default, (x3,), {}, {0: Shard(1)}),
+    (aten.sigmoid.default, (x3,), {}, {0: Shard(1)}),
+    (aten.gelu.default, (x3,), {"approximate": "tanh"}, {0: Shard(1)}),
+    (aten.gelu.default, (x3,), {}, {0: Shard(2)}),
+    (aten.silu.default, (x3,), {}, {0: Shard(1)}),
+    (aten.relu.default, (x3,), {}, {0: Shard(1)}),
+    (aten.cos.default, (x3,), {}, {0: Shard(1)}),
+    (aten.sin.default, (x3,), {}, {0: Shard(1)}),
+    (aten.erf.default, (x3,), {}, {0: Shard(1)}),
+    (aten.abs.default, (x3,), {}, {0: Shard(1)}),
+    (aten.reciprocal.default, (pos,), {}, {0: Shard(1)}),
+    (aten.square.default, (x3,), {}, {0: Shard(1)}),
+    (aten.hardtanh.default, (x3, -0.5, 0.5), {}, {0: Shard(1)}),
+    (aten.leaky_relu.default, (x3, 0.2), {}, {0: Shard(1)}),
+    (aten.elu.default, (x3, 0.5), {}, {0: Shard(1)}),
+    (aten.softplus.default, (x3, 2.0, 1.0), {}, {0: Shard(1)}),
+    (aten.mish.default, (x3,), {}, {0: Shard(1)}),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard", POINTWISE_CASES, ids=lambda v: str(v) if callable(v) else None)
+def test_element_wise(op, args, kwargs, shard):
+    out = simulate(op, args, kwargs, shard=shard)
+    placement = out.placement[0] if isinstance(out.placement, tuple) else out.placement
+    assert isinstance(placement, Shard), out.placement
+    out.assert_exact()
+
+
+def test_two_inputs_split_on_different_dims_are_gathered():
+    out = simulate(aten.add.Tensor, (x3, x3 * 2), shard={0: Shard(1), 1: Shard(2)})
+    assert out.placement == R
+    out.assert_exact()
+
+
+# ------------------------------------------------------------------------------ every rule has its cases
+
+
+def _covered() -> set:
+    import test_rules_embedding_loss as loss
+    import test_rules_layers as layers
+
+    ops = {case[0] for case in VIEW_CASES + POINTWISE_CASES}
+    for table in (layers.LINEAR_CASES, layers.NORM_CASES, layers.SOFTMAX_CASES, layers.REDUCE_CASES,
+                  layers.MATMUL_CASES):
+        ops |= {case.values[0] for case in table}
+    ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default}
+    assert loss.CE_CASES and layers.ATTENTION_CASES
+    return ops | {op.overloadpacket for op in ops}
+
+
+def test_every_op_of_the_rule_table_has_differential_cases():
+    from autoshard.passes.rules import RULES
+
+    ops = {op for op in RULES if not isinstance(op, type)}  # classes: the collectives, tested below
+    missing = sorted(str(op) for op in ops - _covered())
+    assert not missing, f"ops of the rule table without a differential test: {missing}"
+
+
+def test_every_localizer_has_differential_cases():
+    from autoshard.passes.rules import LOCALIZERS
+
+    missing = sorted(str(op) for op in set(LOCALIZERS) - _covered())
+    assert not missing, f"localizers without a differential test: {missing}"
+
+
+@pytest.mark.parametrize("name", ["CopyToParallel", "ReduceFromParallel", "GatherFromParallel", "ScatterToParallel",
+                                  "VocabParallelEmbedding", "VocabParallelCrossEntropy"])
+def test_a_collective_seen_by_another_axis_passes_the_token_split_through(name):
+    """On a second axis (tokens split for cp or dp) a tp collective of the first keeps the split."""
+    from torch import fx, nn
+
+    from autoshard.passes import collectives
+    from autoshard.passes.rules import Context, decide
+
+    common = {"group": None, "size": 2, "rank": 0}
+    extra = {"GatherFromParallel": {"dim": 2}, "ScatterToParallel": {"dim": 2},
+             "VocabParallelEmbedding": {"vocab_start": 0, "vocab_end": 5},
+             "VocabParallelCrossEntropy": {"vocab_start": 0, "vocab_end": 5, "vocab_size": 10, "reduction": "none"}}
+    root, graph = nn.Module(), fx.Graph()
+    root.add_module("op", getattr(collectives, name)(**common, **extra.get(name, {})))
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 4, 6, device="meta")
+    args = (x,)
+    if name == "VocabParallelCrossEntropy":
+        t = graph.placeholder("t")
+        t.meta["val"] = torch.empty(2, 4, dtype=torch.long, device="meta")
+        args = (x, t)
+    node = graph.call_module("op", args)
+    node.meta["val"] = torch.empty(2, 4, 6, device="meta")  # as the pass copies it from the value it replaces
+    graph.output(node)
+    fx.GraphModule(root, graph)
+    decision = decide(node, Context(2, {x: Shard(1)}))
+    assert decision.out == Shard(1), decision
