@@ -102,7 +102,9 @@ def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint
 
 def refuse(node: fx.Node, ctx: Context, argument: str, why: str) -> Decision:
     """Replicate ``node`` because its rewrite cannot carry ``argument``; the reason names the op and the value."""
-    reason = f"{node.target}: {argument}={arg(node, argument)!r} {why}"
+    value = arg(node, argument)
+    shown = "<a tensor>" if isinstance(value, fx.Node) else repr(value)
+    reason = f"{node.target}: {argument}={shown} {why}"
     return replicate_all(node, ctx, reason=reason)
 
 

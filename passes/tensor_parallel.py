@@ -141,6 +141,7 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
     """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
     blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
     dropped: dict[fx.Node, str] = {}
+    prop = None
     for _ in range(2 * len(columns) + 2):
         live = [c for c in columns if c not in dropped]
         if not live:
@@ -169,7 +170,22 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
             _indivisible(gm, row, reason, plan.size, indivisible)
             break
         dropped.update(culprits)
+    if prop is not None:
+        _note_refusals(plan, prop)
     return state
+
+
+def _note_refusals(plan: TensorParallelPlan, prop: Propagation) -> None:
+    """Say why a candidate was dropped when an op's rule refused an argument its rewrite cannot carry."""
+    for node in sorted(prop.changed, key=lambda n: n.name):
+        decision = prop.decisions.get(node)
+        if decision is None or not decision.reason:
+            continue
+        where = meta.source_line(node) or meta.module_path(node) or node.name
+        note = f"{decision.reason} (from {where}): its inputs stay replicated"
+        if note not in plan.notes:
+            plan.notes.append(note)
+            warnings.warn(f"autoshard: {note}", stacklevel=4)
 
 
 def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx.Node, str] | None:
@@ -278,6 +294,8 @@ def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[st
             padded = f", padded from {vocab} to {-(-vocab // plan.size) * plan.size} rows" if vocab % plan.size else ""
             plan.params[w.target] = ParamPlan(Shard(0), "vocab", f"token embedding: vocab-parallel lookup{padded}")
             state = prop
+        else:
+            _note_refusals(plan, prop)
     return state
 
 

@@ -199,6 +199,47 @@ def test_a_target_outside_the_vocabulary_raises_like_f_cross_entropy_before_any_
     assert out.collectives_before_error == [0, 0, 0, 0]
 
 
+# ------------------------------------------------------------------------------------------ the planner
+
+
+def _plan_with_warnings(model, loss_fn):
+    import warnings
+
+    from autoshard.capture import capture
+    from autoshard.passes.tensor_parallel import plan_tensor_parallel
+
+    tokens = _ids(2, 16).remainder(8)
+    captured = capture(model, (tokens,), loss_fn=loss_fn, example_target=tokens)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_tensor_parallel(captured.gm, 2)
+    return plan, [str(w.message) for w in caught]
+
+
+def test_the_planner_keeps_an_embedding_it_cannot_split_replicated_and_says_why():
+    from models import build_gpt_model, token_loss
+
+    model = build_gpt_model(vocab=VOCAB)
+    model.transformer.wte = torch.nn.Embedding(VOCAB, 48, scale_grad_by_freq=True)
+    plan, warnings = _plan_with_warnings(model, token_loss)
+    assert plan.params["model.transformer.wte.weight"].placement == R
+    assert any("scale_grad_by_freq=True" in n and "models.py" in n for n in plan.notes), plan.notes
+    assert any("scale_grad_by_freq=True" in w and "aten.embedding.default" in w for w in warnings), warnings
+
+
+def test_the_planner_keeps_a_class_weighted_loss_replicated_and_says_why():
+    from models import build_gpt_model
+
+    def weighted(logits, target):
+        weight = torch.linspace(0.5, 1.5, VOCAB)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), weight=weight)
+
+    plan, warnings = _plan_with_warnings(build_gpt_model(vocab=VOCAB), weighted)
+    assert all(p.placement == R for n, p in plan.params.items() if "wte" in n)  # tied with the LM head
+    assert any("weight=<a tensor> (class weights)" in n for n in plan.notes), plan.notes
+    assert any("aten.cross_entropy_loss.default" in w for w in warnings), warnings
+
+
 # ------------------------------------------------------------------------- the tests can fail: seeded bugs
 
 
