@@ -347,7 +347,8 @@ class VocabParallelCrossEntropy(_VocabRange):
     """``F.cross_entropy`` over logits sharded along the vocab (last) dim, without gathering the logits.
 
     ``forward(logits_local (..., V_local), target (...))``. Local columns at global index >= ``vocab_size``
-    are padding (the vocab padded to divide the degree) and count as -inf logits. Computed in fp32; the loss
+    are padding (the vocab padded to divide the degree) and count as -inf logits. Computed in fp32 (float64
+    logits in float64); the loss
     has the logits' dtype, or float32 under autocast (cross-entropy is on autocast's float32 list, so eager
     autocast returns a float32 loss). A target outside [0, vocab_size) that is not ``ignore_index`` raises
     ``F.cross_entropy``'s ``IndexError`` on every rank, before any communication.
@@ -402,7 +403,8 @@ class VocabParallelCrossEntropy(_VocabRange):
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, op: VocabParallelCrossEntropy, group, out_dtype):
-        x = logits.float().reshape(-1, logits.shape[-1])  # (N, V_local)
+        compute = torch.promote_types(logits.dtype, torch.float32)  # at least fp32; float64 stays float64
+        x = logits.to(compute).reshape(-1, logits.shape[-1])  # (N, V_local)
         t = target.reshape(-1)  # (N,)
         real = op.real_columns
         if real < x.shape[1]:
@@ -444,7 +446,8 @@ class _CrossEntropy(torch.autograd.Function):
         grad.index_put_((rows, local_t), -(1 - eps) * owned.to(grad.dtype), accumulate=True)
         if eps:
             grad[:, : op.real_columns] -= eps / op.vocab_size
-        scale = grad_out.float().reshape(-1) if op.reduction == "none" else grad_out.float().expand(keep.shape)
+        grad_out = grad_out.to(grad.dtype)
+        scale = grad_out.reshape(-1) if op.reduction == "none" else grad_out.expand(keep.shape)
         if op.reduction == "mean":
             scale = scale / count
         grad *= torch.where(keep, scale, 0.0).unsqueeze(1)

@@ -199,6 +199,37 @@ def test_a_target_outside_the_vocabulary_raises_like_f_cross_entropy_before_any_
     assert out.collectives_before_error == [0, 0, 0, 0]
 
 
+# ------------------------------------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["no-autocast", "bf16-autocast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", [0, 1])
+def test_the_loss_keeps_the_dtype_policy_of_cross_entropy(dtype, autocast, reduction):
+    """Under autocast cross-entropy runs in float32 and returns float32 (it is on autocast's float32 list);
+    without it the loss has the logits' dtype. The gradient has the logits' dtype either way."""
+    args = (_logits().to(dtype), _target(ignore=7), None, reduction, 7, 0.1)
+    out = simulate(aten.cross_entropy_loss.default, args, shard={0: Shard(1)}, autocast=autocast)
+    assert out.modules == ["VocabParallelCrossEntropy"]
+    assert out.expected[0].dtype == (torch.float32 if autocast else dtype)
+    # a bf16 loss is rounded to bf16 (2**-8 relative) from float32 sums that differ in order
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if torch.bfloat16 in (dtype, out.expected[0].dtype) else {}
+    out.assert_exact(**tolerance)
+
+
+def test_float64_logits_are_computed_in_float64():
+    args = (_logits().double(), _target(ignore=-1), None, 1, -1, 0.3)
+    out = simulate(aten.cross_entropy_loss.default, args, shard={0: Shard(1)}, size=4)
+    out.assert_exact(rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_the_lookup_keeps_the_weight_dtype_under_autocast(autocast):
+    out = simulate(aten.embedding.default, (_weight(), _ids(2, 5, pad=3), 3), shard={0: Shard(0)}, autocast=autocast)
+    assert out.expected[0].dtype == torch.float32
+    out.assert_exact()
+
+
 # ------------------------------------------------------------------------------------------ the planner
 
 
