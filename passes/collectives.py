@@ -153,6 +153,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad.layout != torch.strided:  # a sparse gradient (an embedding with sparse=True, run replicated)
+            grad = grad.to_dense()
         return shard(grad, *ctx.args).contiguous(), None, None, None, None, None
 
 

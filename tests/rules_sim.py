@@ -99,6 +99,13 @@ class Outcome:
     collectives_before_error: list[int] = field(default_factory=list)
 
     def assert_exact(self, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+        if isinstance(self.expected[0], BaseException):
+            raise AssertionError(f"the unsharded op raised: {self.expected[0]!r}")
+        failed = {rank: e for rank, e in enumerate(self.errors) if e is not None}
+        if failed:
+            first = next(iter(failed.values()))
+            raise AssertionError(f"ranks {sorted(failed)} raised: {failed}\n{self.code}") from first
+        assert len(self.outputs) == len(self.grads) == len(self.errors) > 0, "nothing was compared"
         for rank, (outs, grads) in enumerate(zip(self.outputs, self.grads, strict=True)):
             for i, (got, want) in enumerate(zip(outs, self.expected, strict=True)):
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True,
@@ -113,13 +120,13 @@ class Outcome:
         return self.placement != R or any(m.startswith("Vocab") or m == "ReduceFromParallel" for m in self.modules)
 
 
-def _build(op, args, kwargs) -> tuple[fx.GraphModule, list[str], fx.Node]:
+def _build(op, args, kwargs, frozen=()) -> tuple[fx.GraphModule, list[str], fx.Node]:
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     root, graph, names, nodes = nn.Module(), fx.Graph(), [], {}
     for i, t in enumerate(tensors):
         if t.is_floating_point():
             name = f"p{i}"
-            root.register_parameter(name, nn.Parameter(t.detach().clone()))
+            root.register_parameter(name, nn.Parameter(t.detach().clone(), requires_grad=i not in frozen))
             node = graph.get_attr(name)
         else:
             name = f"x{i}"
@@ -174,10 +181,14 @@ def _run(gm: fx.GraphModule, inputs: list, cotangents, autocast: torch.dtype | N
 
 
 def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Placement], size: int = 2,
-             autocast: torch.dtype | None = None, seed: int = 0, before: Callable | None = None) -> Outcome:
-    """Run ``op(*args, **kwargs)`` unsharded and sharded over ``size`` simulated ranks (see the module doc)."""
+             autocast: torch.dtype | None = None, seed: int = 0, before: Callable | None = None,
+             frozen: tuple[int, ...] = ()) -> Outcome:
+    """Run ``op(*args, **kwargs)`` unsharded and sharded over ``size`` simulated ranks (see the module doc).
+
+    ``frozen``: the tensors (by number) that are parameters without gradient (a loss's class weights).
+    """
     kwargs = kwargs or {}
-    gm, names, op_node = _build(op, args, kwargs)
+    gm, names, op_node = _build(op, args, kwargs, frozen)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     seeds = {names[i]: p for i, p in shard.items()}
     reference = copy.deepcopy(gm)
@@ -207,7 +218,7 @@ def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Pl
         local.graph.eliminate_dead_code()
         local.recompile()
         for name, p in list(local.named_parameters()):
-            setattr(local, name, nn.Parameter(_local(p.detach(), seeds.get(name, R), rank, size)))
+            setattr(local, name, nn.Parameter(_local(p.detach(), seeds.get(name, R), rank, size), p.requires_grad))
         programs.append(local)
     local_inputs = [[_local(t, seeds.get(n, R), r, size) for t, n in zip(tensors, names, strict=True)
                      if n.startswith("x")] for r in range(size)]
