@@ -89,7 +89,21 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
         fn = RULES.get(node.target.overloadpacket)
     if fn is not None:
         return fn(node, ctx)
-    return replicate_all(node, ctx)
+    decision = replicate_all(node, ctx)
+    written = [n for n in written_inputs(node) if ctx.of(n) != R]
+    if written:  # run replicated, the op would write into a gathered copy and the write would be lost
+        names = ", ".join(n.name for n in written)
+        decision.reason = f"{node.target}: writes in place into {names}, which this axis splits"
+    return decision
+
+
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs an op writes into in place (``Tensor(a!)`` in its schema): ``embedding_renorm_``'s weight."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    return [value for a, value in zip(schema.arguments, node.args, strict=False)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, fx.Node)]
 
 
 def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint=None,

@@ -37,6 +37,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
         if decision is None:
             continue
         if decision.fallback:
+            _refuse_lost_writes(node, prop, style.name)
             gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name, decision.reason))
         sharded = _has_shard(prop.of(node))
         for value, dst in decision.want.items():
@@ -98,6 +99,44 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
             node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, size), dtype=val.dtype,
                                            device="meta")
+
+
+def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
+    """An op that writes in place into a split value cannot run replicated: its write would land on a copy."""
+    from autoshard import meta
+    from autoshard.passes.rules import written_inputs
+
+    written = [n for n in written_inputs(node) if prop.of(n) != R and _read_after(n, node)]
+    if written:
+        where = meta.source_line(node) or meta.module_path(node) or "unknown source"
+        raise ValueError(
+            f"{node.target} ({node.name}, from {where}) writes in place into {', '.join(n.name for n in written)}, "
+            f"which the {axis} plan splits ({', '.join(repr(prop.of(n)) for n in written)}), and no {axis} rule "
+            f"rewrites it: run on a gathered copy, the write would be lost. Keep the tensor it writes replicated on "
+            f"{axis} (for an embedding with max_norm: leave its weight out of the plan)"
+        )
+
+
+def _read_after(value: fx.Node, writer: fx.Node) -> bool:
+    """Whether the write of ``writer`` into ``value`` matters: ``value`` views model state (a parameter, a
+    buffer, an input) or a later node reads it. An intermediate nothing reads again may take the write on a copy."""
+    base = value
+    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) and _is_view(base):
+        base = base.args[0]
+    if base.op in ("get_attr", "placeholder"):
+        return True
+    later = False
+    for n in writer.graph.nodes:
+        if later and (value in n.all_input_nodes or base in n.all_input_nodes):
+            return True
+        later = later or n is writer
+    return False
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else []
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def _warn_fallback(node: fx.Node, axis: str, reason: str | None = None) -> str:

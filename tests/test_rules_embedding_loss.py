@@ -327,3 +327,22 @@ def test_dropping_the_reduction_would_be_caught(monkeypatch):
     out = simulate(aten.cross_entropy_loss.default, (_logits(), _target(), None, 2), shard={0: Shard(1)})
     with pytest.raises(AssertionError):
         out.assert_exact()
+
+
+# --------------------------------------------------------------------------------- writes in place
+
+
+def test_an_in_place_write_into_a_split_weight_is_refused_not_lost():
+    """nn.Embedding(max_norm=...) renorms its weight in place: on a gathered copy the write would be lost."""
+    with pytest.raises(ValueError, match=r"embedding_renorm_.*writes in place into p0.*leave its weight out"):
+        simulate(aten.embedding_renorm_.default, (_weight(), _ids(2, 5), 1.0, 2.0), shard={0: Shard(0)})
+
+
+def test_the_planner_keeps_an_embedding_with_max_norm_replicated_and_says_why():
+    from models import build_gpt_model, token_loss
+
+    model = build_gpt_model(vocab=VOCAB)
+    model.transformer.wte = torch.nn.Embedding(VOCAB, 48, max_norm=1.0)
+    plan, warnings = _plan_with_warnings(model, token_loss)
+    assert plan.params["model.transformer.wte.weight"].placement == R
+    assert any("embedding_renorm_" in n and "writes in place" in n for n in plan.notes), plan.notes
