@@ -7,6 +7,8 @@ Written by torch.export (read by every pass):
 
 Written by autoshard:
 - ``SOURCE``: set by passes on the nodes they insert (the name of the pass), read by ``explain()``.
+- ``RECEIVED_ACTIVATION``: set by the pipeline split on a stage's inputs that are activations received from the
+  previous stage (their gradient is sent back), read by ``passes.propagate.requires_grad``.
 """
 
 import os
@@ -19,6 +21,7 @@ VAL = "val"
 MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
 SOURCE = "autoshard_source"
+RECEIVED_ACTIVATION = "autoshard_received_activation"
 
 
 def source_line(node) -> str:

@@ -87,7 +87,7 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
     for name in receives:
         source = by_name[name]
         env[source] = graph.placeholder(f"recv_{name}")
-        env[source].meta = dict(source.meta)
+        env[source].meta = {**source.meta, meta.RECEIVED_ACTIVATION: True}
     wanted = _needed(nodes, grad, stage_of, index, sends, by_name)
     for node in nodes:
         if node in env or node.op in ("placeholder", "output") or node not in wanted:

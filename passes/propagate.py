@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoshard import meta
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import Context, Decision, decide
 
@@ -161,11 +162,17 @@ def cost(prop: Propagation, nodes=None) -> tuple[int, int, list[str]]:
 
 
 def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes whose value depends on a trainable parameter (their gradient flows back)."""
+    """The nodes whose value depends on a trainable parameter (their gradient flows back).
+
+    A pipeline stage's inputs received from the previous stage count as such: their gradient is sent back, so a
+    collective's backward twin on them (the all-reduce behind Megatron's f) must not be left out.
+    """
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in params:
+            found.add(node)
+        elif node.op == "placeholder" and node.meta.get(meta.RECEIVED_ACTIVATION):
             found.add(node)
         elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
             val = node.meta.get("val")

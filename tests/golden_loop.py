@@ -222,3 +222,35 @@ def tiny_head(mesh_kwargs: dict, **options) -> dict:
     report = compare(reference, pm, (x,), target, loss_fn=F.cross_entropy)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "held": held}
 
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=48, d_kv=12, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   dropout_rate=0.0, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                   decoder_start_token_id=0, relative_attention_num_buckets=8)
+    return T5ForConditionalGeneration(cfg)
+
+
+class _Seq2Seq(nn.Module):
+    """T5 called with encoder and decoder ids, returning its logits (the tied weight has three uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t5 = _t5()
+
+    def forward(self, ids: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+        return self.t5(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
+
+
+def t5_shared(mesh_kwargs: dict, **options) -> dict:
+    """HF T5 with its encoder embedding, decoder embedding and LM head tied: exact on the mesh."""
+    torch.manual_seed(0)
+    model = _Seq2Seq()
+    ids, target = token_data(torch.Generator().manual_seed(2))
+    decoder_ids = torch.roll(ids, 1, dims=1)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (ids, decoder_ids), token_loss, target=target, groups=groups_for(mesh),
+                              **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}

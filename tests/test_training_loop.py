@@ -67,3 +67,19 @@ def test_a_tiny_head_leaves_no_pipeline_stage_without_parameters(pools, mesh, op
     for rank, result in enumerate(pools.get(2).run(golden_loop.tiny_head, mesh, **options)):
         assert result["held"] > 0, f"pp rank {rank} holds no parameters"
         assert result["ok"] and result["compared"] > 0, result["report"]
+
+
+@pytest.mark.parametrize("mesh,world,options", [({"dp": 2, "tp": 2, "pp": 2}, 8, {"microbatches": 2})],
+                         ids=["dp2xtp2xpp2"])
+def test_a_weight_shared_by_three_uses_on_two_stages_is_exact(pools, mesh, world, options):
+    for rank, result in enumerate(pools.get(world).run(golden_loop.shared_thrice, mesh, **options)):
+        assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("mesh,world", [({"tp": 2, "pp": 2}, 4), ({"dp": 2, "tp": 2, "pp": 2}, 8)],
+                         ids=["tp2xpp2", "dp2xtp2xpp2"])
+def test_t5_with_its_embeddings_and_head_tied_is_exact(pools, mesh, world):
+    """The decoder's cross-attention reads the encoder output received from the previous stage directly with
+    column-parallel linears: their input gradient must be summed over tp before it is sent back."""
+    for rank, result in enumerate(pools.get(world).run(golden_loop.t5_shared, mesh, microbatches=2)):
+        assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
