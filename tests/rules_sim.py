@@ -43,8 +43,9 @@ class _World:
         self.slots: list = [None] * size
         self.calls = [0] * size
 
-    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[rank] = x.detach().clone()
+    def exchange(self, rank: int, x):
+        """Every rank's ``x`` (a tensor or a list of tensors), in rank order."""
+        self.slots[rank] = pytree.tree_map(lambda t: t.detach().clone(), x)
         self.barrier.wait()
         values = list(self.slots)
         self.barrier.wait()  # nobody writes the next exchange before everyone has read this one
@@ -120,11 +121,11 @@ class Outcome:
         return self.placement != R or any(m.startswith("Vocab") or m == "ReduceFromParallel" for m in self.modules)
 
 
-def _build(op, args, kwargs, frozen=()) -> tuple[fx.GraphModule, list[str], fx.Node]:
+def _build(op, args, kwargs, frozen=(), params: bool = True) -> tuple[fx.GraphModule, list[str], fx.Node]:
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     root, graph, names, nodes = nn.Module(), fx.Graph(), [], {}
     for i, t in enumerate(tensors):
-        if t.is_floating_point():
+        if t.is_floating_point() and params:
             name = f"p{i}"
             root.register_parameter(name, nn.Parameter(t.detach().clone(), requires_grad=i not in frozen))
             node = graph.get_attr(name)
@@ -259,4 +260,99 @@ def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Pl
             elif n in results[rank][1]:  # a replicated parameter's gradient must be whole on every rank
                 grads[n] = results[rank][1][n]
         outcome.grads.append(grads)
+    return outcome
+
+
+# ------------------------------------------------------------------------------- context parallelism
+
+
+@contextlib.contextmanager
+def simulated_sequence_collectives():
+    """The cp axis's all-gather, reduce-scatter and ring exchange, in process (with ``simulated_collectives``)."""
+    from autoshard.passes import ring_attention
+
+    def all_gather(parts, x, group=None, async_op=False):
+        for part, value in zip(parts, group.world.exchange(group.rank, x), strict=True):
+            part.copy_(value)
+
+    def reduce_scatter_tensor(out, x, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        total, n = torch.stack(group.world.exchange(group.rank, x)).sum(0), out.numel()
+        out.copy_(total[group.rank * n:(group.rank + 1) * n].view_as(out))
+
+    def shift(self, tensors, tag):
+        values = self.group.world.exchange(self.group.rank, [t.contiguous() for t in tensors])
+        return [], values[self.prev]
+
+    saved = dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift
+    dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift = all_gather, reduce_scatter_tensor, shift
+    try:
+        with simulated_collectives():
+            yield
+    finally:
+        dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift = saved
+
+
+def _run_inputs(gm: fx.GraphModule, inputs: list, cotangent: torch.Tensor):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    (out,) = gm(*inputs)
+    out.backward(cotangent)
+    return out.detach(), [t.grad for t in inputs]
+
+
+def simulate_cp(op, args: tuple, kwargs: dict | None = None, *, seq: dict[int, int], out_dim: int, size: int = 2,
+                load_balance: bool = False, attention: str = "gather", seed: int = 0) -> Outcome:
+    """Run ``op`` with the tensors ``seq`` (number -> sequence dim) split over ``size`` cp ranks, as the cp pass
+    rewrites it, against the unsharded op. Every tensor is a model input; each rank back-propagates only its own
+    tokens' part of the cotangent (what its loss holds), so the input gradients are the sum over ranks."""
+    from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
+
+    gm, names, op_node = _build(op, args, kwargs or {}, params=False)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+    seq_len = {tensors[i].shape[d] for i, d in seq.items()}.pop()
+    plan = ContextParallelPlan(size, {names[i]: d for i, d in seq.items()}, seq_len, load_balance, attention)
+    val = op_node.meta[meta.VAL]
+    cotangent = torch.randn(val.shape, generator=torch.Generator().manual_seed(seed))
+    expected, expected_grads = _run_inputs(copy.deepcopy(gm), tensors, cotangent)
+
+    world, programs, fallbacks = _World(size), [], []
+    for rank in range(size):
+        local = copy.deepcopy(gm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            context_parallel_pass(local, plan, rank=rank, group=SimGroup(world, rank))
+        fallbacks += [str(w.message) for w in caught]
+        programs.append(local)
+    results, errors = [None] * size, [None] * size
+
+    def work(rank: int) -> None:
+        try:
+            index = plan.positions(rank)
+            inputs = [t.index_select(seq[i], index) if i in seq else t for i, t in enumerate(tensors)]
+            mine = torch.zeros_like(cotangent).index_copy(out_dim, index, cotangent.index_select(out_dim, index))
+            results[rank] = _run_inputs(programs[rank], inputs, mine)
+        except BaseException as e:  # noqa: BLE001 - every rank's failure is reported to the test
+            errors[rank] = e
+            world.barrier.abort()
+
+    with simulated_sequence_collectives():
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    modules = [type(m).__name__ for _, m in programs[0].named_children()]
+    outcome = Outcome([expected], {}, [], [], None, None, fallbacks, modules, programs[0].code, errors)
+    if any(e is not None for e in errors):
+        return outcome
+    grads = {}
+    for i, want in enumerate(expected_grads):
+        if want is None:
+            continue
+        full = torch.zeros_like(want)
+        for rank in range(size):
+            got = results[rank][1][i]
+            full += full.new_zeros(want.shape).index_copy(seq[i], plan.positions(rank), got) if i in seq else got
+        grads[names[i]], outcome.expected_grads[names[i]] = full, want
+    outcome.outputs = [[r[0]] for r in results]
+    outcome.grads = [grads] * size
     return outcome
