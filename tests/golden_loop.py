@@ -254,3 +254,33 @@ def t5_shared(mesh_kwargs: dict, **options) -> dict:
     report = autoshard.verify(model, mesh, (ids, decoder_ids), token_loss, target=target, groups=groups_for(mesh),
                               **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
+def optimizer_groups(name: str, mesh_kwargs: dict, **options) -> dict:
+    """Weight decay grouped by ``named_parameters()`` (none on biases and norms), as training scripts do; SGD, whose
+    update is linear in the gradient, so a parameter in the wrong group shows as lr * decay * its value."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+
+    def groups(named):
+        named = list(named)
+        decay = [p for n, p in named if p.dim() >= 2 and "ln" not in n and "norm" not in n]
+        rest = [p for n, p in named if not (p.dim() >= 2 and "ln" not in n and "norm" not in n)]
+        return [{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}]
+
+    names = [n for n, _ in pm.named_parameters()]
+    unknown = sorted(set(names) - {n for n, _ in reference.named_parameters(remove_duplicate=False)})
+    opt = torch.optim.SGD(groups(pm.named_parameters()), lr=0.1)
+    ref_opt = torch.optim.SGD(groups(reference.named_parameters()), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pm.step(*case.inputs, target=case.target)
+        case.loss_fn(reference(*case.inputs), case.target).backward()
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"names": len(names), "unknown": unknown, "worst": worst}

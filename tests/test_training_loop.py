@@ -83,3 +83,10 @@ def test_t5_with_its_embeddings_and_head_tied_is_exact(pools, mesh, world):
     column-parallel linears: their input gradient must be summed over tp before it is sent back."""
     for rank, result in enumerate(pools.get(world).run(golden_loop.t5_shared, mesh, microbatches=2)):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_optimizer_groups_built_from_named_parameters_use_the_model_s_names(pools, mesh):
+    for result in pools.get(2).run(golden_loop.optimizer_groups, "gpt", mesh):
+        assert result["names"] > 0 and result["unknown"] == [], result
+        assert result["worst"] < 1e-5, result

@@ -343,6 +343,17 @@ class ParallelModel(nn.Module):
             )
         return super().parameters(recurse)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's parameters (its shards) under the model's own names, as ``model.named_parameters()``
+        gives them, so optimizer groups built from names (no weight decay on biases and norms) are the same."""
+        if not self._train and not self._infer:
+            self.parameters()  # raises what to do
+        names = self._names()
+        for target, param in self.replica.store.named_parameters(remove_duplicate=remove_duplicate):
+            original = names.get(target, [target])
+            for name in original if not remove_duplicate else original[:1]:
+                yield prefix + name, param
+
     def code(self, rank: int | None = None) -> str:
         """The Python code of the graph module that ``rank`` runs (this rank by default)."""
         rank = self.rank if rank is None else rank
