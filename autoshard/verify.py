@@ -6,6 +6,11 @@ by the original parameter names) and every parameter after a few optimizer steps
 tolerances. When something differs it also runs both graphs node by node and names the first node
 whose value diverges. Under torch.distributed, it also checks that parameters which should be
 identical on every rank are bit-identical.
+
+A comparison that compared nothing is not a pass: a report is ``ok`` only when it compared the loss of
+every step and the gradient and value of every parameter the model has (a name the parallel program
+does not report is a failure, not a skip). It also records ``share``, the fraction of the model's
+parameter bytes this rank holds, so a caller can check that the mesh sharded something.
 """
 
 from __future__ import annotations
@@ -37,15 +42,25 @@ class Difference:
     detail: str = ""
 
 
+_KINDS = ("output", "loss", "grad", "param")
+
+
 @dataclass
 class VerifyReport:
     differences: list[Difference] = field(default_factory=list)
     divergence: str | None = None
     replicas_identical: bool | None = None
+    share: float | None = None  # this rank's parameter bytes over the unsharded model's
 
     @property
     def ok(self) -> bool:
-        return all(d.ok for d in self.differences) and self.replicas_identical is not False
+        compared_losses = self.counts()["loss"] > 0
+        return compared_losses and all(d.ok for d in self.differences) and self.replicas_identical is not False
+
+    def counts(self) -> dict[str, int]:
+        """How many values of each kind (output, loss, grad, param) were compared."""
+        kinds = [d.what.split(" ")[0].split("[")[0] for d in self.differences]
+        return {kind: kinds.count(kind) for kind in _KINDS}
 
     def failures(self) -> list[Difference]:
         return [d for d in self.differences if not d.ok]
@@ -54,9 +69,13 @@ class VerifyReport:
         return max((d.max_abs for d in self.differences if d.what.startswith(prefix)), default=0.0)
 
     def __str__(self) -> str:
-        kinds = ("output", "loss", "grad", "param")
-        summary = ", ".join(f"{k} {self.worst(k):.2e}" for k in kinds)
+        if not self.counts()["loss"]:
+            return "verify: NOTHING COMPARED (no step ran, so no loss, gradient or parameter was compared)"
+        summary = ", ".join(f"{k} {self.worst(k):.2e}" for k in _KINDS)
         lines = [f"verify: {'OK' if self.ok else 'DIFFERENT'} (largest differences: {summary})"]
+        counted = ", ".join(f"{n} {k}" for k, n in self.counts().items())
+        share = f"; this rank holds {self.share:.0%} of the parameter bytes" if self.share is not None else ""
+        lines.append(f"  compared {counted}{share}")
         lines += [f"  {d.what}: max |diff| {d.max_abs:.3e} {d.detail}".rstrip() for d in self.failures()[:20]]
         if self.replicas_identical is False:
             lines.append("  replicated parameters are not bit-identical on every rank")
@@ -95,6 +114,8 @@ def compare(
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
 ) -> VerifyReport:
     """Compare ``pm`` with the unsharded ``reference`` (same initial parameters) on one batch."""
+    if steps < 1:
+        raise ValueError(f"verify needs steps >= 1 to compare losses, gradients and parameters (got steps={steps})")
     # SGD is linear in the gradient, so parameter differences show gradient differences faithfully;
     # Adam's scale-free update turns rounding noise in a near-zero gradient into an O(lr) difference.
     make_optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
@@ -113,14 +134,13 @@ def compare(
         _compare(report, f"loss step {step}", ref_loss.detach(), par_loss)
         if step == 1:
             ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
-            for name, grad in pm.gradients().items():
-                _compare(report, f"grad {name}", ref_grads[name], grad)
+            _compare_named(report, "grad {}", ref_grads, pm.gradients())
         ref_opt.step()
         par_opt.step()
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    for name, value in pm.full_parameters().items():
-        _compare(report, f"param {name} after {steps} steps", ref_params[name].detach(), value.detach())
+    ref_params = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+    _compare_named(report, f"param {{}} after {steps} steps", ref_params, pm.full_parameters())
     report.replicas_identical = _replicas_identical(pm)
+    report.share = _bytes(pm.parameters()) / max(_bytes(reference.parameters()), 1)
     if not report.ok:
         # Search from the initial parameters: after the steps, every drifted parameter diverges first.
         final = _snapshot(reference, pm)
@@ -221,6 +241,28 @@ def _compare(report: VerifyReport, what: str, expected, actual) -> None:
         return
     max_abs = (expected.double() - actual.double()).abs().max().item() if expected.numel() else 0.0
     report.differences.append(Difference(what, max_abs, _close(expected, actual)))
+
+
+def _compare_named(report: VerifyReport, what: str, expected: dict, actual: dict) -> None:
+    """Every name of ``expected`` is compared; one that ``actual`` lacks (or adds) is a failure, never a skip."""
+    for name, value in expected.items():
+        if name in actual:
+            _compare(report, what.format(name), value, actual[name])
+        else:
+            report.differences.append(Difference(what.format(name), float("inf"), False, "(not reported)"))
+    for name in actual.keys() - expected.keys():
+        report.differences.append(Difference(what.format(name), float("inf"), False, "(not in the model)"))
+
+
+def _bytes(parameters) -> int:
+    """Bytes held locally (a DTensor shard counts its local part); a tensor seen twice counts once."""
+    seen, total = set(), 0
+    for p in parameters:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _compare_tree(report: VerifyReport, what: str, expected, actual) -> None:

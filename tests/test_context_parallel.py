@@ -14,9 +14,7 @@ CP_MODELS = (*DECODERS, "bert")
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("name", CP_MODELS)
 def test_golden_context_parallel_gather(pools, name, cp, load_balance):
-    results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_load_balance=load_balance)
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    golden.check(pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_load_balance=load_balance))
 
 
 @pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
@@ -24,14 +22,12 @@ def test_golden_context_parallel_gather(pools, name, cp, load_balance):
 @pytest.mark.parametrize("name", CP_MODELS)
 def test_golden_context_parallel_ring(pools, name, cp, load_balance):
     results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_attention="ring", cp_load_balance=load_balance)
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    golden.check(results)
 
 
 def test_cp_with_tp_and_ring(pools):
     results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="ring", cp_load_balance=True)
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    golden.check(results, {"tp": 2, "cp": 2})
 
 
 def test_explain_counts_the_key_value_gathers(pools):

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.verify import _replicas_identical, compare
+from autoshard.passes.placements import R
+from autoshard.plan import ParamPlan, TensorParallelPlan
+from autoshard.verify import VerifyReport, _replicas_identical, compare
 
 import golden
 from launcher import WorkerError, WorkerTimeout
@@ -69,12 +71,15 @@ def _stall_on_rank_one() -> None:
 
 
 def test_a_stalled_rank_is_named_with_its_line(pools):
+    before = pools.get(2).run(os.getpid)
     with pytest.raises(WorkerTimeout) as info:
         pools.get(2).run(_stall_on_rank_one, timeout=3)
     message = str(info.value)
     assert "rank(s) [1]" in message and "finished: [0]" in message
     assert "_stall_on_rank_one" in message, "the stalled rank's stack shows where it waits"
-    assert pools.get(2).run(os.getpid) != [None, None], "a fresh pool replaces the broken one"
+    after = pools.get(2).run(os.getpid)
+    assert len(set(after)) == 2 and os.getpid() not in after, f"one process per rank, not this one: {after}"
+    assert not set(after) & set(before), f"a fresh pool replaces the broken one: {before} then {after}"
 
 
 def _replicas_after_drift() -> tuple[bool, bool]:
@@ -106,3 +111,40 @@ def test_a_peer_that_never_joins_stops_the_step_with_an_error_naming_the_group(p
     message = pools.get(2).run(golden.one_rank_skips_a_step, 3.0, timeout=60)[0]
     assert message.startswith("StepError: rank 0"), message
     assert "step 1" in message and "dp x cp [0, 1]" in message and "stalled or died" in message
+
+
+def test_an_empty_comparison_is_not_a_pass():
+    report = VerifyReport()
+    assert not report.ok and "NOTHING COMPARED" in str(report)
+    case = build("mlp")
+    pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        compare(build("mlp").model, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=0)
+
+
+def test_a_gradient_the_parallel_model_does_not_report_is_a_failure(monkeypatch):
+    case, reference = build("mlp"), build("mlp").model
+    pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
+    full = pm.gradients
+    monkeypatch.setattr(pm, "gradients", lambda: {n: g for n, g in full().items() if n != "fc3.bias"})
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=1)
+    assert not report.ok and "grad fc3.bias: max |diff| inf (not reported)" in str(report), str(report)
+    assert report.counts() == {"output": 1, "loss": 1, "grad": 6, "param": 6}
+
+
+def test_the_golden_check_wants_every_parameter_compared():
+    result = {"ok": True, "report": "", "counts": {"output": 1, "loss": 3, "grad": 5, "param": 6},
+              "parameters": 6, "steps": 3, "share": 0.5}
+    with pytest.raises(AssertionError, match="5, 'param': 6}, 6 parameters"):
+        golden.check([result])
+    golden.check([{**result, "counts": {**result["counts"], "grad": 6}}], {"tp": 2})
+
+
+def test_a_mesh_that_shards_nothing_fails_the_golden_check(pools):
+    """Every parameter replicated at tp=2 is exact, so only the per-rank share shows that nothing was sharded."""
+    names = [f"model.{n}" for n, _ in build("mlp").model.named_parameters()]
+    plan = TensorParallelPlan(2, {n: ParamPlan(R, "replicated", "by hand") for n in names})
+    results = pools.get(2).run(golden.golden, "mlp", {"tp": 2}, tp_plan=plan)
+    assert all(r["ok"] for r in results), results[0]["report"]
+    with pytest.raises(AssertionError, match="holds 100% of the parameter bytes"):
+        golden.check(results, {"tp": 2})

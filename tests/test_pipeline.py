@@ -30,8 +30,8 @@ def test_golden_pipeline(pools, name, pp, microbatches, schedule, chunks):
             run(golden.golden, name, {"pp": pp}, microbatches=microbatches, schedule=schedule, chunks=chunks)
         return
     results = run(golden.golden, name, {"pp": pp}, microbatches=microbatches, schedule=schedule, chunks=chunks)
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    # Three linears in 4 interleaved stages on 2 ranks: one rank may hold all three (the other, the loss).
+    golden.check(results, None if name == "mlp" and chunks > 1 else {"pp": pp})
 
 
 def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):

@@ -11,14 +11,13 @@ from models import ZOO_NAMES
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_golden_tensor_parallel(pools, name, tp):
-    for rank, result in enumerate(pools.get(tp).run(golden.golden, name, {"tp": tp})):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    golden.check(pools.get(tp).run(golden.golden, name, {"tp": tp}), {"tp": tp})
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_golden_data_and_tensor_parallel(pools, name):
-    for rank, result in enumerate(pools.get(4).run(golden.golden, name, {"dp": 2, "tp": 2}, microbatches=2)):
-        assert result["ok"], f"rank {rank}:\n{result['report']}"
+    mesh = {"dp": 2, "tp": 2}
+    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=2), mesh)
 
 
 def test_state_dict_has_the_original_keys_and_full_shapes(pools):
@@ -43,3 +42,13 @@ def test_an_op_without_a_rule_is_gathered_with_a_warning_and_stays_exact(pools):
 def test_a_vocabulary_the_degree_does_not_divide_is_padded_exactly(pools, name, vocab, tp):
     for rank, result in enumerate(pools.get(tp).run(golden.odd_vocab, name, vocab, {"tp": tp})):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
+
+
+LOSS_CASES = [("gpt", "ignore_minus_one"), ("gpt", "ignore_zero"), ("gpt", "label_smoothing"),
+              ("llama", "smoothing_ignore_zero")]
+
+
+@pytest.mark.parametrize("name,loss", LOSS_CASES, ids=[f"{n}-{loss}" for n, loss in LOSS_CASES])
+def test_the_vocab_parallel_loss_keeps_the_cross_entropy_arguments(pools, name, loss):
+    """A non-default ``ignore_index`` (its targets present) and ``label_smoothing``: exact at tp=2."""
+    golden.check(pools.get(2).run(golden.golden, name, {"tp": 2}, loss=loss), {"tp": 2})
