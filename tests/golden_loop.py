@@ -284,3 +284,18 @@ def optimizer_groups(name: str, mesh_kwargs: dict, **options) -> dict:
     full = pm.full_parameters()
     worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     return {"names": len(names), "unknown": unknown, "worst": worst}
+
+
+def padded_batch(name: str, mesh_kwargs: dict, **options) -> dict:
+    """A HuggingFace model given a right-padded batch and its ``attention_mask``, padding targets ignored."""
+    case = build(name)
+    ids, target = case.inputs[0], case.target.clone()
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 3, 0, 7, 1, 0, 5, 2]):  # uneven padding at the end of the rows
+        if pad:
+            mask[row, -pad:] = 0
+            target[row, -pad:] = -100
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(case.model, mesh, (ids, mask), case.loss_fn, target=target, groups=groups_for(mesh),
+                              **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
