@@ -24,7 +24,7 @@ from torch import fx, nn
 from autoshard.passes import localize
 from autoshard.passes.placements import Partial, Placement, Shard
 from autoshard.passes.propagate import cost, propagate, requires_grad
-from autoshard.passes.rules import LOCALIZERS
+from autoshard.passes.rules import LOCALIZERS, arg
 from autoshard.passes.sharding import AxisStyle, apply_placements
 
 aten = torch.ops.aten
@@ -176,9 +176,7 @@ def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
     q = node.args[0]
     if plan is None or rw.placement(q) != Shard(len(q.meta["val"].shape) - 2):
         return
-    args = list(node.args) + [None] * (8 - len(node.args))
-    kwargs = dict(node.kwargs)
-    causal = kwargs.pop("is_causal", args[5] if args[5] is not None else False)
+    causal = arg(node, "is_causal")
     if plan.attention == "ring":
         _ring(node, rw, plan, causal)
         return
@@ -192,17 +190,15 @@ def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
         rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
     with rw.gm.graph.inserting_before(node):
         mask = rw.gm.graph.get_attr(name)
-    args[3], args[5] = mask, False
-    node.args = tuple(a for a in args[:6])
-    node.kwargs = {k: v for k, v in kwargs.items() if k not in ("attn_mask", "is_causal")}
+    node.args = (*node.args[:3], mask, arg(node, "dropout_p"), False)  # scale and enable_gqa stay keywords
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
 
 
 def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causal: bool) -> None:
     from autoshard.passes.ring_attention import RingAttention
 
     q, k, v = node.args[:3]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    mask, scale = arg(node, "attn_mask"), arg(node, "scale")
     module = RingAttention(causal=bool(causal), scale=scale, layout=[plan.positions(r) for r in range(plan.size)],
                            **rw.collective_args)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)

@@ -263,11 +263,12 @@ def test_attention_over_a_split_sequence(extra, kwargs, load_balance, attention)
     out.assert_exact(rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="context_parallel._causal_attention pads missing positional arguments with "
-                   "None: is_causal given by keyword leaves dropout_p None (export writes it by position)")
-def test_causal_attention_by_keyword_over_a_split_sequence():
+@pytest.mark.parametrize("attention", ["gather", "ring"])
+def test_attention_arguments_by_keyword_over_a_split_sequence(attention):
+    """The same call with every argument by keyword (the rewrite once padded missing positions with None)."""
     from rules_sim import simulate_cp
 
-    out = simulate_cp(aten.scaled_dot_product_attention.default, seq_qkv(), {"is_causal": True},
-                      seq={0: 2, 1: 2, 2: 2}, out_dim=2)
+    kwargs = {"attn_mask": None, "dropout_p": 0.0, "is_causal": True, "scale": 0.4}
+    out = simulate_cp(aten.scaled_dot_product_attention.default, seq_qkv(), kwargs, seq={0: 2, 1: 2, 2: 2},
+                      out_dim=2, attention=attention, load_balance=True)
     out.assert_exact(rtol=1e-5, atol=1e-5)
