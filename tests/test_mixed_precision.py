@@ -22,13 +22,25 @@ LOSS_ATOL = 1e-3
 GRAD_RTOL = 2e-2
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_bf16_tensor_parallel_matches_eager_autocast(pools, name):
-    for rank, r in enumerate(pools.get(2).run(golden_amp.bf16_against_eager_autocast, name, {"tp": 2})):
+CASES = [
+    pytest.param("gpt", {"tp": 2}, id="gpt-tp2"),
+    pytest.param("hf_llama", {"tp": 2}, id="hf_llama-tp2"),
+    pytest.param("gpt", {"dp": 2}, id="gpt-dp2"),
+    pytest.param("gpt", {"pp": 2}, id="gpt-pp2"),
+]
+
+
+@pytest.mark.parametrize("name,mesh", CASES)
+def test_bf16_matches_eager_autocast(pools, name, mesh):
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    for rank, r in enumerate(pools.get(world).run(golden_amp.bf16_against_eager_autocast, name, mesh)):
         where = f"rank {rank}: {r}"
-        assert {"VocabParallelEmbedding", "VocabParallelCrossEntropy"} <= set(r["sharded"]), where
-        # autocast was on: the vocab-parallel loss received bf16 logits, and returned float32 as eager does
-        assert r["loss_dtypes"] and set(r["loss_dtypes"]) == {("torch.bfloat16", "torch.float32")}, where
+        if "tp" in mesh:
+            assert {"VocabParallelEmbedding", "VocabParallelCrossEntropy"} <= set(r["sharded"]), where
+            # autocast was on: the vocab-parallel loss received bf16 logits, and returned float32 as eager does
+            assert r["loss_dtypes"] and set(r["loss_dtypes"]) == {("torch.bfloat16", "torch.float32")}, where
         assert r["amp_loss_dtype"] == "torch.float32", where
         assert abs(r["loss"] - r["amp_loss"]) <= LOSS_ATOL, where
         assert r["grad_error"] and r["fp32_grad_error"], where
