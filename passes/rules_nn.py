@@ -73,14 +73,13 @@ def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
 
 @rule(aten.linear.default)
 def _linear(node: fx.Node, ctx: Context) -> Decision:
-    x, w = node.args[0], node.args[1]
-    b = node.args[2] if len(node.args) > 2 else None
+    x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
     return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=0)
 
 
 @rule(aten.addmm.default)
 def _addmm(node: fx.Node, ctx: Context) -> Decision:
-    b, x, w = node.args[0], node.args[1], node.args[2]
+    b, x, w = arg(node, "self"), arg(node, "mat1"), arg(node, "mat2")
     return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=1)
 
 
