@@ -115,9 +115,9 @@ def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
         seen.add(node)
         if len(seen) > _CONE_LIMIT:
             return []
-        if node.target in _LINEARS:
+        if node.target in _LINEARS and _weight(node) is not None:
             found.append(node)
-        elif node in grad and node.op == "call_function":
+        elif node in grad and node.op == "call_function":  # a linear of a computed weight (a cast) is any op
             todo.extend(node.all_input_nodes)
     return found
 

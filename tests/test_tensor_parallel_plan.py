@@ -166,3 +166,24 @@ def test_a_vocabulary_the_degree_does_not_divide_is_padded_not_replicated():
     local = dict(codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=1)).gm.named_parameters())
     assert local["model.transformer.wte.weight"].shape == (41, 48)
     assert torch.equal(local["model.transformer.wte.weight"][-1], torch.zeros(48)), "the last row is padding"
+
+
+class _RoutedMLP(nn.Module):
+    """An MLP whose input also feeds a router of a computed weight (an fp32 cast, as MoE routers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(4, 16))
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.nn.functional.linear(x.float(), self.router.float()).softmax(-1).amax(-1, keepdim=True)
+        return self.down(torch.relu(self.up(x)) * gate)
+
+
+def test_a_linear_of_a_computed_weight_is_not_taken_for_a_column():
+    x = torch.randn(2, 16)
+    captured = capture(_RoutedMLP(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
+    roles = _roles(plan_tensor_parallel(captured.gm, 2))
+    assert roles["up.weight"] == "column" and roles["down.weight"] == "row", roles
+    assert roles["router"] == "replicated"
