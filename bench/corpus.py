@@ -65,8 +65,11 @@ def save(cache: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def sort_buildable(cache: dict, selected: list[str], path: Path) -> list[str]:
+def sort_buildable(cache: dict, selected: list[str], path: Path, recheck: bool = False) -> list[str]:
     """Train each selected architecture eagerly once (cached): the buildable ones, in corpus order."""
+    if recheck:
+        cache["buildable"] = [n for n in cache["buildable"] if n not in selected]
+        cache["unbuildable"] = {n: r for n, r in cache["unbuildable"].items() if n not in selected}
     known = set(cache["buildable"]) | set(cache["unbuildable"])
     for name in selected:
         if name in known:
@@ -187,13 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--meshes", nargs="*", choices=list(ORDER), default=list(ORDER))
     parser.add_argument("--limit", type=int, help="run only the first N architectures")
     parser.add_argument("--rerun", action="store_true", help="recompute cells already in the cache")
+    parser.add_argument("--recheck", action="store_true", help="build and train the selection eagerly again")
     parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
     parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
     args = parser.parse_args(argv)
     cache = load(args.cache)
     every = names()
     selected = [n for n in every if not args.only or n in args.only][: args.limit]
-    buildable = sort_buildable(cache, selected, args.cache)
+    buildable = sort_buildable(cache, selected, args.cache, args.recheck)
     write_table(cache, every, args.out)
     pools = Pools()
     try:

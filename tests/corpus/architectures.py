@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,6 +35,7 @@ FAMILY_FIXES: dict[str, dict] = {
     "gpt_bigcode": {"multi_query": True},
     "mpt": {"attn_config": {"alibi": True}},
     "zaya": {"num_experts_per_tok": 1},
+    "deepseek_v2": {"num_experts_per_tok": 2},
     "mamba2": {"num_heads": 8},
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1, "expert_layer_period": 2},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
@@ -165,8 +165,8 @@ def check_eager(name: str) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else "")[:200]
+    """The error's first line, and the next one where the first only says which validator failed."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    return text[:200]
 
-
-BUILDERS: dict[str, Callable] = {"build": build, "check_eager": check_eager}

@@ -110,6 +110,8 @@ def shrink_dict(defaults: dict[str, Any], fixes: dict[str, Any] | None = None) -
         out["head_dim"] = out["qk_rope_head_dim"]  # multi-head latent attention: RoPE covers the rope part only
     if isinstance(out.get("mamba_d_head"), int):  # SSM heads * head dim must equal expand * hidden
         out.update(mamba_d_head=HEAD_DIM, mamba_n_heads=out.get("mamba_expand", 2) * HIDDEN // HEAD_DIM)
+        if "mamba_d_ssm" in out:
+            out["mamba_d_ssm"] = out["mamba_n_heads"] * HEAD_DIM
     if isinstance(out.get("n_shared_experts"), int) and out["n_shared_experts"] > 1:
         out["n_shared_experts"] = 1
     for key, value in (fixes or {}).items():
