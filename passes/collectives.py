@@ -38,13 +38,14 @@ bytes each op's collectives produce per rank, so a graph's communication can be 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 ProcessGroup = dist.ProcessGroup
 
@@ -304,6 +305,15 @@ class _VocabRange(_ParallelOp):
                              f"range [{self.vocab_start}, {self.vocab_end}) holds {self.vocab_end - self.vocab_start}")
 
 
+def _first_bad(values: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    """The first of ``values`` where ``bad(values)`` holds, or None. Values without data (a graph run on meta or
+    fake tensors to find shapes) are not checked."""
+    if values.device.type == "meta" or isinstance(values, FakeTensor):
+        return None
+    found = values[bad(values)]
+    return int(found[0]) if found.numel() else None
+
+
 class VocabParallelEmbedding(_VocabRange):
     """Looks up the ids in this rank's vocab range [vocab_start, vocab_end); other ids give zeros (a partial).
 
@@ -323,9 +333,9 @@ class VocabParallelEmbedding(_VocabRange):
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self._check_local(weight.shape[0], "the local weight")
-        bad = ids[(ids < 0) | (ids >= self.num_embeddings)]
-        if bad.numel():
-            raise IndexError(f"index out of range in self: token id {int(bad[0])} is not in the vocabulary of "
+        bad = _first_bad(ids, lambda v: (v < 0) | (v >= self.num_embeddings))
+        if bad is not None:
+            raise IndexError(f"index out of range in self: token id {bad} is not in the vocabulary of "
                              f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}); check that the "
                              f"tokenizer matches the model's vocabulary)")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -380,12 +390,13 @@ class VocabParallelCrossEntropy(_VocabRange):
         if target.shape != logits.shape[:-1]:
             raise ValueError(f"VocabParallelCrossEntropy: target of shape {tuple(target.shape)} does not match "
                              f"logits of shape {tuple(logits.shape)} (the vocab must be the last dim)")
-        bad = target[(target != self.ignore_index) & ((target < 0) | (target >= self.vocab_size))]
-        if bad.numel():
-            raise IndexError(f"Target {int(bad[0])} is out of bounds. The vocabulary has {self.vocab_size} entries "
+        bad = _first_bad(target, lambda v: (v != self.ignore_index) & ((v < 0) | (v >= self.vocab_size)))
+        if bad is not None:
+            raise IndexError(f"Target {bad} is out of bounds. The vocabulary has {self.vocab_size} entries "
                              f"and the ignored target is {self.ignore_index}; check the labels against the model's "
                              f"vocabulary")
-        autocast = torch.is_autocast_enabled(logits.device.type)
+        device = logits.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         out_dtype = torch.float32 if autocast else logits.dtype
         return _CrossEntropy.apply(logits, target, self, self._run_group(), out_dtype)
 

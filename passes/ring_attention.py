@@ -79,6 +79,11 @@ class RingAttention(_ParallelOp):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         self._check_inputs(q, k, v, mask)
+        device = q.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):  # SDPA's autocast policy
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+            mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
         out = _RingAttentionFn.apply(q, k, v, mask, self)
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
             out = out.transpose(1, 2).contiguous().transpose(1, 2)

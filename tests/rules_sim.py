@@ -292,15 +292,17 @@ def simulated_sequence_collectives():
         dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift = saved
 
 
-def _run_inputs(gm: fx.GraphModule, inputs: list, cotangent: torch.Tensor):
+def _run_inputs(gm: fx.GraphModule, inputs: list, cotangent: torch.Tensor, autocast: torch.dtype | None = None):
     inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    (out,) = gm(*inputs)
-    out.backward(cotangent)
+    with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+        (out,) = gm(*inputs)
+    out.backward(cotangent.to(out.dtype))
     return out.detach(), [t.grad for t in inputs]
 
 
 def simulate_cp(op, args: tuple, kwargs: dict | None = None, *, seq: dict[int, int], out_dim: int, size: int = 2,
-                load_balance: bool = False, attention: str = "gather", seed: int = 0) -> Outcome:
+                load_balance: bool = False, attention: str = "gather", seed: int = 0,
+                autocast: torch.dtype | None = None) -> Outcome:
     """Run ``op`` with the tensors ``seq`` (number -> sequence dim) split over ``size`` cp ranks, as the cp pass
     rewrites it, against the unsharded op. Every tensor is a model input; each rank back-propagates only its own
     tokens' part of the cotangent (what its loss holds), so the input gradients are the sum over ranks."""
@@ -312,7 +314,7 @@ def simulate_cp(op, args: tuple, kwargs: dict | None = None, *, seq: dict[int, i
     plan = ContextParallelPlan(size, {names[i]: d for i, d in seq.items()}, seq_len, load_balance, attention)
     val = op_node.meta[meta.VAL]
     cotangent = torch.randn(val.shape, generator=torch.Generator().manual_seed(seed))
-    expected, expected_grads = _run_inputs(copy.deepcopy(gm), tensors, cotangent)
+    expected, expected_grads = _run_inputs(copy.deepcopy(gm), tensors, cotangent, autocast)
 
     world, programs, fallbacks = _World(size), [], []
     for rank in range(size):
@@ -329,7 +331,7 @@ def simulate_cp(op, args: tuple, kwargs: dict | None = None, *, seq: dict[int, i
             index = plan.positions(rank)
             inputs = [t.index_select(seq[i], index) if i in seq else t for i, t in enumerate(tensors)]
             mine = torch.zeros_like(cotangent).index_copy(out_dim, index, cotangent.index_select(out_dim, index))
-            results[rank] = _run_inputs(programs[rank], inputs, mine)
+            results[rank] = _run_inputs(programs[rank], inputs, mine, autocast)
         except BaseException as e:  # noqa: BLE001 - every rank's failure is reported to the test
             errors[rank] = e
             world.barrier.abort()

@@ -346,3 +346,12 @@ def test_the_planner_keeps_an_embedding_with_max_norm_replicated_and_says_why():
     plan, warnings = _plan_with_warnings(model, token_loss)
     assert plan.params["model.transformer.wte.weight"].placement == R
     assert any("embedding_renorm_" in n and "writes in place" in n for n in plan.notes), plan.notes
+
+
+def test_the_range_checks_skip_values_without_data():
+    """A program run on meta tensors (to find shapes) has no ids to check: the checks must not fail there."""
+    ids, weight = torch.empty(2, 5, dtype=torch.long, device="meta"), torch.empty(5, 6, device="meta")
+    lookup = VocabParallelEmbedding(group=None, size=2, rank=0, vocab_start=0, vocab_end=5, num_embeddings=10)
+    assert lookup(ids, weight).shape == (2, 5, 6)
+    loss = VocabParallelCrossEntropy(group=None, size=1, rank=0, vocab_start=0, vocab_end=10, vocab_size=10)
+    assert loss(torch.empty(4, 10, device="meta"), torch.empty(4, dtype=torch.long, device="meta")).shape == ()

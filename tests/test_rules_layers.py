@@ -276,3 +276,18 @@ def test_attention_arguments_by_keyword_over_a_split_sequence(attention):
     out = simulate_cp(aten.scaled_dot_product_attention.default, seq_qkv(), kwargs, seq={0: 2, 1: 2, 2: 2},
                       out_dim=2, attention=attention, load_balance=True)
     out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["gather", "ring"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_a_split_sequence_keeps_the_autocast_dtype(attention, dtype):
+    """SDPA is on autocast's lower-precision list: under bf16 autocast float32 inputs give a bf16 output."""
+    from rules_sim import simulate_cp
+
+    qkv_ = [t.to(dtype) for t in seq_qkv()]
+    out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, None, 0.0, True), {}, seq={0: 2, 1: 2, 2: 2},
+                      out_dim=2, attention=attention, load_balance=True, autocast=torch.bfloat16)
+    assert out.expected[0].dtype == torch.bfloat16
+    # the ring accumulates its blocks in float32 where the one SDPA kernel works on bf16 blocks: a few bf16
+    # ulps (2**-8 relative) apart, on values of order 1
+    out.assert_exact(rtol=2e-2, atol=2e-2)
