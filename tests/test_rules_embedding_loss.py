@@ -355,3 +355,21 @@ def test_the_range_checks_skip_values_without_data():
     assert lookup(ids, weight).shape == (2, 5, 6)
     loss = VocabParallelCrossEntropy(group=None, size=1, rank=0, vocab_start=0, vocab_end=10, vocab_size=10)
     assert loss(torch.empty(4, 10, device="meta"), torch.empty(4, dtype=torch.long, device="meta")).shape == ()
+
+
+@pytest.mark.parametrize("read_later", [False, True])
+def test_an_in_place_write_matters_when_the_value_is_model_state_or_read_later(read_later):
+    from torch import fx
+
+    from autoshard.passes.sharding import _read_after
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    h = graph.call_function(aten.relu.default, (x,))
+    write = graph.call_function(aten.add_.Tensor, (h, 1.0))
+    outputs = [write]
+    if read_later:
+        outputs.append(graph.call_function(aten.mul.Tensor, (h, 2.0)))
+    graph.output(tuple(outputs))
+    assert _read_after(h, write) is read_later  # an intermediate nothing reads again may take the write on a copy
+    assert _read_after(x, graph.call_function(aten.mul_.Tensor, (x, 2.0)))  # an input always matters
