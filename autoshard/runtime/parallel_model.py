@@ -259,7 +259,6 @@ class ParallelModel(nn.Module):
         propagating the batch dim through the inference graph); otherwise, for example for an output
         reduced over the batch, every dp rank computes the whole batch.
         """
-        self._check_sequence(inputs)
         batch = batching.batch_size(inputs)
         if self.mesh.dp > 1 and not self.local_batch and batch is not None and batch % self.mesh.dp == 0:
             local = batching.split(inputs, self.mesh.dp)[self.coord("dp")]
@@ -527,11 +526,10 @@ class ParallelModel(nn.Module):
         """The first capture's cp plan when this capture's sequence is as long, else a plan of its own."""
         names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
         plan = self.cp_plan
-        if plan is not None and all(
-            name in names and captured.input_shapes[names.index(name)][dim] == plan.seq_len
-            for name, dim in plan.inputs.items()
-        ):
-            return plan
+        present = [(name, dim) for name, dim in (plan.inputs.items() if plan is not None else ()) if name in names]
+        if plan is not None and all(captured.input_shapes[names.index(name)][dim] == plan.seq_len
+                                    for name, dim in present):
+            return plan  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
         plan = plan_context_parallel(captured.gm, self.mesh.cp, load_balance=self.cp_load_balance,
                                      attention=self.cp_attention)
         if not self._cp_positions:
