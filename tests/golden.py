@@ -490,7 +490,7 @@ def inference_slices(name: str, mesh_kwargs: dict, **options) -> dict:
     flat, ref_flat = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)
     worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(flat, ref_flat, strict=True)
                 if isinstance(a, torch.Tensor))
-    return {"worst": worst, "batches": sorted({shapes[0][0] for shapes in pm._infer}),
+    return {"worst": worst, "batches": sorted({shapes[0][0] for shapes, _training in pm._infer}),
             "shapes_equal": [tuple(a.shape) == tuple(b.shape) for a, b in zip(flat, ref_flat, strict=True)
                              if isinstance(a, torch.Tensor)]}
 

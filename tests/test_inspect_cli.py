@@ -87,7 +87,7 @@ def test_tensor_and_pipeline_parallel_for_two_ranks(capsys, rank):
     assert f"rank {rank} at pp=0, dp=0, cp=0, tp={rank}" in out and "groups of rank" in out
     assert "runs stage 0" in out and "sends 4x16x48 float32 to pp rank 1" in out
     assert "self.tp_vocabparallelembedding_0(args_0, " in out and "[4, 16, 2, 12]" in out
-    vocab = f"vocab_start={40 * rank}, vocab_end={40 * rank + 40}, size=2"
+    vocab = f"vocab_start={40 * rank}, vocab_end={40 * rank + 40}, num_embeddings=80, size=2"
     assert re.search(rf"self\.tp_vocabparallelembedding_0\s+= VocabParallelEmbedding\({vocab}\)", out)
     assert re.search(r"0\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+3\s+36\.0 KiB", out)  # 3 x 4x16x48
     assert re.search(r"0\s+tp\s+backward\s+all_reduce\s+CopyToParallel\s+2\s+24\.0 KiB", out)
