@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 8
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/run.py && $(PY) bench/collect.py
+
+# The architecture corpus at every mesh into bench/corpus.md (resumable: bench/corpus.json caches each cell).
+corpus: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/corpus.py $(CORPUS_ARGS)
 
 lint: setup
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard passes tests examples bench
