@@ -30,6 +30,8 @@ SAMPLE = {
     "mixtral": "mixture of experts, top-2 routing",
     "qwen2_moe": "mixture of experts with a shared expert",
     "opt": "learned positions with an offset, ReLU MLP",
+    "mvp": "attention written out as bmm over a merged (batch * heads) dim, masks added in between",
+    "deepseek_v3": "multi-head latent attention (low-rank q and kv, a separate rope part), shared experts",
     "s2s/t5": "encoder-decoder, relative position buckets, tied head",
     "s2s/bart": "encoder-decoder, one embedding for encoder, decoder and head",
     "mlm/bert": "masked LM: bidirectional encoder, MLM head",
@@ -38,7 +40,9 @@ SAMPLE = {
 }
 
 # (architecture, mesh) -> the autoshard bug that makes the cell wrong or crash today.
-KNOWN_BUGS: dict[tuple[str, str], str] = {}
+KNOWN_BUGS: dict[tuple[str, str], str] = {
+    ("mvp", "tp2"): "tp: wrong attention output where heads are merged with the batch dim for bmm (output off by 3e-2)",
+}
 
 CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("gpt_neox", "dp2"),
@@ -61,8 +65,8 @@ def test_corpus_cell_is_exact_or_refused(pools, name, mesh):
     degrees, options = cells.MESHES[mesh]
     pool = pools.get(cells.world_size(mesh))
     found = cells.outcome(pool.run(cells.run_cell, name, degrees, **options))
-    if found.status == "crash":
-        pool.broken = True  # its groups may be mid-collective: the next test gets a fresh pool
+    if found.message.startswith("ranks disagree"):
+        pool.broken = True  # some groups may be mid-collective: the next test gets a fresh pool
         pool.close()
     assert found.status in ("exact", "refused"), found.text()
 
