@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 8
 
-.PHONY: setup demo test bench lint mutate clean
+.PHONY: setup demo test bench lint mutate corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: setup
 # Seeded one-line bugs, each against the tests that must catch it, in a copy of HEAD (tests/mutations.py).
 mutate: setup
 	$(PY) tests/mutate.py
+
+# The architecture corpus at every mesh into bench/corpus.md (resumable: bench/corpus.json caches each cell).
+corpus: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/corpus.py $(CORPUS_ARGS)
 
 lint: setup
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard passes tests examples bench
