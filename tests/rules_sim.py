@@ -182,8 +182,7 @@ def _run(gm: fx.GraphModule, inputs: list, cotangents, autocast: torch.dtype | N
 
 
 def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Placement], size: int = 2,
-             autocast: torch.dtype | None = None, seed: int = 0, before: Callable | None = None,
-             frozen: tuple[int, ...] = ()) -> Outcome:
+             autocast: torch.dtype | None = None, seed: int = 0, frozen: tuple[int, ...] = ()) -> Outcome:
     """Run ``op(*args, **kwargs)`` unsharded and sharded over ``size`` simulated ranks (see the module doc).
 
     ``frozen``: the tensors (by number) that are parameters without gradient (a loss's class weights).
@@ -192,24 +191,38 @@ def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Pl
     gm, names, op_node = _build(op, args, kwargs, frozen)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     seeds = {names[i]: p for i, p in shard.items()}
-    reference = copy.deepcopy(gm)
-    inputs = [t for t, n in zip(tensors, names, strict=True) if n.startswith("x")]
     gen = torch.Generator().manual_seed(seed)
     vals = op_node.meta[meta.VAL]
-    vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
-    cotangents = [torch.randn(v.shape, generator=gen) for v in vals]
+    cotangents = [torch.randn(v.shape, generator=gen) for v in (vals if isinstance(vals, (list, tuple)) else [vals])]
     try:
-        expected, expected_grads = _run(reference, inputs, cotangents, autocast)
+        expected, expected_grads = _run(copy.deepcopy(gm), [t for t, n in zip(tensors, names, strict=True)
+                                                            if n.startswith("x")], cotangents, autocast)
     except (IndexError, RuntimeError) as e:  # bad data: the sharded program must fail the same way
         expected, expected_grads = [e], {}
 
-    world, programs, fallbacks = _World(size), [], []
-    decision = None
-    for rank in range(size):
+    world = _World(size)
+    programs, fallbacks, decision = _tp_programs(gm, seeds, world, op_node.name)
+    local_inputs = [[_local(t, seeds.get(n, R), r, size) for t, n in zip(tensors, names, strict=True)
+                     if n.startswith("x")] for r in range(size)]
+    results, errors, calls = _in_lockstep(
+        world, lambda rank: _run(programs[rank], local_inputs[rank], cotangents, autocast), simulated_collectives())
+    modules = [type(m).__name__ for _, m in programs[0].named_children()]
+    outcome = Outcome(expected, expected_grads, [], [], decision.out, decision.reason, fallbacks, modules,
+                      programs[0].code, errors, calls)
+    if all(e is None for e in errors):
+        outcome.outputs = [r[0] for r in results]
+        outcome.grads = [_gathered(results, rank, expected_grads, seeds) for rank in range(size)]
+    return outcome
+
+
+def _tp_programs(gm: fx.GraphModule, seeds: dict, world: _World, op_name: str):
+    """Every rank's program (the real pass, with simulated groups), the pass's warnings, and the op's decision."""
+    programs, fallbacks, decision = [], [], None
+    for rank in range(world.size):
         local = copy.deepcopy(gm)
-        prop = propagate(local, seeds, size)
-        decision = decision or prop.decisions[next(n for n in local.graph.nodes if n.name == op_node.name)]
-        rw = localize.Rewriter(local, prop, size=size, rank=rank, group=SimGroup(world, rank),
+        prop = propagate(local, seeds, world.size)
+        decision = decision or prop.decisions[next(n for n in local.graph.nodes if n.name == op_name)]
+        rw = localize.Rewriter(local, prop, size=world.size, rank=rank, group=SimGroup(world, rank),
                                grad=requires_grad(local))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -219,48 +232,46 @@ def simulate(op, args: tuple, kwargs: dict | None = None, *, shard: dict[int, Pl
         local.graph.eliminate_dead_code()
         local.recompile()
         for name, p in list(local.named_parameters()):
-            setattr(local, name, nn.Parameter(_local(p.detach(), seeds.get(name, R), rank, size), p.requires_grad))
+            shard = _local(p.detach(), seeds.get(name, R), rank, world.size)
+            setattr(local, name, nn.Parameter(shard, p.requires_grad))
         programs.append(local)
-    local_inputs = [[_local(t, seeds.get(n, R), r, size) for t, n in zip(tensors, names, strict=True)
-                     if n.startswith("x")] for r in range(size)]
+    return programs, fallbacks, decision
 
-    results: list = [None] * size
-    errors: list = [None] * size
-    calls: list = [0] * size
+
+def _in_lockstep(world: _World, run: Callable[[int], object], context) -> tuple[list, list, list]:
+    """``run(rank)`` on every rank in its own thread, the collectives simulated by ``context``: the results, the
+    errors, and how many collectives each failing rank had joined before it failed."""
+    size = world.size
+    results, errors, calls = [None] * size, [None] * size, [0] * size
 
     def work(rank: int) -> None:
         try:
-            if before is not None:
-                before(rank)
-            results[rank] = _run(programs[rank], local_inputs[rank], cotangents, autocast)
+            results[rank] = run(rank)
         except BaseException as e:  # noqa: BLE001 - every rank's failure is reported to the test
             errors[rank], calls[rank] = e, world.calls[rank]
             world.barrier.abort()
 
-    with simulated_collectives():
+    with context:
         threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
-    modules = [type(m).__name__ for _, m in programs[0].named_children()]
-    outcome = Outcome(expected, expected_grads, [], [], decision.out, decision.reason, fallbacks, modules,
-                      programs[0].code, errors, calls)
-    if any(e is not None for e in errors):
-        return outcome
-    outcome.outputs = [r[0] for r in results]
-    for rank in range(size):
-        grads = {}
-        for n, g in expected_grads.items():
-            p = seeds.get(n, R)
-            if isinstance(p, Shard):  # each rank holds its shard of the gradient: gather them
-                parts = [results[r][1].get(n) for r in range(size)]
-                if all(part is not None for part in parts):
-                    grads[n] = _full(parts, p, g.shape[p.dim])
-            elif n in results[rank][1]:  # a replicated parameter's gradient must be whole on every rank
-                grads[n] = results[rank][1][n]
-        outcome.grads.append(grads)
-    return outcome
+    return results, errors, calls
+
+
+def _gathered(results: list, rank: int, expected_grads: dict, seeds: dict) -> dict[str, torch.Tensor]:
+    """``rank``'s view of every gradient at full shape: a split parameter's shards gathered, a whole one as is."""
+    grads = {}
+    for n, g in expected_grads.items():
+        p = seeds.get(n, R)
+        if isinstance(p, Shard):
+            parts = [results[r][1].get(n) for r in range(len(results))]
+            if all(part is not None for part in parts):
+                grads[n] = _full(parts, p, g.shape[p.dim])
+        elif n in results[rank][1]:  # a replicated parameter's gradient must be whole on every rank
+            grads[n] = results[rank][1][n]
+    return grads
 
 
 # ------------------------------------------------------------------------------- context parallelism
@@ -324,24 +335,13 @@ def simulate_cp(op, args: tuple, kwargs: dict | None = None, *, seq: dict[int, i
             context_parallel_pass(local, plan, rank=rank, group=SimGroup(world, rank))
         fallbacks += [str(w.message) for w in caught]
         programs.append(local)
-    results, errors = [None] * size, [None] * size
+    def run(rank: int):
+        index = plan.positions(rank)
+        inputs = [t.index_select(seq[i], index) if i in seq else t for i, t in enumerate(tensors)]
+        mine = torch.zeros_like(cotangent).index_copy(out_dim, index, cotangent.index_select(out_dim, index))
+        return _run_inputs(programs[rank], inputs, mine, autocast)
 
-    def work(rank: int) -> None:
-        try:
-            index = plan.positions(rank)
-            inputs = [t.index_select(seq[i], index) if i in seq else t for i, t in enumerate(tensors)]
-            mine = torch.zeros_like(cotangent).index_copy(out_dim, index, cotangent.index_select(out_dim, index))
-            results[rank] = _run_inputs(programs[rank], inputs, mine, autocast)
-        except BaseException as e:  # noqa: BLE001 - every rank's failure is reported to the test
-            errors[rank] = e
-            world.barrier.abort()
-
-    with simulated_sequence_collectives():
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+    results, errors, _ = _in_lockstep(world, run, simulated_sequence_collectives())
     modules = [type(m).__name__ for _, m in programs[0].named_children()]
     outcome = Outcome([expected], {}, [], [], None, None, fallbacks, modules, programs[0].code, errors)
     if any(e is not None for e in errors):
