@@ -34,6 +34,7 @@ from autoshard.passes import localize
 from autoshard.passes.collectives import local_indices
 from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
+from autoshard.passes.rules import arg
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
@@ -84,13 +85,12 @@ def _linears(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
 
 
 def _weight(node: fx.Node) -> str | None:
-    w = node.args[_LINEARS[node.target][0]]
+    w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
     return w.target if isinstance(w, fx.Node) and w.op == "get_attr" else None
 
 
 def _bias(node: fx.Node) -> str | None:
-    index = _LINEARS[node.target][1]
-    b = node.args[index] if index < len(node.args) else None
+    b = arg(node, "bias" if node.target is aten.linear.default else "self")  # by position or keyword
     return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
 
 
@@ -102,7 +102,7 @@ def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None)
 
 def _input(node: fx.Node) -> fx.Node:
     """The activation a linear multiplies: linear(x, w, b) and addmm(b, x, w)."""
-    return node.args[_LINEARS[node.target][0] - 1]
+    return arg(node, "input" if node.target is aten.linear.default else "mat1")
 
 
 def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:

@@ -291,3 +291,20 @@ def test_attention_over_a_split_sequence_keeps_the_autocast_dtype(attention, dty
     # the ring accumulates its blocks in float32 where the one SDPA kernel works on bf16 blocks: a few bf16
     # ulps (2**-8 relative) apart, on values of order 1
     out.assert_exact(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("op,args,kwargs", [
+    (aten.linear.default, ("x", "w"), {"bias": "b"}),
+    (aten.linear.default, ("x", "w", "b"), {}),
+    (aten.addmm.default, ("b", "x", "w"), {"beta": 0.5}),
+])
+def test_the_planner_reads_a_linear_by_argument_name(op, args, kwargs):
+    from torch import fx
+
+    from autoshard.passes import tensor_parallel
+
+    graph = fx.Graph()
+    nodes = {name: graph.placeholder(name) if name == "x" else graph.get_attr(name) for name in ("x", "w", "b")}
+    node = graph.call_function(op, tuple(nodes[a] for a in args), {k: nodes.get(v, v) for k, v in kwargs.items()})
+    assert (tensor_parallel._input(node).name, tensor_parallel._weight(node), tensor_parallel._bias(node)) == \
+        ("x", "w", "b")
