@@ -119,16 +119,19 @@ def _matmul(node: fx.Node, ctx: Context) -> Decision:
         if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
             return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
         return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
+    # A blocked batch shard (heads merged into a (batch * heads) dim: each rank holds its heads of every
+    # sample) stays blocked, and the other operand must hold the same elements: the same blocks.
+    blocks = pa.blocks if batch_a is not None else pb.blocks
     want = {}
     for n, p, nd in ((a, pa, na), (b, pb, nb)):
         d = dim - (nout - nd)
-        if isinstance(p, Shard) and p.dim == d:
+        if p == Shard(d, blocks):
             continue
         if d >= 0 and ctx.shape(n)[d] != 1:
-            want[n] = Shard(d)
+            want[n] = Shard(d, blocks)
         elif not isinstance(p, Replicate):
             want[n] = R
-    return Decision(Shard(dim), want)
+    return Decision(Shard(dim, blocks), want)
 
 
 @rule(aten.scaled_dot_product_attention.default)

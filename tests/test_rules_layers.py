@@ -211,6 +211,11 @@ MATMUL_CASES = [
     pytest.param(aten.matmul.default, (rand(6, 4), rand(4, seed=1)), {0: Shard(0)}, R, id="matmul-vector"),
     pytest.param(aten.bmm.default, (rand(4, 5, 3), rand(4, 3, 6, seed=1)), {1: Shard(0)}, Shard(0), id="bmm-batch"),
     pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 5, seed=1)), {1: Shard(2)}, R, id="bmm-columns"),
+    # (batch * heads) merged, heads split: each rank holds its heads of every sample (eager BART-style attention)
+    pytest.param(aten.bmm.default, (rand(8, 5, 3), rand(8, 3, 6, seed=1)), {0: Shard(0, (4, 4))},
+                 Shard(0, (4, 4)), id="bmm-blocked-batch"),
+    pytest.param(aten.bmm.default, (rand(8, 5, 3), rand(8, 3, 6, seed=1)), {0: Shard(0, (4, 4)), 1: Shard(0)},
+                 Shard(0, (4, 4)), id="bmm-blocked-and-contiguous"),
 ]
 
 
