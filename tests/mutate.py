@@ -100,7 +100,9 @@ def _pytest(copy: Path, env: dict[str, str], args: list[str], timeout: float) ->
 
 
 def _failures(output: str) -> list[str]:
-    return [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR ")) and " " in line]
+    """The node ids of the failed tests in pytest's short summary (``FAILED <id> - <message>``)."""
+    lines = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return [line.split(" ", 1)[1].split(" - ")[0] for line in lines]
 
 
 def _covers(spec: str, node: str) -> bool:
