@@ -299,3 +299,32 @@ def padded_batch(name: str, mesh_kwargs: dict, **options) -> dict:
     report = autoshard.verify(case.model, mesh, (ids, mask), case.loss_fn, target=target, groups=groups_for(mesh),
                               **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
+class _PicksAndPools(nn.Module):
+    """Parameters the graph reads but the loss gets no gradient through: an indexer whose scores only pick
+    positions (top-k indices), and a pooler whose output the loss ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer = nn.Linear(20, 1)
+        self.body = nn.Sequential(nn.Linear(20, 32), nn.GELU(), nn.Linear(32, 24))
+        self.pooler = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor):
+        picked = self.indexer(x).squeeze(-1).topk(2, dim=-1).indices  # (B, 2)
+        x = x.gather(1, picked.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, 2, 20)
+        hidden = self.body(x)
+        return hidden, self.pooler(hidden[:, 0])
+
+
+def params_without_gradients(mesh_kwargs: dict, **options) -> dict:
+    """Data parallelism over a model with parameters that get no gradient: exact, no DDP error."""
+    torch.manual_seed(0)
+    model = _PicksAndPools()
+    gen = torch.Generator().manual_seed(4)
+    x, target = torch.randn(8, 6, 20, generator=gen), torch.randn(8, 2, 24, generator=gen)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (x,), lambda out, t: F.mse_loss(out[0], t), target=target,
+                              groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
