@@ -53,7 +53,15 @@ class Context:
     @staticmethod
     def shape(value) -> tuple[int, ...]:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
-        return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+        if not isinstance(val, torch.Tensor):
+            return ()
+        if not all(isinstance(s, int) for s in val.shape):  # a size that depends on the data (tokens per expert)
+            raise DataDependentShape(f"{value.name} has a size that depends on the data: {tuple(val.shape)}")
+        return tuple(val.shape)
+
+
+class DataDependentShape(ValueError):
+    """A value's size is known only when the graph runs: no rule can reason about its dims."""
 
 
 Rule = Callable[[fx.Node, Context], Decision]
@@ -88,7 +96,10 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
     if fn is None and hasattr(node.target, "overloadpacket"):
         fn = RULES.get(node.target.overloadpacket)
     if fn is not None:
-        return fn(node, ctx)
+        try:
+            return fn(node, ctx)
+        except DataDependentShape as e:  # replicated is always right, whatever the sizes turn out to be
+            return replicate_all(node, ctx, reason=f"{node.target}: {e}")
     decision = replicate_all(node, ctx)
     written = [n for n in written_inputs(node) if ctx.of(n) != R]
     if written:  # run replicated, the op would write into a gathered copy and the write would be lost

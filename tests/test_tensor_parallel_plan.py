@@ -187,3 +187,24 @@ def test_a_linear_of_a_computed_weight_is_not_taken_for_a_column():
     roles = _roles(plan_tensor_parallel(captured.gm, 2))
     assert roles["up.weight"] == "column" and roles["down.weight"] == "row", roles
     assert roles["router"] == "replicated"
+
+
+class _DataDependentRows(nn.Module):
+    """An MLP over the rows a mask picks (as a mixture of experts picks each expert's tokens): sizes known only
+    when the graph runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        picked = x[x[:, 0] > 0]  # (rows chosen by the data, 16)
+        return self.down(torch.relu(self.up(picked))).sum(0)
+
+
+def test_values_whose_size_depends_on_the_data_stay_replicated():
+    x = torch.randn(6, 16)
+    captured = capture(_DataDependentRows(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x[0])
+    plan = plan_tensor_parallel(captured.gm, 2)  # no rule can reason about such dims: replicated, never a crash
+    codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
+    assert any("depends on the data" in note for note in plan.notes), plan.notes
