@@ -228,6 +228,13 @@ class ParallelModel(nn.Module):
             with self._stall_guard("forward/backward", index), self._sync(last):
                 (loss,) = self.call(replicated, program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
                 loss = loss / (divisor * program.cp_copies)
+                if not loss.requires_grad and any(p.requires_grad for p in self.replica.parameters()):
+                    raise ValueError(
+                        f"the captured graph of {type(self.model).__name__} computes a loss that does not depend on "
+                        "its parameters, although the model's does: a part of the model hides its computation from "
+                        "the capture (a custom autograd Function that recomputes in backward, such as reversible "
+                        "layers), so autoshard cannot train it; replace that part by plain modules"
+                    )
                 loss.backward()
             total = total + loss.detach().float()
         with self._stall_guard("loss all-reduce", None):
