@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from autoshard import cost, meta
-from autoshard.passes.propagate import requires_grad
+from autoshard.passes.propagate import reaching_output, requires_grad
 
 # A cut sends what crosses it forward and its gradient back, every microbatch. One value crosses between
 # the LM head and the loss too, but it is the logits, vocab/hidden times the residual stream: cuts that
@@ -92,9 +92,12 @@ def partition(
 
 
 def _weights_read(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
-    """For each activation node, how many trainable parameters it reads (tied copies count on every reader)."""
+    """For each activation node, how many parameters it reads that get a gradient (tied copies count on every
+    reader; a parameter that only picks positions, a top-k indexer's, gets none and does not count)."""
     trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
-    return [sum(1 for s in n.all_input_nodes if s.op == "get_attr" and s.target in trainable) for n in order]
+    reaching = reaching_output(gm)
+    return [sum(1 for s in n.all_input_nodes if s.op == "get_attr" and s.target in trainable and s in reaching)
+            for n in order]
 
 
 def _most_stages(candidates: list[int], weights: list[int]) -> int:

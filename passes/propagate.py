@@ -179,3 +179,23 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
             if not isinstance(val, torch.Tensor) or val.is_floating_point():
                 found.add(node)
     return found
+
+
+def reaching_output(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the graph's output depends on through floating-point values: gradients flow to these only.
+
+    A parameter read only to pick positions (a top-k's indices) or by a value the output ignores is not among
+    them: it gets no gradient.
+    """
+    grad = requires_grad(gm)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    found: set[fx.Node] = set()
+    todo = [n for n in output.all_input_nodes if n in grad]
+    while todo:
+        node = todo.pop()
+        if node in found:
+            continue
+        found.add(node)
+        if node.target is not torch.ops.aten.detach.default:
+            todo.extend(n for n in node.all_input_nodes if n in grad)
+    return found

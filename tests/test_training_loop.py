@@ -100,7 +100,8 @@ def test_a_padded_batch_with_its_attention_mask_is_exact(pools, mesh, options):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
 
 
-@pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"dp": 2}, {"microbatches": 2})], ids=["dp2", "dp2-m2"])
-def test_parameters_the_loss_gets_no_gradient_from_train_under_data_parallelism(pools, mesh, options):
-    for rank, result in enumerate(pools.get(2).run(golden_loop.params_without_gradients, mesh, **options)):
+@pytest.mark.parametrize("mesh,world,options", [({"dp": 2}, 2, {}), ({"dp": 2}, 2, {"microbatches": 2})],
+                         ids=["dp2", "dp2-m2"])
+def test_parameters_the_loss_gets_no_gradient_from_train_under_data_parallelism(pools, mesh, world, options):
+    for rank, result in enumerate(pools.get(world).run(golden_loop.params_without_gradients, mesh, **options)):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"

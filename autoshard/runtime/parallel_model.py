@@ -43,7 +43,7 @@ from autoshard.passes.context_parallel import (
 from autoshard.passes.input_checks import InputChecks, input_checks
 from autoshard.passes.loss import TokenLoss, find_token_loss, sum_loss_pass, token_count_graph
 from autoshard.passes.placements import R, Shard
-from autoshard.passes.propagate import propagate, redistributions, requires_grad
+from autoshard.passes.propagate import propagate, reaching_output, redistributions
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 from autoshard.runtime import batching
@@ -624,7 +624,7 @@ class ParallelModel(nn.Module):
         ignores, a sparse-attention indexer that only picks positions), but no differentiable path leads from
         it to the loss. DDP must then be told, or it waits for that gradient forever."""
         gm = next(iter(self._train.values())).gm
-        used = {id(_attribute(gm, n.target)) for n in _reaching_the_loss(gm) if n.op == "get_attr"}
+        used = {id(_attribute(gm, n.target)) for n in reaching_output(gm) if n.op == "get_attr"}
         return any(id(p) not in used for p in self.replica.parameters() if p.requires_grad)
 
     def _sync(self, last: bool):
@@ -761,22 +761,6 @@ def _broadcast_over_batch(redistribution) -> bool:
     source = value.args[0].meta.get("val")
     target = value.meta.get("val")
     return isinstance(source, torch.Tensor) and (source.dim() < target.dim() or source.shape[0] == 1)
-
-
-def _reaching_the_loss(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes the graph's output depends on through floating-point values (gradients flow there only)."""
-    grad = requires_grad(gm)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    found: set[fx.Node] = set()
-    todo = [n for n in output.all_input_nodes if n in grad]
-    while todo:
-        node = todo.pop()
-        if node in found:
-            continue
-        found.add(node)
-        if node.target is not torch.ops.aten.detach.default:
-            todo.extend(n for n in node.all_input_nodes if n in grad)
-    return found
 
 
 def _leading_dim(node: fx.Node) -> int | None:
