@@ -170,9 +170,8 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in params:
-            found.add(node)
-        elif node.op == "placeholder" and node.meta.get(meta.RECEIVED_ACTIVATION):
+        parameter = node.op == "get_attr" and node.target in params
+        if parameter or (node.op == "placeholder" and node.meta.get(meta.RECEIVED_ACTIVATION)):
             found.add(node)
         elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
             val = node.meta.get("val")

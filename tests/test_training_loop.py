@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import golden_loop
+import pytest
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"cp": 2}, {"pp": 2}, {"tp": 2}], ids=["dp2", "cp2", "pp2", "tp2"])
