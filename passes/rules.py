@@ -316,6 +316,10 @@ def _split_dim(node: fx.Node, ctx: Context, p: Shard, sizes: list[int], outs: li
     if target is None:
         return replicate_all(node, ctx)
     if sizes[target] % ctx.size:
+        if p.blocks is None and target == 0 and len(sizes) > 2:
+            # (parts, heads, head dim): a fused q/k/v viewed whole; as a blocked shard each rank takes its heads
+            # of every part, so let the planner retry with blocks before calling the heads indivisible
+            return replicate_all(node, ctx, hint=(math.prod(sizes[1:]),) * sizes[0])
         what = f"heads (a dim of {math.prod(sizes)} viewed as {tuple(sizes)})"
         reason = _indivisible(sizes[target], ctx.size, what)
         return replicate_all(node, ctx, conflict=reason)
