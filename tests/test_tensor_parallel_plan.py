@@ -208,3 +208,24 @@ def test_values_whose_size_depends_on_the_data_stay_replicated():
     plan = plan_tensor_parallel(captured.gm, 2)  # no rule can reason about such dims: replicated, never a crash
     codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
     assert any("depends on the data" in note for note in plan.notes), plan.notes
+
+
+class _FusedQKVViewedWhole(nn.Module):
+    """ModernBERT-style attention: one q/k/v projection viewed as (batch, seq, 3, heads, head dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96, bias=False), nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, T, head dim)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, t, 32))
+
+
+def test_a_fused_qkv_viewed_whole_is_not_refused_for_its_three_parts():
+    x = torch.randn(2, 5, 32)
+    captured = capture(_FusedQKVViewedWhole(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
+    plan = plan_tensor_parallel(captured.gm, 2)  # 3 parts of 4 heads: the parts are not heads that 2 cannot split
+    codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
