@@ -39,9 +39,6 @@ SAMPLE = {
     "torch/multihead_attention": "torch's nn.MultiheadAttention, tied head",
 }
 
-# (architecture, mesh) -> the autoshard bug that makes the cell wrong or crash today.
-KNOWN_BUGS: dict[tuple[str, str], str] = {}
-
 CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("gpt_neox", "dp2"),
     ("mixtral", "dp2"),
@@ -52,13 +49,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
 ]
 
 
-def _param(name: str, mesh: str):
-    bug = KNOWN_BUGS.get((name, mesh))
-    marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-    return pytest.param(name, mesh, marks=marks, id=f"{name}-{mesh}")
-
-
-@pytest.mark.parametrize("name,mesh", [_param(n, m) for n, m in CELLS])
+@pytest.mark.parametrize("name,mesh", [pytest.param(n, m, id=f"{n}-{m}") for n, m in CELLS])
 def test_corpus_cell_is_exact_or_refused(pools, name, mesh):
     degrees, options = cells.MESHES[mesh]
     pool = pools.get(cells.world_size(mesh))
