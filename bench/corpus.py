@@ -33,6 +33,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO / "tests")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from conftest import Pools as SessionPools  # noqa: E402
 from corpus import cells  # noqa: E402
 from corpus.architectures import check_eager, names  # noqa: E402
 
@@ -84,28 +85,19 @@ def sort_buildable(cache: dict, selected: list[str], path: Path, recheck: bool =
     return [n for n in selected if n in cache["buildable"]]
 
 
-class Pools:
-    """One worker pool per world size, restarted after a cell that may have left its groups unusable."""
-
-    def __init__(self) -> None:
-        self.pools: dict[int, WorkerPool] = {}
+class Pools(SessionPools):
+    """The test session's pools, but one world at a time (two cores: never keep two worlds of idle workers), and a
+    pool is dropped after a cell that may have left its groups unusable."""
 
     def get(self, world: int) -> WorkerPool:
-        pool = self.pools.get(world)
-        if pool is None or pool.broken:
-            for other in [w for w in self.pools if w != world]:
-                self.pools.pop(other).close()  # two cores: never keep two worlds of idle workers
-            pool = self.pools[world] = WorkerPool(world)
-        return pool
+        for other in [w for w in self._pools if w != world]:
+            self._pools.pop(other).close()
+        return super().get(world)
 
     def discard(self, world: int) -> None:
-        pool = self.pools.pop(world, None)
+        pool = self._pools.pop(world, None)
         if pool is not None:
             pool.broken = True
-            pool.close()
-
-    def close(self) -> None:
-        for pool in self.pools.values():
             pool.close()
 
 
