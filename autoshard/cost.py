@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch import fx
+from torch.utils._sympy.numbers import int_oo
 
 from autoshard import meta
 
@@ -285,7 +286,20 @@ def _shape(arg: object, shape_map: ShapeMap) -> tuple[Dim, ...]:
 
 
 def _ints(shape: torch.Size) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape)
+    return tuple(_size(d) for d in shape)
+
+
+def _size(dim: int | torch.SymInt) -> int:
+    """A dim's size; one that depends on the data (the tokens routed to an expert) counts at its upper bound.
+
+    Costs only balance stages, so an estimate is safe; without a finite bound such a dim counts as 1.
+    """
+    if not isinstance(dim, torch.SymInt):
+        return int(dim)
+    if dim.node.hint is not None:
+        return int(dim.node.hint)
+    upper = dim.node.shape_env.bound_sympy(dim.node.expr).upper
+    return int(upper) if upper.is_integer and upper not in (int_oo, sympy.oo) else 1
 
 
 def _numel(shape: Iterable[Dim]) -> Dim:

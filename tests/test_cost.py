@@ -134,3 +134,21 @@ def test_summary_names_parameters_flops_and_largest_activations():
     assert "forward: 12.75 MFLOP" in text
     assert "8x16x144" in text and "model.transformer.h.0.attn.c_attn" in text
     assert "split" not in text, "views are not activations of their own"
+
+
+class _PickedRows(nn.Module):
+    """An MLP over the rows a mask picks, as a mixture of experts picks each expert's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x[x[:, 0] > 0]))).sum(0)
+
+
+def test_a_size_that_depends_on_the_data_counts_at_its_upper_bound():
+    gm = autoshard.capture(_PickedRows(), (torch.randn(6, 16),)).gm
+    costs = cost.annotate(gm)  # a pipeline balances with these: a data-dependent size must not crash it
+    (up, _) = _nodes(gm, "linear")
+    assert costs[up].flops == 2 * 6 * 32 * 16 + 6 * 32, "at most all 6 rows are picked"
