@@ -45,7 +45,8 @@ _SIZES: dict[str, Any] = {
          "encoder_layers", "decoder_layers", "num_text_layers"), N_LAYER),
     **dict.fromkeys(
         ("hidden_size", "n_embd", "d_model", "n_embed", "embed_dim", "model_dim", "word_embed_proj_dim",
-         "embedding_size", "dim", "d_embed", "text_hidden_size"), HIDDEN),
+         "embedding_size", "dim", "d_embed", "text_hidden_size", "emb_dim", "shape_embed_dim",
+         "pronunciation_embed_dim"), HIDDEN),
     **dict.fromkeys(
         ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
          "decoder_attention_heads"), N_HEAD),
@@ -54,11 +55,14 @@ _SIZES: dict[str, Any] = {
     **dict.fromkeys(
         ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
          "ffn_hidden_size", "intermediate_size_mlp", "dim_feedforward", "inner_hidden_size", "ffn_embed_dim",
-         "dense_intermediate_size"), FFN),
+         "dense_intermediate_size", "dim_ff", "dff"), FFN),
     **dict.fromkeys(
         ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
          "moe_ffn_hidden_size", "shared_intermediate_size", "expert_dim"), EXPERT_FFN),
-    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size"), VOCAB),
+    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size",
+                     "vocab_size_per_layer_input", "unpadded_vocab_size", "shape_vocab_size",
+                     "pronunciation_vocab_size"), VOCAB),
+    "hidden_size_per_layer_input": HEAD_DIM,
     **dict.fromkeys(
         ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"), N_EXPERT),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_selected_experts", "moe_k", "experts_per_token",
