@@ -165,7 +165,9 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes whose value depends on a trainable parameter (their gradient flows back).
 
     A pipeline stage's inputs received from the previous stage count as such: their gradient is sent back, so a
-    collective's backward twin on them (the all-reduce behind Megatron's f) must not be left out.
+    collective's backward twin on them (the all-reduce behind Megatron's f) must not be left out. A value the
+    model computes with gradients off (``torch.no_grad()``, captured as ``wrap_with_set_grad_enabled(False,
+    ...)``) does not.
     """
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     found: set[fx.Node] = set()
@@ -173,11 +175,18 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
         parameter = node.op == "get_attr" and node.target in params
         if parameter or (node.op == "placeholder" and node.meta.get(meta.RECEIVED_ACTIVATION)):
             found.add(node)
+        elif node.op == "call_function" and _grad_disabled(node):
+            continue
         elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.is_floating_point():
                 found.add(node)
     return found
+
+
+def _grad_disabled(node: fx.Node) -> bool:
+    """Whether ``node`` runs a region of the model with gradients off."""
+    return getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled" and node.args[:1] == (False,)
 
 
 def reaching_output(gm: fx.GraphModule) -> set[fx.Node]:

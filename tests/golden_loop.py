@@ -223,6 +223,46 @@ def tiny_head(mesh_kwargs: dict, **options) -> dict:
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "held": held}
 
 
+class _Recompute(torch.autograd.Function):
+    """``x @ weight`` computed without gradients and recomputed in backward, as reversible layers do."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        with torch.no_grad():
+            return x @ weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        return grad @ weight.T, x.T @ grad
+
+
+class HiddenFromCapture(nn.Module):
+    """Two layers whose computation the capture sees only as gradient-free: the eager model trains, the graph
+    could not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Recompute.apply(torch.tanh(_Recompute.apply(x, self.first)), self.second)
+
+
+def hidden_from_capture(mesh_kwargs: dict, **options) -> str:
+    """This rank's error: every rank refuses alike, before any collective."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    try:
+        pm = autoshard.parallelize(HiddenFromCapture(), mesh, example_inputs=(x,), loss_fn=F.mse_loss, target=x,
+                                   groups=groups_for(mesh), **options)
+        pm.step(x, target=x)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
 
 def _t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration

@@ -104,3 +104,13 @@ def test_a_padded_batch_with_its_attention_mask_is_exact(pools, mesh, options):
 def test_parameters_the_loss_gets_no_gradient_from_train_under_data_parallelism(pools, mesh, world, options):
     for rank, result in enumerate(pools.get(world).run(golden_loop.params_without_gradients, mesh, **options)):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2})],
+                         ids=["dp2", "tp2", "pp2"])
+def test_a_model_that_hides_its_computation_from_the_capture_is_refused_on_every_rank(pools, mesh, options):
+    """A custom autograd Function whose forward runs without gradients (reversible layers): the captured loss
+    depends on no parameter. Refused at compile time on every rank; under pp it used to stall one rank."""
+    results = pools.get(2).run(golden_loop.hidden_from_capture, mesh, **options)
+    assert results[0] == results[1], results
+    assert results[0].startswith("ValueError") and "does not depend on its parameters" in results[0], results[0]

@@ -228,13 +228,6 @@ class ParallelModel(nn.Module):
             with self._stall_guard("forward/backward", index), self._sync(last):
                 (loss,) = self.call(replicated, program.gm, *self._cp_local(program.captured, (*mb_inputs, mb_target)))
                 loss = loss / (divisor * program.cp_copies)
-                if not loss.requires_grad and any(p.requires_grad for p in self.replica.parameters()):
-                    raise ValueError(
-                        f"the captured graph of {type(self.model).__name__} computes a loss that does not depend on "
-                        "its parameters, although the model's does: a part of the model hides its computation from "
-                        "the capture (a custom autograd Function that recomputes in backward, such as reversible "
-                        "layers), so autoshard cannot train it; replace that part by plain modules"
-                    )
                 loss.backward()
             total = total + loss.detach().float()
         with self._stall_guard("loss all-reduce", None):
@@ -567,6 +560,7 @@ class ParallelModel(nn.Module):
         if key not in self._train:
             captured = capture(self.model, mb_inputs, loss_fn=self.loss_fn, example_target=mb_target,
                                training=self.training)
+            _check_loss_trains(captured, self.model)
             token_loss = find_token_loss(captured.gm)
             count_gm = None
             if token_loss is not None:
@@ -727,6 +721,18 @@ class ParallelModel(nn.Module):
         if self.mesh.dp * self.mesh.cp > 1:
             parts.append(f"dp x cp {self.groups.ranks('data')}")
         return ", ".join(parts)
+
+
+def _check_loss_trains(captured: Captured, model: nn.Module) -> None:
+    """Refuse, on every rank alike and before any collective, a captured loss that no trainable parameter reaches."""
+    trainable = {name for name, p in captured.gm.named_parameters() if p.requires_grad}
+    if trainable and not any(n.op == "get_attr" and n.target in trainable for n in reaching_output(captured.gm)):
+        raise ValueError(
+            f"the captured graph of {type(model).__name__} computes a loss that does not depend on its parameters, "
+            "although the model's does: a part of the model hides its computation from the capture (a custom "
+            "autograd Function that runs its forward without gradients and recomputes in backward, such as "
+            "reversible layers), so autoshard cannot train it; replace that part by plain modules"
+        )
 
 
 def _fsdp_accumulate(replica) -> None:
