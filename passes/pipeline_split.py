@@ -88,6 +88,12 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
         source = by_name[name]
         env[source] = graph.placeholder(f"recv_{name}")
         env[source].meta = {**source.meta, meta.RECEIVED_ACTIVATION: True}
+        if any(_writes_first_argument(user) and user.args[0] is source for user in source.users):
+            # the model updates it in place (``hidden *= scale``), which a received leaf that requires grad
+            # refuses: the stage works on a copy, whose gradient still reaches the received value
+            received = env[source]
+            env[source] = graph.call_function(torch.ops.aten.clone.default, (received,))
+            env[source].meta = {**source.meta}
     wanted = _needed(nodes, grad, stage_of, index, sends, by_name)
     for node in nodes:
         if node in env or node.op in ("placeholder", "output") or node not in wanted:
@@ -102,6 +108,15 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
     stage = fx.GraphModule(gm, graph)
     stage.graph.lint()
     return stage
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    """Whether ``node`` is an op that updates its first argument in place (``mul_``, ``add_``, ``copy_``)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _needed(nodes, grad, stage_of, index, sends, by_name) -> set[fx.Node]:

@@ -223,6 +223,47 @@ def tiny_head(mesh_kwargs: dict, **options) -> dict:
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "held": held}
 
 
+class _ScaledBlock(nn.Module):
+    """A residual block that first scales its input in place (``hidden *= layer_scalar``, as Gemma 4 does)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = nn.Buffer(torch.tensor([scale]))
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h *= self.scale
+        return h + torch.tanh(self.linear(h))
+
+
+class InPlaceAtTheCut(nn.Module):
+    """Four scaled blocks; a pipeline cut before the third leaves the in-place update on a received value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.Sequential(*[_ScaledBlock(0.5 + i / 4) for i in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def in_place_at_the_cut(mesh_kwargs: dict, **options) -> dict:
+    """The run equals the unsharded one when a stage updates a received activation in place."""
+    torch.manual_seed(0)
+    model = InPlaceAtTheCut()
+    reference = InPlaceAtTheCut()
+    reference.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    x, target = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(x,), loss_fn=F.cross_entropy, target=target,
+                               groups=groups_for(mesh), **options)
+    report = compare(reference, pm, (x,), target, loss_fn=F.cross_entropy)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
 class _Recompute(torch.autograd.Function):
     """``x @ weight`` computed without gradients and recomputed in backward, as reversible layers do."""
 

@@ -114,3 +114,12 @@ def test_a_model_that_hides_its_computation_from_the_capture_is_refused_on_every
     results = pools.get(2).run(golden_loop.hidden_from_capture, mesh, **options)
     assert results[0] == results[1], results
     assert results[0].startswith("ValueError") and "does not depend on its parameters" in results[0], results[0]
+
+
+@pytest.mark.parametrize("options", [{"pipeline_starts": ["blocks.2"]}, {"pipeline_starts": ["blocks.2"],
+                                                                         "microbatches": 2}], ids=["m1", "m2"])
+def test_a_stage_that_updates_a_received_activation_in_place_is_exact(pools, options):
+    """``hidden *= scale`` as a stage's first op on the activation it received (Gemma 4 at pp=2): the received
+    value is a leaf that requires grad, which refuses in-place updates."""
+    for rank, result in enumerate(pools.get(2).run(golden_loop.in_place_at_the_cut, {"pp": 2}, **options)):
+        assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
