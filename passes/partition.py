@@ -65,7 +65,7 @@ def partition(
     if len(candidates) < num_stages - 1:
         raise PartitionError(
             f"{num_stages} stages need {num_stages - 1} cuts, but the graph has only {len(candidates)} places where "
-            f"{fewest} value(s) cross: use at most {len(candidates) + 1} stages (pipeline degree x chunks)"
+            f"{fewest} value(s) cross: {_use_at_most(len(candidates) + 1)}"
         )
     costs = _costs(gm, order)
     nbytes = [sum(_bytes(n) for n in c) for c in crossing]
@@ -85,8 +85,7 @@ def partition(
         if cuts is None:
             raise PartitionError(
                 f"no cut into {num_stages} stages gives every stage a parameter to train (a stage that only computes "
-                f"the loss leaves its rank nothing to optimise): use at most {_most_stages(candidates, weights)} "
-                "stages (pipeline degree x chunks)"
+                f"the loss leaves its rank nothing to optimise): {_use_at_most(_most_stages(candidates, weights))}"
             )
     return _result(order, costs, cuts, nbytes, len(candidates))
 
@@ -98,6 +97,12 @@ def _weights_read(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
     reaching = reaching_output(gm)
     return [sum(1 for s in n.all_input_nodes if s.op == "get_attr" and s.target in trainable and s in reaching)
             for n in order]
+
+
+def _use_at_most(stages: int) -> str:
+    if stages == 1:
+        return "the model cannot be pipelined; train it without pp (pp=1), with tp, cp or dp instead"
+    return f"use at most {stages} stages (pipeline degree x chunks)"
 
 
 def _most_stages(candidates: list[int], weights: list[int]) -> int:

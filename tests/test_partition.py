@@ -92,3 +92,10 @@ def test_a_large_vocabulary_never_gets_a_stage_of_its_own_loss():
     for stages in (4, 8):
         cut = partition(gm, stages)
         assert set(cut.crossing_bytes) == {2 * 64 * 128 * 4}, (cut.cut_after, cut.crossing_bytes)
+
+
+def test_a_model_with_one_trainable_layer_is_told_not_to_pipeline():
+    gm = codegen.prepare(capture(torch.nn.Linear(8, 4), (torch.randn(2, 8),),
+                                 loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=torch.randn(2, 4)))
+    with pytest.raises(PartitionError, match=r"cannot be pipelined; train it without pp \(pp=1\)"):
+        partition(gm, 2)
