@@ -16,6 +16,7 @@ A cell is one of:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 import warnings
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import autoshard
 from autoshard.verify import compare
@@ -108,6 +110,42 @@ def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int 
 
 def _golden(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype):
     """verify of ``name`` at the mesh, with the model (and its float inputs) in ``dtype``; and this rank's share."""
+    with _float64_everywhere() if dtype == torch.float64 else contextlib.nullcontext():
+        return _golden_in(name, mesh_kwargs, microbatches, steps, dtype)
+
+
+@contextlib.contextmanager
+def _float64_everywhere():
+    """Keep a float64 run in float64 where the model itself casts to float32 (Gemma's norms ``x.float()``, a
+    softmax with ``dtype=torch.float32``): else its own float32 rounding, amplified by verify's SGD, stays.
+
+    Applied alike to the unsharded model and to the capture (export traces the same Python), so both compute
+    the same ops, in float64.
+    """
+    def to64(value):
+        return torch.float64 if value is torch.float32 else value
+
+    patches = {
+        (torch.Tensor, "float"): lambda self, *a, **k: torch.Tensor.double(self, *a, **k),
+        (torch.Tensor, "to"): lambda self, *a, **k: original[(torch.Tensor, "to")](
+            self, *map(to64, a), **{key: to64(v) for key, v in k.items()}),
+        (F, "softmax"): lambda *a, dtype=None, **k: original[(F, "softmax")](*a, dtype=to64(dtype), **k),
+        (F, "log_softmax"): lambda *a, dtype=None, **k: original[(F, "log_softmax")](*a, dtype=to64(dtype), **k),
+    }
+    original = {key: getattr(*key) for key in patches}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for (owner, attr), patch in patches.items():
+            setattr(owner, attr, patch)
+        yield
+    finally:
+        for (owner, attr), value in original.items():
+            setattr(owner, attr, value)
+        torch.set_default_dtype(default)
+
+
+def _golden_in(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype):
     case = build(name)
     case.model.to(dtype)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in case.inputs)
