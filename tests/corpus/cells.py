@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -125,13 +126,25 @@ def _float64_everywhere():
     def to64(value):
         return torch.float64 if value is torch.float32 else value
 
-    patches = {
-        (torch.Tensor, "float"): lambda self, *a, **k: torch.Tensor.double(self, *a, **k),
-        (torch.Tensor, "to"): lambda self, *a, **k: original[(torch.Tensor, "to")](
-            self, *map(to64, a), **{key: to64(v) for key, v in k.items()}),
-        (F, "softmax"): lambda *a, dtype=None, **k: original[(F, "softmax")](*a, dtype=to64(dtype), **k),
-        (F, "log_softmax"): lambda *a, dtype=None, **k: original[(F, "log_softmax")](*a, dtype=to64(dtype), **k),
-    }
+    def from_model() -> bool:  # the model's code, not autoshard's or torch's own casts (a float32 loss sum)
+        return sys._getframe(2).f_globals.get("__name__", "").startswith(("transformers", "corpus"))
+
+    def double(self, *a, **k):
+        return torch.Tensor.double(self, *a, **k) if from_model() else original[(torch.Tensor, "float")](self, *a, **k)
+
+    def to(self, *a, **k):
+        if from_model():
+            a, k = tuple(map(to64, a)), {key: to64(v) for key, v in k.items()}
+        return original[(torch.Tensor, "to")](self, *a, **k)
+
+    def softmax(*a, dtype=None, **k):
+        return original[(F, "softmax")](*a, dtype=to64(dtype) if from_model() else dtype, **k)
+
+    def log_softmax(*a, dtype=None, **k):
+        return original[(F, "log_softmax")](*a, dtype=to64(dtype) if from_model() else dtype, **k)
+
+    patches = {(torch.Tensor, "float"): double, (torch.Tensor, "to"): to, (F, "softmax"): softmax,
+               (F, "log_softmax"): log_softmax}
     original = {key: getattr(*key) for key in patches}
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
