@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.placements import Partial, Placement, Shard
 from autoshard.passes.propagate import cost, propagate, requires_grad
@@ -156,6 +157,7 @@ def context_parallel_pass(
         "cp",
         gather=lambda dim, blocks, **a: SequenceGather(dim=dim, blocks=blocks, layout=layout, **a),
         scatter=lambda dim, blocks, **a: SequenceScatter(dim=dim, blocks=blocks, layout=layout, **a),
+        check=lambda value, placement: _check_whole_sequences(plan, value, placement),
         # Every rank back-propagates only its own tokens' loss: the gradient of a value all cp ranks hold
         # whole is a partial sum, summed where it matters (the gather's backward, the dp x cp reduction of
         # parameter gradients). So no f is needed on this axis.
@@ -206,6 +208,22 @@ def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causa
 
 
 LOCALIZERS[aten.scaled_dot_product_attention.default] = _causal_attention
+
+
+def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: Shard) -> None:
+    """A value gathered or scattered on the cp axis holds whole sequences along its split dim; else the split is
+    refused here, at compile time, naming the model's line (at run time it would fail inside the collective)."""
+    val = node.meta.get("val")
+    count = 1 if placement.blocks is None else len(placement.blocks)
+    size = val.shape[placement.dim] if isinstance(val, torch.Tensor) else count * plan.seq_len
+    if size != count * plan.seq_len:
+        where = meta.source_line(node) or meta.module_path(node) or node.name
+        raise ContextParallelError(
+            f"context parallelism cannot split the sequence through {node.name} ({where}): its dim {placement.dim} "
+            f"of size {size} would have to hold {count} sequence(s) of length {plan.seq_len}; the model merges the "
+            "sequence with an inner dim there (a reshape of (tokens, heads) into one dim), which the split cannot "
+            "follow yet: train it without cp (with tp, pp or dp)"
+        )
 
 
 # ------------------------------------------------------------------------------------ sequence collectives

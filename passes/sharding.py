@@ -28,6 +28,7 @@ class AxisStyle:
     gather: Callable[..., torch.nn.Module] = GatherFromParallel
     scatter: Callable[..., torch.nn.Module] = ScatterToParallel
     needs_copy: Callable[[fx.Node], bool] = lambda value: True
+    check: Callable[[fx.Node, Shard], None] = lambda value, placement: None  # raises where the axis cannot move it
 
 
 def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewriter, style: AxisStyle) -> None:
@@ -69,6 +70,7 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
         value = rw.cached(value, "reduce", lambda a: ReduceFromParallel(**a), consumer)
         src = R
     if isinstance(src, Shard) and src != dst:
+        style.check(value, src)
         make = lambda a, s=src: style.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
         full = value.meta["val"].shape[src.dim]
         value = rw.cached(value, f"gather{src.dim}", make, consumer)
@@ -76,6 +78,7 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
             value = _trim(rw, value, src.dim, full, consumer)
         src = R
     if isinstance(src, Replicate) and isinstance(dst, Shard):
+        style.check(value, dst)
         make = lambda a, d=dst: style.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
         value = rw.cached(value, f"split{dst.dim}", make, consumer)
     return rw.current(value)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import fx
+
+from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, _check_whole_sequences
+from autoshard.passes.placements import Shard
 
 import golden
 from models import DECODERS
@@ -86,3 +91,14 @@ def test_every_layer_shares_one_causal_mask_of_global_positions():
     assert len(masks) == 1 and len(readers) == 2, (list(masks), readers)  # two layers, one mask
     (mask,) = masks.values()
     assert mask.shape == (8, 16) and bool(mask[0, 8]) and not bool(mask[0, 9]), "rank 1 holds positions 8..15"
+
+
+def test_a_split_value_that_is_not_whole_sequences_is_refused_at_compile_time():
+    """(batch, seq, heads) merged into one dim (Qwen3.5's ``z.reshape(-1, head_dim)``): the tokens are not whole
+    sequences along it, so no gather or scatter can move it; refused while building, before any collective."""
+    value = fx.Graph().placeholder("z")
+    value.meta["val"] = torch.empty(2 * 12 * 4, 8, device="meta")
+    plan = ContextParallelPlan(size=2, seq_len=12)
+    with pytest.raises(ContextParallelError, match=r"size 96 would have to hold 2 sequence\(s\) of length 12"):
+        _check_whole_sequences(plan, value, Shard(0, blocks=(48, 48)))
+    _check_whole_sequences(plan, value, Shard(0, blocks=(12,) * 8))  # eight whole sequences: moves
