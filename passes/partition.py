@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from autoshard import cost, meta
+from autoshard.passes.pipeline_split import activation_readers
 from autoshard.passes.propagate import reaching_output, requires_grad
 
 # A cut sends what crosses it forward and its gradient back, every microbatch. One value crosses between
@@ -122,8 +123,8 @@ def _activation_dag(gm: fx.GraphModule) -> tuple[list[fx.Node], nx.DiGraph]:
     dag.add_nodes_from(range(len(order)))
     position = {n: i for i, n in enumerate(order)}
     for i, node in enumerate(order):
-        for user in node.users:
-            dag.add_edge(i, position.get(user, len(order)))  # the graph's output sits after every activation
+        for reader in activation_readers(node, lambda n: n in position):
+            dag.add_edge(i, position.get(reader, len(order)))  # the graph's output sits after every activation
     assert nx.is_directed_acyclic_graph(dag)
     return order, dag
 

@@ -67,7 +67,8 @@ def _crossing(activations: list[fx.Node], stage_of: dict[str, int], num_stages: 
     """For each cut k (between stage k and k+1), the activations computed at or before k and read after."""
     last_use: dict[str, int] = {}
     for node in activations:
-        readers = [stage_of[u.name] if u.name in stage_of else num_stages - 1 for u in node.users]
+        readers = [stage_of[u.name] if u.name in stage_of else num_stages - 1
+                   for u in activation_readers(node, lambda n: n.name in stage_of)]
         last_use[node.name] = max(readers, default=stage_of[node.name])
         if any(r < stage_of[node.name] for r in readers):
             raise ValueError(f"{node.name} is read by an earlier stage: stages must follow the graph's order")
@@ -75,6 +76,24 @@ def _crossing(activations: list[fx.Node], stage_of: dict[str, int], num_stages: 
         [n.name for n in activations if stage_of[n.name] <= cut < last_use[n.name]]
         for cut in range(num_stages - 1)
     ]
+
+
+def activation_readers(node: fx.Node, is_activation) -> list[fx.Node]:
+    """The activations (and the graph's output) that read ``node``, looking through the values that belong to no
+    stage: an integer index computed from it (a top-k's indices) is recomputed by whichever stage reads it."""
+    found: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "output" or is_activation(user):
+            found.append(user)
+        else:
+            todo.extend(user.users)
+    return found
 
 
 def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphModule:

@@ -99,3 +99,30 @@ def test_a_model_with_one_trainable_layer_is_told_not_to_pipeline():
                                  loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=torch.randn(2, 4)))
     with pytest.raises(PartitionError, match=r"cannot be pipelined; train it without pp \(pp=1\)"):
         partition(gm, 2)
+
+
+class _Routed(torch.nn.Module):
+    """A mixture-of-experts block: a top-2 router whose integer picks select each token's experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(16, 4)
+        self.experts = torch.nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, picked = self.router(h).softmax(-1).topk(2, dim=-1)
+        out = torch.einsum("nd,nkde->nke", h, self.experts[picked])
+        return h + (out * weights.unsqueeze(-1)).sum(1)
+
+
+def test_a_router_s_integer_picks_do_not_pin_every_later_cut():
+    """The picks (no gradient) are recomputed where read; before, they counted as read by the loss, so the
+    top-k's value crossed every later cut and a mixture of experts could only be cut after its last block."""
+    model = torch.nn.Sequential(*[_Routed() for _ in range(4)], torch.nn.Linear(16, 4))
+    x = torch.randn(12, 16)
+    gm = codegen.prepare(capture(model, (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                                 example_target=torch.randn(12, 4)))
+    part = partition(gm, 4)
+    assert part.balance < 1.3, part.costs
+    for stage in split_pipeline(gm, part.stage_of, 4):
+        assert stage.parameters, "every stage holds experts"
