@@ -87,17 +87,23 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         done: dict[int, object] = {}
         errors: dict[int, str] = {}
-        while len(done) + len(errors) < self.world_size:
-            remaining = deadline - time.monotonic()
-            if errors:  # give the other ranks a moment to report, then fail with what is known
-                remaining = min(remaining, 5.0)
-            try:
-                tid, rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
+        end = deadline
+        while len(done) + len(errors) < self.world_size and time.monotonic() < end:
+            try:  # polled each second, so that a worker that died (killed for memory) fails the task at once
+                tid, rank, ok, value = self._results.get(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
             except queue.Empty:
-                break
+                dead = {r: p.exitcode for r, p in enumerate(self._procs)
+                        if p.exitcode is not None and r not in done and r not in errors}
+                for r, code in dead.items():
+                    errors[r] = f"its worker process died (exit code {code}{'; killed, out of memory?' * (code == -9)})"
+                if dead:
+                    break
+                continue
             if tid != task_id:
                 continue
             (done if ok else errors)[rank] = value
+            if errors:  # give the other ranks a moment to report, then fail with what is known
+                end = min(end, time.monotonic() + 5.0)
         if errors:
             self._fail()
             details = "\n".join(f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -80,6 +81,20 @@ def test_a_stalled_rank_is_named_with_its_line(pools):
     after = pools.get(2).run(os.getpid)
     assert len(set(after)) == 2 and os.getpid() not in after, f"one process per rank, not this one: {after}"
     assert not set(after) & set(before), f"a fresh pool replaces the broken one: {before} then {after}"
+
+
+def _killed_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), 9)  # as the kernel does to a process that runs out of memory
+    time.sleep(60)  # rank 0 would wait for its peer
+    return dist.get_rank()
+
+
+def test_a_worker_that_dies_fails_the_task_at_once(pools):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank\(s\) \[1\](.|\n)*died \(exit code -9; killed, out of memory\?\)"):
+        pools.get(2).run(_killed_on_rank_one, timeout=120)
+    assert time.monotonic() - start < 30, "a dead worker is noticed within seconds, not at the task's timeout"
 
 
 def _replicas_after_drift() -> tuple[bool, bool]:
