@@ -70,6 +70,8 @@ _SIZES: dict[str, Any] = {
     **dict.fromkeys(
         ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
          "max_target_positions", "max_source_positions"), MAX_POS),
+    "linear_num_heads": N_HEAD,
+    "linear_head_dim": HEAD_DIM,
     "d_head": HEAD_DIM,
     "qk_rope_head_dim": 8,
     "qk_head_dim": HEAD_DIM + 8,
