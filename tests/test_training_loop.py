@@ -32,7 +32,7 @@ BAD = ["big id", "negative id", "big target", "negative target"]
 
 
 @pytest.mark.parametrize("what", BAD)
-@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2}, {"pp": 2}], ids=["tp2", "dp2", "pp2"])
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2}, {"pp": 2}, {"cp": 2}], ids=["tp2", "dp2", "pp2", "cp2"])
 def test_ids_and_targets_outside_the_vocabulary_raise_on_every_rank(pools, mesh, what):
     results = pools.get(2).run(golden_loop.bad_data, "gpt", mesh, what)
     expected = "IndexError: Target" if "target" in what else "IndexError: index out of range in self"
