@@ -17,31 +17,16 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.mesh import Mesh, MeshGroups
-
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+from autoshard.options import DEFAULT_TIMEOUT, CompileOptions
 
 
 def parallelize(
-    model: nn.Module,
-    mesh: Mesh | str | None = None,
-    *,
-    example_inputs: tuple,
-    loss_fn: Callable | None = None,
-    target: torch.Tensor | None = None,
-    microbatches: int = 1,
-    local_batch: bool = False,
-    groups: MeshGroups | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-    tp_indivisible: str = "error",
-    schedule: str = "1f1b",
-    chunks: int = 1,
-    pipeline_starts: list[str] | None = None,
-    cp_attention: str = "gather",
-    cp_load_balance: bool = False,
-    mixed_precision: str | None = None,
-    activation_checkpointing: bool = False,
-    tp_plan=None,
-    data_parallel: str = "ddp",
+    model: nn.Module, mesh: Mesh | str | None = None, *, example_inputs: tuple, loss_fn: Callable | None = None,
+    target: torch.Tensor | None = None, groups: MeshGroups | None = None, options: CompileOptions | None = None,
+    microbatches: int = 1, local_batch: bool = False, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    tp_indivisible: str = "error", schedule: str = "1f1b", chunks: int = 1, pipeline_starts: list[str] | None = None,
+    cp_attention: str = "gather", cp_load_balance: bool = False, mixed_precision: str | None = None,
+    activation_checkpointing: bool = False, tp_plan=None, data_parallel: str = "ddp",
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -53,30 +38,12 @@ def parallelize(
         loss_fn: ``loss_fn(model(*inputs), target) -> scalar``; captured with the model in one graph.
         target: an example global-batch target; with it the training graph is captured now,
             otherwise at the first ``step()``.
-        microbatches: how many microbatches each rank's local batch is cut into.
-        local_batch: ``step()`` gets each rank's own slice of the batch (a data loader that shards by
-            rank) instead of the global batch.
         groups: process groups already created by ``mesh.create_groups()``; created here when absent,
             initialising torch.distributed from torchrun's environment if nothing is initialised yet.
-        timeout: how long any collective may wait before the step fails, naming the rank and step.
-        tp_indivisible: what to do with a block whose heads or width the tp degree does not divide:
-            ``"error"`` (the default: an error naming the layer and the degrees that work) or
-            ``"replicate"`` (keep that block replicated, with a warning).
-        schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
-        chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
-        pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
-            stage after the first begins.
-        cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
-            values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
-        cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
-        mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
-        activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
-        tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
-            printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
-        data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
-            ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded). Under pipeline
-            parallelism a rank's parameters stay gathered for the step (one all-gather per step, not per
-            microbatch) and gradients are reduce-scattered after its last backward.
+        options: the compiler's options as one :class:`~autoshard.options.CompileOptions`; or give its fields
+            (``microbatches``, ``local_batch``, ``timeout``, ``tp_indivisible``, ``schedule``, ``chunks``,
+            ``pipeline_starts``, ``cp_attention``, ``cp_load_balance``, ``mixed_precision``,
+            ``activation_checkpointing``, ``tp_plan``, ``data_parallel``) as keyword arguments, documented there.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -85,41 +52,52 @@ def parallelize(
             f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs).__name__}; "
             "for one input write example_inputs=(tokens,)"
         )
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r} is not valid: it must be an integer >= 1")
-    if isinstance(mesh, str):
-        if mesh != "auto":
-            raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
-        mesh = auto_mesh(model, example_inputs, microbatches=microbatches, local_batch=local_batch, announce=True)
-    mesh = mesh if mesh is not None else Mesh()
-    _check_supported(mesh)
-    _lint(mesh, model, example_inputs, microbatches=microbatches, chunks=chunks, local_batch=local_batch)
+    given = CompileOptions(
+        microbatches=microbatches, local_batch=local_batch, schedule=schedule, chunks=chunks,
+        pipeline_starts=pipeline_starts, tp_indivisible=tp_indivisible, cp_attention=cp_attention,
+        cp_load_balance=cp_load_balance, mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing, tp_plan=tp_plan, data_parallel=data_parallel,
+        timeout=timeout,
+    )
+    options = _one_set_of_options(options, given)
+    mesh = _mesh(mesh, model, example_inputs, options)
+    findings = lint_findings(mesh, model, example_inputs, options)
+    if _rank() == 0:  # the lint is about the job: said once, not once per rank
+        for finding in findings:
+            if finding.severity in ("warning", "error"):
+                warnings.warn(f"autoshard: {finding}", stacklevel=2)
     if groups is None:
-        groups = _groups_for(mesh, timeout, _device_of(model))
+        groups = _groups_for(mesh, options.timeout, _device_of(model))
         _check_gpu(model)
     elif groups.mesh != mesh:
         raise ValueError(f"the process groups were created for {groups.mesh}, not for {mesh}: pass groups of this mesh")
-    return ParallelModel(
-        model,
-        mesh,
-        groups,
-        example_inputs=example_inputs,
-        loss_fn=loss_fn,
-        target=target,
-        microbatches=microbatches,
-        local_batch=local_batch,
-        tp_indivisible=tp_indivisible,
-        schedule=schedule,
-        chunks=chunks,
-        pipeline_starts=pipeline_starts,
-        cp_attention=cp_attention,
-        cp_load_balance=cp_load_balance,
-        mixed_precision=mixed_precision,
-        activation_checkpointing=activation_checkpointing,
-        tp_plan=tp_plan,
-        data_parallel=data_parallel,
-        timeout=timeout,
-    )
+    return ParallelModel(model, mesh, groups, options, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
+                         lint=findings if mesh.world_size > 1 else None)
+
+
+def _one_set_of_options(options: CompileOptions | None, given: CompileOptions) -> CompileOptions:
+    if options is None:
+        return given
+    changed = [f for f in CompileOptions.fields() if getattr(given, f) != getattr(CompileOptions(), f)]
+    if changed:
+        raise ValueError(f"pass the options either as options=CompileOptions(...) or as keyword arguments, not both "
+                         f"(got options= and {', '.join(changed)}=): put {', '.join(changed)} into the CompileOptions")
+    return options
+
+
+def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, options: CompileOptions) -> Mesh:
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
+        mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches, local_batch=options.local_batch,
+                         announce=True)
+    mesh = mesh if mesh is not None else Mesh()
+    options.check_mesh(mesh)
+    return mesh
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _device_of(model: nn.Module) -> str:
@@ -165,10 +143,6 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta, device: str = "cpu") ->
     return mesh.create_groups(timeout=timeout)
 
 
-def _check_supported(mesh: Mesh) -> None:
-    """Every combination of the four axes is supported; kept as the one place to refuse one."""
-
-
 # ------------------------------------------------------------------------------- mesh="auto" and the lint
 
 
@@ -194,7 +168,7 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
             why += f": {type(model).__name__} is not a token transformer the planner can describe"
         else:
             mesh, why = _planned_mesh(config, world_size, microbatches, local_batch, fallback)
-    if announce and (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+    if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
     return mesh
 
@@ -256,16 +230,13 @@ def transformer_config(model: nn.Module, example_inputs: tuple, global_batch: in
         return None
 
 
-def _lint(mesh: Mesh, model: nn.Module, example_inputs: tuple, *, microbatches: int, chunks: int,
-          local_batch: bool) -> None:
-    """Warn about every finding of the planner's lint (the seeds' rules) that is a warning or an error."""
+def lint_findings(mesh: Mesh, model: nn.Module, example_inputs: tuple, options: CompileOptions) -> list:
+    """The planner's lint (the seeds' rules) of ``mesh`` for this model and batch; none for one rank."""
     if mesh.world_size == 1:
-        return
+        return []
     from autoshard.planner import lint
     from autoshard.runtime.batching import batch_size
 
-    batch = (batch_size(example_inputs) or 1) * (mesh.dp if local_batch else 1)
+    batch = (batch_size(example_inputs) or 1) * (mesh.dp if options.local_batch else 1)
     config = transformer_config(model, example_inputs, batch)
-    for finding in lint(mesh, config, microbatches=microbatches, interleave=chunks):
-        if finding.severity in ("warning", "error"):
-            warnings.warn(f"autoshard: {finding}", stacklevel=3)
+    return lint(mesh, config, microbatches=options.microbatches, interleave=options.chunks)

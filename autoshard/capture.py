@@ -46,6 +46,8 @@ class Captured:
     names: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
     training: bool = True  # the model's mode during the capture: dropout and batch norm ops depend on it
+    token_loss: object = None  # a training capture's token loss (``passes.loss.TokenLoss``), rewritten to a sum
+    count_gm: fx.GraphModule | None = None  # with a token loss: counts the tokens it averaged over
 
     @property
     def key(self) -> tuple:

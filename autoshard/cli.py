@@ -2,8 +2,7 @@
 
 Each module in ``COMMAND_MODULES`` defines ``register(subparsers) -> ArgumentParser``, which adds its
 subcommand and sets the default ``run`` to a function ``run(args) -> int`` (the exit code). To add a
-subcommand, write such a module and list it here; a listed module that does not exist yet is skipped,
-so ``autoshard.inspect_cli`` (``autoshard inspect``) appears as soon as its module does.
+subcommand, write such a module and list it here.
 
 Errors in the user's input are one line on stderr and exit code 2, as argparse's own are.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import re
 import sys
 from collections.abc import Sequence
@@ -31,8 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autoshard", description="Plan and inspect the parallel split of a PyTorch model.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name) is None:  # not written yet; a module that fails to import still raises
-            continue
         importlib.import_module(name).register(subparsers)
     return parser
 

@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from autoshard import meta
 from autoshard.capture import Captured
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
@@ -37,13 +38,13 @@ class ParamStore(nn.Module):
         """Make ``gm`` read the store's parameters; parameters the store lacks are taken from ``gm``."""
         for name, param in list(gm.named_parameters()):
             owner, _, attr = name.rpartition(".")
-            mine = self._lookup(name)
+            mine = self.find(name)
             if mine is None:
                 self._register(name, param)
             elif mine is not param:
                 setattr(gm.get_submodule(owner) if owner else gm, attr, mine)
 
-    def _lookup(self, name: str) -> nn.Parameter | None:
+    def find(self, name: str) -> nn.Parameter | None:
         try:
             return self.get_parameter(name)
         except AttributeError:
@@ -114,21 +115,21 @@ def build_stages(
     mine: list[int],
     *,
     store: ParamStore | None = None,
-) -> tuple[list[Stage], dict[int, RankProgram]]:
-    """Every stage of the pipeline (to know what crosses each cut), and the programs of this rank's stages."""
+) -> tuple[list[Stage], dict[int, RankProgram], dict[int, tuple[list[TensorSpec], list[TensorSpec]]]]:
+    """Every stage of the pipeline (to know what crosses each cut, at global shapes), the programs of this
+    rank's stages, and what each of them receives and sends at the shapes this rank holds."""
     whole = prepare(captured)
     stages = split_pipeline(whole, stage_of, num_stages)
-    programs = {}
+    programs, local = {}, {}
     for index in mine:
         stage = stages[index]
         _shard(stage.gm, _for_stage(sharding, whole, stage), store)
-        stage.receive_specs = _specs([n for n in stage.gm.graph.nodes if n.name.startswith("recv_")])
+        received = _specs([n for n in stage.gm.graph.nodes if n.op == "placeholder" and meta.RECEIVED in n.meta])
         output = next(n for n in stage.gm.graph.nodes if n.op == "output")
-        if stage.sends:
-            stage.send_specs = _specs(list(output.args[0]))
+        local[index] = (received, _specs(list(output.args[0])) if stage.sends else [])
         out_spec = getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None
         programs[index] = RankProgram(stage.gm, out_spec)
-    return stages, programs
+    return stages, programs, local
 
 
 def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Sharding:
@@ -142,7 +143,8 @@ def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Shard
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
     prop = propagate(whole, seeds, plan.size, partial_outputs=True)
     by_name = {n.name: n for n in whole.graph.nodes}
-    received = {f"recv_{name}": prop.of(by_name[name]) for name in stage.receives}
+    received = {n.target: prop.of(by_name[n.meta[meta.RECEIVED]]) for n in stage.gm.graph.nodes
+                if n.op == "placeholder" and meta.RECEIVED in n.meta}
     inputs = {**plan.inputs, **{k: p.dim for k, p in received.items() if isinstance(p, Shard) and p.blocks is None}}
     return dataclasses.replace(sharding, cp_plan=dataclasses.replace(plan, inputs=inputs))
 

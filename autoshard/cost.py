@@ -164,7 +164,7 @@ def summary(gm: fx.GraphModule, *, top: int = 5) -> str:
     params = sum(p.numel() for p in gm.parameters())
     flops = total_flops(costs)
     lines = [
-        f"parameters: {_count(params)} ({_bytes(total_param_bytes(costs))})",
+        f"parameters: {_count(params)} ({format_bytes(total_param_bytes(costs))})",
         f"forward: {_count(flops)}FLOP at the traced shapes; training step ~{_count(training_flops(flops))}FLOP",
         "largest activations (views left out):",
     ]
@@ -172,7 +172,7 @@ def summary(gm: fx.GraphModule, *, top: int = 5) -> str:
     for node in sorted(fresh, key=lambda n: costs[n].activation_bytes, reverse=True)[:top]:
         where = meta.module_path(node) or "(top level)"
         shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in _tensors(node.meta.get(meta.VAL)))
-        lines.append(f"  {node.name:<28} {shapes:<16} {_bytes(costs[node].activation_bytes):>10}  {where}")
+        lines.append(f"  {node.name:<28} {shapes:<16} {format_bytes(costs[node].activation_bytes):>10}  {where}")
     return "\n".join(lines)
 
 
@@ -341,7 +341,8 @@ def _count(n: float) -> str:
     return f"{n:.0f} "
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``193.8 KiB``: binary units, one decimal."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"

@@ -12,14 +12,16 @@ Communication is filled in colour:
 ===============================  =========  ==========================================================
 node                             colour     what it is
 ===============================  =========  ==========================================================
-``tp_*`` call_module             orange     a tensor-parallel collective (all-reduce, all-gather, ...)
-``cp_*`` call_module             blue       a context-parallel collective (sequence gather or scatter)
+tp collective call_module        orange     a tensor-parallel collective (all-reduce, all-gather, ...)
+cp collective call_module        blue       a context-parallel collective (sequence gather or scatter)
 other collective call_module     purple     a collective of another axis
-``recv_*`` placeholder           green      an activation received from the previous pipeline stage
+received placeholder             green      an activation received from the previous pipeline stage
 output of a stage that sends     green      the activations sent to the next pipeline stage
 ===============================  =========  ==========================================================
 
 Inputs are ellipses, parameters and buffers (``get_attr``) grey boxes, everything else white boxes.
+A collective's axis and a received input are read from the metadata the passes write (``meta.AXIS``,
+``meta.RECEIVED``), not from node names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 from torch import fx
+
+from autoshard import meta
 
 AXIS_COLOURS = {"tp": "#ffcc80", "cp": "#90caf9"}
 OTHER_COLLECTIVE = "#ce93d8"
@@ -75,9 +79,8 @@ def collective(gm: fx.GraphModule, node: fx.Node) -> torch.nn.Module | None:
 
 
 def axis_of(node: fx.Node) -> str:
-    """The mesh axis of a rewritten graph's collective node, from its name (``tp_reducefromparallel_3`` -> tp)."""
-    prefix, _, _ = str(node.target).partition("_")
-    return prefix
+    """The mesh axis of a rewritten graph's collective node (``tp``, ``cp``), or '' for a node no pass inserted."""
+    return node.meta.get(meta.AXIS, "")
 
 
 def _label(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -115,7 +118,7 @@ def _style(gm: fx.GraphModule, node: fx.Node, sends: bool) -> dict[str, str]:
     if collective(gm, node) is not None:
         return {"fillcolor": AXIS_COLOURS.get(axis_of(node), OTHER_COLLECTIVE), "penwidth": "2"}
     if node.op == "placeholder":
-        return {"shape": "ellipse", "fillcolor": PIPELINE if node.name.startswith("recv_") else PLAIN}
+        return {"shape": "ellipse", "fillcolor": PIPELINE if meta.RECEIVED in node.meta else PLAIN}
     if node.op == "output":
         return {"shape": "ellipse", "fillcolor": PIPELINE if sends else PLAIN}
     if node.op == "get_attr":
@@ -133,3 +136,14 @@ def _attribute(gm: fx.GraphModule, target: str):
 def _quote(text: str) -> str:
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{escaped}"'
+
+
+def write_build(build, folder: str | Path, *, title: str) -> list[Path]:
+    """One file per program of a ``RankBuild``: ``rank{R}.dot``, or ``rank{R}_stage{S}.dot`` per pipeline stage."""
+    written = []
+    for index, program in sorted(build.programs.items()):
+        name = f"rank{build.rank}_stage{index}" if build.stages else f"rank{build.rank}"
+        sends = bool(build.stages and build.stages[index].sends)
+        written.append(write_dot(program.gm, Path(folder) / f"{name}.dot",
+                                 title=title + (f", stage {index}" if build.stages else ""), sends=sends))
+    return written

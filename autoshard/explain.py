@@ -1,132 +1,236 @@
-"""``explain()``: what the compiler did to a model, as a report a person reads.
+"""The report of what the compiler did for one rank, rendered from its ``RankBuild``s.
 
-Sections: the mesh and this rank's place in it; the captured graphs (nodes, capture time); every
-parameter with its placement on each mesh axis and its bytes on this rank; how the loss is
-normalised; the collectives that run per training step with their bytes.
+``pm.explain()`` and ``autoshard inspect`` print this same report for the same rank. Sections: the model,
+the mesh and the rank's place in it; the captured graphs; how the loss is normalised; every parameter
+with its role, placement and local shape; the context-parallel plan; the pipeline (cuts, costs, bubble,
+the schedule's timeline); optionally the code of each of the rank's programs; the collectives per
+microbatch and per step with their bytes; the planner's lint of the mesh.
 """
 
 from __future__ import annotations
 
-from autoshard.passes.tensor_parallel import FALLBACKS
+import math
+import re
+
+import torch
+from torch import nn
+
+from autoshard import meta
+from autoshard.cost import format_bytes
+from autoshard.mesh import AXES, Mesh
+from autoshard.options import CompileOptions
 from autoshard.runtime import schedules
 
-
-def explain(pm) -> str:
-    lines = [f"autoshard: {type(pm.model).__name__} on {pm.mesh} (world size {pm.mesh.world_size}), rank {pm.rank}"]
-    lines += _graphs(pm)
-    lines += _parameters(pm)
-    lines += _loss(pm)
-    lines += _pipeline(pm)
-    lines += _collectives(pm)
-    return "\n".join(lines)
+_PREFIX = re.compile(r"(?<![\w.])model\.")  # the capture's prefix of parameter names, in a plan's reasons
 
 
-def _pipeline(pm) -> list[str]:
-    pipe = pm.pipeline
-    if pipe is None or pipe.partition is None:
-        return []
-    part = pipe.partition
-    m = pm.microbatches
-    sim = schedules.simulate(pipe.actions, pipe.p, pipe.v)
-    formula = (pipe.p - 1) / (pipe.v * m + pipe.p - 1)
-    lines = [
-        "",
-        f"pipeline: {pipe.num_stages} stages on {pipe.p} ranks, schedule {pipe.schedule_name}, {m} microbatches"
-        + (f", {pipe.v} chunks per rank" if pipe.v > 1 else "")
-        + f"; this rank runs stages {pipe.mine}",
-        f"  cuts after {', '.join(part.cut_after)} (one of {part.candidates} places where the fewest values cross), "
-        f"sending {', '.join(_bytes(b) for b in part.crossing_bytes)} per microbatch",
-        f"  stage costs {', '.join(f'{c:.3g}' for c in part.costs)} (largest over mean: {part.balance:.2f})",
-        f"  simulated bubble {sim.bubble:.1%} (formula (p-1)/(v*m+p-1) = {formula:.1%}); activations in flight "
-        f"at most {max(sim.peak_in_flight.values()):.2g} stage-equivalents per rank",
-    ]
-    for name, ranks in pipe.tied.items():
-        lines.append(f"  {name.removeprefix('model.')} is used on pp ranks {sorted(ranks)}: gradients summed there")
-    lines.append("  " + schedules.render(pipe.actions, pipe.p, sim=schedules.simulate(
-        pipe.actions, pipe.p, pipe.v, forward_cost=1.0, backward_cost=1.0)).replace("\n", "\n  "))
+def render(builds: list, *, model: nn.Module, mesh: Mesh, rank: int, options: CompileOptions, lint: list | None,
+           code: bool = False) -> str:
+    """The report of rank ``rank`` from its ``builds`` (every capture so far; the latest is described)."""
+    sections = [_header(model, mesh, rank), _graphs(builds, options, mesh)]
+    if builds:
+        build = ([b for b in builds if b.training] or builds)[-1]
+        sections += [_loss(build, options, mesh), _parameters(build), _context_parallel(build), _pipeline(build)]
+        sections += _code(build) if code else []
+        sections.append(_collectives(build))
+    if lint is not None:
+        sections.append(_lint(lint, mesh))
+    return "\n\n".join("\n".join(lines) for lines in sections if lines)
+
+
+def _header(model: nn.Module, mesh: Mesh, rank: int) -> list[str]:
+    params = {id(p): p.numel() for p in model.parameters()}
+    coords = mesh.coords(rank)
+    lines = [f"autoshard: {type(model).__name__}, {_count(sum(params.values()))} parameters",
+             f"mesh: {mesh}, world size {mesh.world_size}; rank {rank} at "
+             + ", ".join(f"{axis}={coords[axis]}" for axis in AXES)]
+    groups = [f"{axis} {mesh.group_of(axis, rank)}" for axis in ("tp", "cp", "dp", "pp") if mesh.degree(axis) > 1]
+    if groups:
+        lines.append(f"  groups of rank {rank}: {'; '.join(groups)}")
     return lines
 
 
-def _graphs(pm) -> list[str]:
-    lines = ["", "captured graphs:"]
-    for program in pm._train.values():
-        lines.append(_graph("training ", program.captured))
-    for c, _ in pm._infer.values():
-        lines.append(_graph("inference", c))
-    if len(lines) == 2:
+def _graphs(builds: list, options: CompileOptions, mesh: Mesh) -> list[str]:
+    per = f"{options.microbatches} microbatch(es) per dp rank" + (f", {mesh.dp} dp ranks" if mesh.dp > 1 else "")
+    lines = [f"captured graphs, at the shapes of one microbatch ({per}):"]
+    for build in builds:
+        c = build.captured
+        kind = "training graph (forward, loss, backward)" if c.with_loss else "inference graph"
+        mode = "" if c.training else " (eval mode)"
+        lines.append(f"  {kind} {_shapes(c.input_shapes)}{mode}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s")
+    if not builds:
         lines.append("  none yet (the training graph is captured at the first step())")
     return lines
 
 
-def _graph(kind: str, c) -> str:
-    mode = "" if c.training else " (eval mode)"
-    return f"  {kind} {_shapes(c.input_shapes)}{mode}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s"
-
-
-def _parameters(pm) -> list[str]:
-    names = pm._names() if (pm._train or pm._infer) else {}
-    store = pm.replica.store
-    local_total = sum(p.numel() * p.element_size() for p in store.parameters())
-    held = sum(1 for target in names if store._lookup(target) is not None)
-    lines = ["", f"parameters: {held} of {len(names)} tensors on this rank, {_bytes(local_total)}"]
-    width = max((len(", ".join(n)) for n in names.values()), default=10)
-    for target, originals in names.items():
-        local = store._lookup(target)
-        if local is None:
-            lines.append(f"  {', '.join(originals):<{width}}  on another pipeline stage")
-            continue
-        full = pm.plan.params[target] if pm.plan is not None else None
-        role = f"tp {full.role} {full.placement!r}" if full is not None else "replicated"
-        why = f" ({full.reason})" if full is not None and full.reason else ""
-        shape = "x".join(map(str, local.shape))
-        lines.append(f"  {', '.join(originals):<{width}}  {role:<24} local {shape:<10}{why}")
-    lines += [f"  note: {note}" for note in (pm.plan.notes if pm.plan is not None else [])]
-    return lines
-
-
-def _loss(pm) -> list[str]:
-    programs = list(pm._train.values())
-    if not programs:
-        return []
-    token = programs[-1].token_loss
+def _loss(build, options: CompileOptions, mesh: Mesh) -> list[str]:
+    if not build.training:
+        return ["loss: none (an inference graph: give a loss_fn and a target to compile training)"]
+    token = build.captured.token_loss
     if token is not None:
-        how = (f"token loss {token.node} (ignore_index={token.ignore_index}) summed per microbatch and divided by "
-               "the number of counted tokens of the global batch")
-    else:
-        how = (f"loss kept as captured and divided by the {pm.microbatches * pm.mesh.dp} microbatches of the "
-               "global batch (exact for a mean over equal-sized microbatches)")
-    return ["", f"loss: {how}"]
+        return [f"loss: token loss {token.node} (ignore_index={token.ignore_index}) summed per microbatch and "
+                "divided by the number of counted tokens of the global batch"]
+    return [f"loss: kept as captured and divided by the {options.microbatches * mesh.dp} microbatches of the "
+            "global batch (exact for a mean over equal-sized microbatches)"]
 
 
-def _collectives(pm) -> list[str]:
-    lines = ["", "collectives per training step:"]
-    if pm._train:
-        program = next(reversed(pm._train.values()))
-        for (direction, kind, op), (calls, size) in communication(program.gm).items():
-            total = calls * pm.microbatches
-            axis, name = op.split(" ", 1)
-            amount = _bytes(size * pm.microbatches)
-            lines.append(f"  {axis} {direction:<8} {kind:<10} x{total:<3} {amount:>10}  ({name})")
-        for note in program.gm.meta.get(FALLBACKS, []):
-            lines.append(f"  fallback: {note}")
-    data = pm.mesh.dp * pm.mesh.cp
-    if data > 1 and pm.replica.sharded_data:
-        # FSDP2 parameters are DTensors: their shape is the whole (tp-local) tensor
-        grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
-        gathers = "once per step" if pm.pipeline is not None else "for each microbatch's forward and backward"
-        lines.append(f"  FSDP2 over dp x cp ({data} ranks): parameters all-gathered {gathers}, {_bytes(grad_bytes)}; "
-                     f"gradients reduce-scattered (sum), {_bytes(grad_bytes)}")
-    elif data > 1:
-        grad_bytes = sum(p.numel() * p.element_size() for p in pm.replica.store.parameters() if p.requires_grad)
-        how = ("bucketed, each bucket launched during the last backward that finishes its gradients"
-               if pm.pipeline is not None
-               else "bucketed by DistributedDataParallel, overlapped with the last microbatch's backward")
-        lines.append(f"  dp x cp all-reduce (sum) of gradients over {data} ranks: {_bytes(grad_bytes)} ({how})")
-        count = " and of the token count: 4 B" if pm.local_batch else ""
-        lines.append(f"  dp x cp all-reduce (sum) of the loss: 4 B{count}")
-    if len(lines) == 2:
-        lines.append("  none")
+def _parameters(build) -> list[str]:
+    local = {name: p for program in build.programs.values() for name, p in program.gm.named_parameters()}
+    holder = {name: s.index for s in build.stages for name in s.parameters}
+    captured, plan = build.captured, build.tp_plan
+    full = dict(captured.gm.named_parameters())
+    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in local.values()}.values())
+    title = f"tensor-parallel plan over tp={build.mesh.tp}" if plan is not None else "tp=1, each whole"
+    lines = [f"parameters: {title}; rank {build.rank} (tp rank {build.coords['tp']}) holds {len(local)} of {len(full)} "
+             f"tensors, {format_bytes(held)}:"]
+    rows = []
+    for target, param in full.items():
+        entry = plan.params.get(target) if plan is not None else None
+        role, placement = (entry.role, repr(entry.placement)) if entry is not None else ("replicated", "R")
+        here = _shape(local[target].shape) if target in local else f"(stage {holder.get(target, '?')})"
+        why = _PREFIX.sub("", entry.reason) if entry is not None and entry.reason else ""
+        rows.append((", ".join(captured.names.get(target, [target])), role, placement, _shape(param.shape) or
+                     "scalar", here, why))
+    lines += _table([("parameter", "role", "placement", "full", "local", "why"), *rows], right=())
+    lines += [f"  note: {note}" for note in [*(plan.notes if plan is not None else []), *build.notes]]
     return lines
+
+
+def _context_parallel(build) -> list[str]:
+    plan = build.cp_plan
+    if plan is None:
+        return []
+    lines = [f"context-parallel plan over cp={plan.size}: attention {plan.attention}"
+             + (", load-balanced chunks" if plan.load_balance else "")]
+    for name, dim in plan.inputs.items():
+        lines.append(f"  {name}: sequence dim {dim}, {plan.seq_len} tokens -> {plan.seq_len // plan.size} per rank")
+    positions = _ranges(plan.positions(build.coords["cp"]).tolist())
+    lines.append(f"  cp rank {build.coords['cp']} holds token positions {positions}")
+    return lines
+
+
+def _pipeline(build) -> list[str]:
+    part = build.partition
+    if part is None:
+        return []
+    p, v, m = build.mesh.pp, build.options.chunks, build.options.microbatches
+    mine = sorted(build.programs)
+    sim = schedules.simulate(build.actions, p, v)
+    lines = [
+        f"pipeline: {build.num_stages} stages on {p} pp ranks" + (f" ({v} chunks per rank)" if v > 1 else "")
+        + f"; rank {build.rank} (pp={build.coords['pp']}) runs stage{'s' if len(mine) > 1 else ''} "
+        + ", ".join(map(str, mine)),
+        f"  cuts after {', '.join(part.cut_after)} (of {part.candidates} places where the fewest values cross), "
+        f"sending {', '.join(format_bytes(b) for b in part.crossing_bytes)} per microbatch",
+        f"  stage costs {', '.join(f'{c:.3g}' for c in part.costs)} (largest over mean: {part.balance:.2f})",
+        f"  schedule {build.options.schedule}, {m} microbatch(es): simulated bubble {sim.bubble:.1%} (formula "
+        f"(p-1)/(v*m+p-1) = {(p - 1) / (v * m + p - 1):.1%}); at most {max(sim.peak_in_flight.values()):.2g} "
+        "stage-equivalents of activations in flight",
+    ]
+    for name, ranks in build.tied.items():
+        names = ", ".join(build.captured.names.get(name, [name]))
+        lines.append(f"  {names} is used on pp ranks {sorted(ranks)}: its gradients are summed there")
+    drawn = schedules.simulate(build.actions, p, v, forward_cost=1.0, backward_cost=1.0)
+    grid = schedules.render(build.actions, p, sim=drawn).splitlines()
+    grid[build.coords["pp"]] += f"   <- rank {build.rank}"
+    lines += [f"  timeline ({build.options.schedule}): one row per pp rank, time to the right; F3/B3 = forward/"
+              "backward of microbatch 3" + (" (F3.5: of stage 5)" if v > 1 else "") + ", . = idle",
+              *(f"  {row}" for row in grid)]
+    return lines
+
+
+def _code(build) -> list[list[str]]:
+    sections = []
+    for index, program in sorted(build.programs.items()):
+        title = f"code of rank {build.rank}:"
+        if build.stages:
+            received, sent = build.local_specs[index]
+            what = [f"stage {index} of {build.num_stages}"]
+            if received:
+                what.append(f"receives {_specs(received)} from pp rank {(index - 1) % build.mesh.pp}")
+            if sent:
+                what.append(f"sends {_specs(sent)} to pp rank {(index + 1) % build.mesh.pp}")
+            title = f"code of rank {build.rank}, {'; '.join(what)}:"
+        sections.append([title, *program.code.strip().splitlines(), *_modules(program.gm)])
+    return sections
+
+
+def _modules(gm) -> list[str]:
+    """The communication modules the code calls, with this rank's settings (its vocab range, its positions)."""
+    found = [(node.target, _collective(gm, node)) for node in gm.graph.nodes if _collective(gm, node) is not None]
+    if not found:
+        return []
+    width = max(len(name) for name, _ in found)
+    return ["  where", *(f"    self.{name:<{width}} = {module!r}" for name, module in found)]
+
+
+def _collectives(build) -> list[str]:
+    rows = []
+    for index, program in sorted(build.programs.items()):
+        stage = f"{index}" if build.stages else "-"
+        for (axis, direction, kind, op), (calls, size) in collectives(program.gm).items():
+            if direction == "forward" or build.training:  # an inference graph has no backward
+                rows.append((stage, axis, direction, kind, op, str(calls), format_bytes(size)))
+        if build.stages:
+            rows += _pipeline_rows(build, index, stage)
+    order = {"tp": 0, "cp": 1, "pp": 2}
+    rows.sort(key=lambda r: (r[0], order.get(r[1], 3), r[2] != "forward"))
+    m = build.options.microbatches
+    lines = [f"collectives of rank {build.rank} per microbatch ({m} per step):"]
+    lines += _table([("stage", "axis", "pass", "collective", "op", "calls", "bytes"), *rows], right=(5, 6)) \
+        if rows else ["  none"]
+    lines += [f"  fallback: {note}" for note in build.fallbacks]
+    return lines + _per_step(build)
+
+
+def _pipeline_rows(build, index: int, stage: str) -> list[tuple]:
+    """Forward activations cross each cut; in training their gradients come back the other way."""
+    rows, p = [], build.mesh.pp
+    received, sent = build.local_specs[index]
+    for specs, peer, there, back in ((received, (index - 1) % p, "recv", "send"), (sent, (index + 1) % p, "send",
+                                                                                       "recv")):
+        if not specs:
+            continue
+        size = format_bytes(_spec_bytes(specs))
+        rows.append((stage, "pp", "forward", there, f"activations {'from' if there == 'recv' else 'to'} pp rank "
+                     f"{peer}", "1", size))
+        if build.training:
+            rows.append((stage, "pp", "backward", back, f"gradients {'to' if back == 'send' else 'from'} pp rank "
+                         f"{peer}", "1", size))
+    return rows
+
+
+def _per_step(build) -> list[str]:
+    mesh, options, lines = build.mesh, build.options, []
+    data = mesh.dp * mesh.cp
+    if data > 1 and build.training:
+        params = {id(q): q for program in build.programs.values() for q in program.gm.parameters() if q.requires_grad}
+        grads = format_bytes(sum(q.numel() * q.element_size() for q in params.values()))
+        over = " x ".join(f"{a}={mesh.degree(a)}" for a in ("dp", "cp") if mesh.degree(a) > 1)
+        if options.data_parallel == "fsdp":
+            gathers = "once per step" if mesh.pp > 1 else "for each microbatch's forward and backward"
+            lines.append(f"per step: FSDP2 over {data} ranks ({over}): this rank's parameters all-gathered {gathers} "
+                         f"({grads}), its gradients reduce-scattered (sum, {grads}); each rank keeps 1/{data} of "
+                         "them, of their gradients and of the optimizer state")
+        else:
+            how = ("in buckets launched during the last backward that finishes them" if mesh.pp > 1
+                   else "bucketed by DistributedDataParallel during the last microbatch's backward")
+            lines.append(f"per step: all-reduce (sum) of this rank's gradients over {data} ranks ({over}): "
+                         f"{grads}, {how}")
+        count = " and of the token count" if options.local_batch and build.captured.token_loss is not None else ""
+        lines.append(f"per step: all-reduce (sum) of the loss{count} over {data} ranks ({over}): 4 B each")
+    if build.tied:
+        lines.append("per step: tied parameters' gradients summed over the pp ranks that use them")
+    return lines
+
+
+def _lint(findings: list, mesh: Mesh) -> list[str]:
+    if not findings:
+        return [f"lint: no finding for {mesh} (the planner's rules)"]
+    return ["lint (the planner's rules):", *(f"  {finding}" for finding in findings)]
+
+
+# ------------------------------------------------------------------------------------------- counting
 
 
 def communication(gm) -> dict[tuple[str, str, str], tuple[int, int]]:
@@ -136,32 +240,76 @@ def communication(gm) -> dict[tuple[str, str, str], tuple[int, int]]:
     the passes recorded on each node.
     """
     found: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for (axis, direction, kind, op), counted in collectives(gm).items():
+        found[(direction, kind, f"{axis} {op}")] = counted
+    return found
+
+
+def collectives(gm) -> dict[tuple[str, str, str, str], tuple[int, int]]:
+    """Collectives one run of ``gm`` makes, by mesh axis: (axis, direction, kind, op) -> (calls, bytes)."""
+    found: dict[tuple[str, str, str, str], tuple[int, int]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(node.target)
-        if not hasattr(module, "comm_bytes") or getattr(module, "size", 1) == 1:
+        module = _collective(gm, node)
+        if module is None:
             continue
         arg = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
         shape = list(arg.shape) if arg is not None else []
         forward, backward = module.comm_bytes(shape, arg.element_size() if arg is not None else 4)
-        op = f"{str(node.target).split('_')[0]} {type(module).__name__}"
+        axis, op = node.meta.get(meta.AXIS, "tp"), type(module).__name__
         counts = getattr(module, "calls", (1, 1))
-        passes = (("forward", module.kind, forward, counts[0]), ("backward", module.backward_kind, backward, counts[1]))
-        for direction, kind, size, count in passes:
+        for direction, kind, size, count in (("forward", module.kind, forward, counts[0]),
+                                             ("backward", module.backward_kind, backward, counts[1])):
             if size:
-                calls, total = found.get((direction, kind, op), (0, 0))
-                found[(direction, kind, op)] = (calls + count, total + size)
+                calls, total = found.get((axis, direction, kind, op), (0, 0))
+                found[(axis, direction, kind, op)] = (calls + count, total + size)
     return found
 
 
+def _collective(gm, node) -> torch.nn.Module | None:
+    """The communication module a ``call_module`` node runs, or None when the node does not communicate."""
+    if node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    return module if hasattr(module, "comm_bytes") and getattr(module, "size", 1) > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------- text
+
+
+def _table(rows: list[tuple], right: tuple[int, ...]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return [("  " + "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                              for i, (c, w) in enumerate(zip(row, widths, strict=True)))).rstrip() for row in rows]
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape))
+
+
 def _shapes(key: tuple) -> str:
-    return ", ".join("x".join(map(str, s)) if isinstance(s, tuple) else repr(s) for s in key)
+    return ", ".join(_shape(s) if isinstance(s, tuple) else repr(s) for s in key)
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+def _specs(specs: list) -> str:
+    return ", ".join(f"{_shape(s.shape)} {str(s.dtype).removeprefix('torch.')}" for s in specs)
+
+
+def _spec_bytes(specs: list) -> int:
+    return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
+
+
+def _ranges(positions: list[int]) -> str:
+    spans, start = [], None
+    for i, p in enumerate(positions):
+        start = p if start is None else start
+        if i + 1 == len(positions) or positions[i + 1] != p + 1:
+            spans.append(f"{start}..{p}")
+            start = None
+    return ", ".join(spans)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)

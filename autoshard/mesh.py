@@ -229,7 +229,8 @@ class Mesh:
         return sorted(_meshes_of(world_size), key=distance)[:limit]
 
     def create_groups(self, *, timeout: datetime.timedelta = _DEFAULT_TIMEOUT) -> MeshGroups:
-        """Create every axis's process groups, on every rank in the same order; the only place that does.
+        """Create every axis's process groups, on every rank in the same order; the only place that does
+        (with :meth:`MeshGroups.across_pp`, which adds the groups of tied parameters the same way).
 
         Must be called by all ranks of an initialized world. Each group gets ``timeout``: gloo's
         default of 30 minutes turns a mismatched collective into a half-hour hang.
@@ -252,6 +253,7 @@ class Mesh:
         return MeshGroups(
             mesh=self,
             rank=rank,
+            timeout=timeout,
             coords=types.MappingProxyType(self.coords(rank)),
             _groups=types.MappingProxyType(groups),
             _ranks=types.MappingProxyType(ranks),
@@ -279,6 +281,26 @@ class MeshGroups:
     coords: Mapping[str, int]
     _groups: Mapping[str, ProcessGroup] = field(repr=False)
     _ranks: Mapping[str, list[int]] = field(repr=False)
+    timeout: datetime.timedelta = _DEFAULT_TIMEOUT
+    _across_pp: dict = field(default_factory=dict, repr=False)
+
+    def across_pp(self, pp_indices: frozenset[int]) -> ProcessGroup | None:
+        """The group of the ranks at these pp coordinates and this rank's other coordinates (the pipeline ranks
+        that share a tied parameter), or None when this rank is not among them. Collective on the first call:
+        every rank calls it with the same ``pp_indices`` in the same order, and the groups of every other
+        coordinate are created alongside, as :meth:`Mesh.create_groups` does."""
+        import torch.distributed as dist
+
+        if pp_indices not in self._across_pp:
+            others = [a for a in AXES if a != "pp"]
+            every = [[self.mesh.rank_of(pp=i, **dict(zip(others, coords, strict=True))) for i in sorted(pp_indices)]
+                     for coords in itertools.product(*(range(self.mesh.degree(a)) for a in others))]
+            member = any(self.rank in ranks for ranks in every)
+            self._across_pp[pp_indices] = self.mesh._new_groups(every, self.rank, self.timeout) if member else None
+            if not member:  # still create every group, in the same order as the members do
+                for ranks in every:
+                    dist.new_group(ranks, timeout=self.timeout)
+        return self._across_pp[pp_indices]
 
     def group(self, axis: str) -> ProcessGroup:
         """The group along ``axis``; ``"data"`` is the group over dp and cp together (gradient sums)."""

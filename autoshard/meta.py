@@ -6,9 +6,13 @@ Written by torch.export (read by every pass):
 - ``STACK_TRACE``: the user's source lines that produced the node.
 
 Written by autoshard:
-- ``SOURCE``: set by passes on the nodes they insert (the name of the pass), read by ``explain()``.
-- ``RECEIVED_ACTIVATION``: set by the pipeline split on a stage's inputs that are activations received from the
-  previous stage (their gradient is sent back), read by ``passes.propagate.requires_grad``.
+- ``AXIS``: the mesh axis (``tp``, ``cp``) whose pass inserted the node, set by ``passes.localize.Rewriter`` on the
+  collective nodes it inserts (and carried by what copies their metadata, such as the trim after a padded gather);
+  read by ``dot.axis_of`` (and ``explain()``'s communication counts) to attribute communication to an axis. The
+  collective module itself carries the same name in its ``axis`` attribute, for code that holds only the module.
+- ``RECEIVED``: set by the pipeline split on every stage input received from the previous stage: the name (in the
+  whole graph) of the activation it receives. Its gradient is sent back, so ``passes.propagate.requires_grad``
+  reads it, as do ``codegen`` (the receive specs, the cp split of received values) and ``dot`` (the colour).
 """
 
 import os
@@ -20,8 +24,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 VAL = "val"
 MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
-SOURCE = "autoshard_source"
-RECEIVED_ACTIVATION = "autoshard_received_activation"
+AXIS = "autoshard_axis"
+RECEIVED = "autoshard_received"
 
 
 def source_line(node) -> str:

@@ -172,15 +172,15 @@ def first_divergence(reference: nn.Module, pm, inputs: tuple, target: torch.Tens
     """Run both graphs on this rank's first microbatch; name the first node whose values differ."""
     if pm.pipeline is not None:
         return "not searched: the program is split into pipeline stages (compare a pp=1 run to localise it)"
-    mb_inputs, mb_target = pm._microbatch_views(inputs, target)[0]
-    program = pm._program(mb_inputs, mb_target)
+    mb_inputs, mb_target = pm.microbatch_views(inputs, target)[0]
+    build = next(b for b in reversed(pm.builds) if b.training)
     ref = capture(reference, mb_inputs, loss_fn=loss_fn, example_target=mb_target)
-    if program.token_loss is not None:
-        sum_loss_pass(ref.gm, program.token_loss)
+    if build.captured.token_loss is not None:
+        sum_loss_pass(ref.gm, build.captured.token_loss)
     args = (*mb_inputs, mb_target)
     ref_values = _record(ref.gm, args)
-    par_values = _record(program.gm, pm._cp_local(program.captured, args))
-    for node in program.gm.graph.nodes:
+    par_values = _record(build.program.gm, build.local_inputs(args))
+    for node in build.program.gm.graph.nodes:
         if node.op in ("placeholder", "output") or node.name not in ref_values or node.name not in par_values:
             continue
         a, b = ref_values[node.name], par_values[node.name]

@@ -75,7 +75,7 @@ class Config:
         return loss
 
     def program(self):
-        return next(iter(self.pm._train.values())).gm
+        return self.pm.builds[0].program.gm
 
 
 def _gather(value) -> list:

@@ -291,8 +291,8 @@ def schedule_runners(case, m: int, schedule: str, layers: int, tied_group, equal
     model, tokens, target = case
     stages = dist.get_world_size() * CHUNKS[schedule]
     own = autoshard_runner(copy.deepcopy(model), tokens, target, m, schedule)
-    part = own.info["pm"].pipeline.partition
-    gm = next(iter(own.info["pm"]._train.values())).captured.gm
+    build = own.info["pm"].builds[0]
+    part, gm = build.partition, build.captured.gm
     split, equal = layer_split(gm, part.stage_of, layers, stages), equal_split(layers, stages)
     runners = {}
     if split is not None and not equal_too:
@@ -305,7 +305,7 @@ def schedule_runners(case, m: int, schedule: str, layers: int, tied_group, equal
     runners["torch"] = torch_runner(copy.deepcopy(model), tokens, target, m, schedule, split, tied_group)
     info = {"split": describe(split), "split_source": source, "balance": part.balance, "stage_costs": list(part.costs),
             "own_partition": describe_cuts(gm, part.cut_after),
-            "split_balance": runners["autoshard"].info["pm"].pipeline.partition.balance}
+            "split_balance": runners["autoshard"].info["pm"].builds[0].partition.balance}
     return runners, info
 
 

@@ -186,7 +186,7 @@ def autoshard_exactness(eager, tokens, target, tp: int) -> dict:
 
 def analytic(pm) -> dict:
     """autoshard's own count of its collectives per step (``explain.communication`` of this rank's graph)."""
-    gm = next(iter(pm._train.values())).gm
+    gm = pm.builds[0].program.gm
     found = communication(gm)
     rows = [{"direction": d, "kind": k, "op": op, "calls": c, "bytes": b} for (d, k, op), (c, b) in found.items()]
     return {"rows": rows, "calls": sum(r["calls"] for r in rows), "bytes": sum(r["bytes"] for r in rows)}

@@ -89,7 +89,7 @@ def _summary(report: str) -> str:
     keep, skipping = [], False
     for line in lines:
         if line.startswith("parameters:"):
-            keep.append(line + "  (pm.explain() lists each)")
+            keep.append(line.rstrip(":") + "  (pm.explain() lists each)")
             skipping = True
             continue
         if skipping and line.startswith("  "):

@@ -9,12 +9,14 @@ as a split of the queries; the target's dim is the one that makes the loss a per
 seeds those inputs as ``Shard(dim)`` and propagates with the same rule table as tensor parallelism:
 token-wise ops run locally; values computed at full length from parameter-free inputs (positions,
 RoPE tables, masks) are indexed with the rank's global positions; attention gathers keys and values
-(or passes them around a ring) and masks by global positions; the loss is a per-rank partial sum.
+(or passes them around a ring) and masks by global positions, by the cp axis's own localizer of attention
+(given to its ``Rewriter``; the shared table serves the other ops); the loss is a per-rank partial sum.
 Gradients of parameters are summed over dp x cp by the data-parallel reduction, not in the graph.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +27,7 @@ from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.placements import Partial, Placement, Shard
 from autoshard.passes.propagate import cost, propagate, requires_grad
-from autoshard.passes.rules import LOCALIZERS, arg
+from autoshard.passes.rules import arg
 from autoshard.passes.sharding import AxisStyle, apply_placements
 
 aten = torch.ops.aten
@@ -117,10 +119,11 @@ def check_divisible(plan: ContextParallelPlan) -> None:
         works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]
         what = f"2 x cp = {parts} chunks (load balance)" if plan.load_balance else f"cp = {parts} ranks"
         names = ", ".join(f"{n} (dim {d})" for n, d in plan.inputs.items())
+        use = (f"use cp in {works}{' or turn load balance off' if plan.load_balance else ''}" if works
+               else "turn load balance off (its 2 x cp chunks need an even length)")
         raise ContextParallelError(
-            f"the sequence of {names} has length {plan.seq_len}, which does not split into {what}: use cp in "
-            f"{works}{' or turn load balance off' if plan.load_balance else ''}, or pad the sequence to a multiple "
-            f"of {parts}"
+            f"the sequence of {names} has length {plan.seq_len}, which does not split into {what}: {use}, or pad "
+            f"the sequence to a multiple of {parts}"
         )
 
 
@@ -150,8 +153,8 @@ def context_parallel_pass(
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
     prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring",
                      keep_outputs=keep_outputs)
-    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp")
-    rw.extras["cp_plan"] = plan
+    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp",
+                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, plan)})
     layout = [plan.positions(r) for r in range(plan.size)]
     style = AxisStyle(
         "cp",
@@ -172,11 +175,14 @@ def context_parallel_pass(
     return gm
 
 
-def _causal_attention(node: fx.Node, rw: localize.Rewriter) -> None:
-    """Queries of this rank against all keys: ``is_causal`` would align the mask top-left; use positions."""
-    plan: ContextParallelPlan | None = rw.extras.get("cp_plan")
+def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) -> None:
+    """Queries of this rank against all keys: ``is_causal`` would align the mask top-left; use positions.
+
+    The cp axis's own localizer of attention (the shared table has none: on tp, attention over local heads needs
+    no rewrite); with ring attention, the ring module replaces the op.
+    """
     q = node.args[0]
-    if plan is None or rw.placement(q) != Shard(len(q.meta["val"].shape) - 2):
+    if rw.placement(q) != Shard(len(q.meta["val"].shape) - 2):
         return
     causal = arg(node, "is_causal")
     if plan.attention == "ring":
@@ -205,9 +211,6 @@ def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causa
                            **rw.collective_args)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)
     rw.replace(node, rw.module(module, inputs, before=node, like=node))
-
-
-LOCALIZERS[aten.scaled_dot_product_attention.default] = _causal_attention
 
 
 def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: Shard) -> None:

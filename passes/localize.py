@@ -5,12 +5,18 @@ to the local sizes (computed from the recorded global shape and the output place
 whatever the model wrote: constants, ``-1`` or sizes computed in the graph). A row-parallel linear
 becomes a local matmul, an all-reduce, and its bias added once after the sum; a vocab-parallel
 embedding and cross-entropy become their parallel modules. The ``Rewriter`` inserts collective
-modules as ``call_module`` nodes, one per (value, kind), so every consumer shares it.
+modules as ``call_module`` nodes, one per (value, kind), so every consumer shares it, and records the
+mesh axis they run on as data (``meta.AXIS`` on the node, ``axis`` on the module); their names
+(``tp_reducefromparallel_3``) are for reading the generated code only.
+
+The localizers of ``rules.LOCALIZERS`` serve every axis. An axis that rewrites an op its own way (context
+parallelism's attention, which needs its token layout) gives the ``Rewriter`` its own ``localizers``,
+consulted first; no axis changes the shared table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import fx
@@ -25,14 +31,22 @@ aten = torch.ops.aten
 _REDUCTIONS = ("none", "mean", "sum")
 
 
+Localizer = Callable[[fx.Node, "Rewriter"], None]
+
+
 class Rewriter:
-    """Graph edits for one rank: placements to read, collectives to insert, nodes replaced so far."""
+    """Graph edits for one rank of one axis: placements to read, collectives to insert, nodes replaced so far.
+
+    ``localizers``: this axis's own localizers (op -> function), consulted before the shared table.
+    """
 
     def __init__(
-        self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set, axis: str = "tp"
+        self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set, axis: str = "tp",
+        localizers: Mapping[object, Localizer] | None = None,
     ) -> None:
         self.gm = gm
         self.axis = axis
+        self.localizers: Mapping[object, Localizer] = dict(localizers or {})
         self.grad = grad
         self.prop = prop
         self.size = size
@@ -41,7 +55,6 @@ class Rewriter:
         self._cache: dict[tuple[fx.Node, str], fx.Node] = {}
         self._replaced: dict[fx.Node, fx.Node] = {}
         self._original: dict[fx.Node, fx.Node] = {}
-        self.extras: dict[str, object] = {}  # what an axis's localizers need (the cp layout)
         self._count = 0
 
     @property
@@ -77,11 +90,12 @@ class Rewriter:
             self._count += 1
             if not hasattr(self.gm, name):
                 break
+        module.axis = self.axis  # for code that holds only the module
         self.gm.add_submodule(name, module)
         with self.gm.graph.inserting_before(before):
             node = self.gm.graph.call_module(name, args)
         node.meta.update({k: v for k, v in like.meta.items() if k in (meta.VAL, meta.MODULE_STACK, meta.STACK_TRACE)})
-        node.meta[meta.SOURCE] = "tensor_parallel"
+        node.meta[meta.AXIS] = self.axis
         return node
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
@@ -94,11 +108,17 @@ class Rewriter:
 
 
 def localize(node: fx.Node, rw: Rewriter) -> None:
-    fn = LOCALIZERS.get(node.target)
-    if fn is None and hasattr(node.target, "overloadpacket"):
-        fn = LOCALIZERS.get(node.target.overloadpacket)
+    """Rewrite ``node`` to what one rank computes: by the axis's own localizer for its op, else the shared one."""
+    fn = _lookup(rw.localizers, node.target) or _lookup(LOCALIZERS, node.target)
     if fn is not None:
         fn(node, rw)
+
+
+def _lookup(table: Mapping[object, Localizer], target) -> Localizer | None:
+    fn = table.get(target)
+    if fn is None and hasattr(target, "overloadpacket"):
+        fn = table.get(target.overloadpacket)
+    return fn
 
 
 @localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)

@@ -7,7 +7,8 @@ position ids, RoPE tables, reshaped targets) are recomputed on every stage that 
 of being sent, since they are cheap and often not contiguous (a mask expanded over the batch).
 
 Each stage graph takes the model's flat inputs (every rank has the whole batch) followed by the
-activations received from the previous stage, and returns the activations later stages need, or,
+activations received from the previous stage (placeholders ``recv_<name>``, marked ``meta.RECEIVED = <name>``:
+readers go by the mark, not the name), and returns the activations later stages need, or,
 on the last stage, the loss. An activation read two stages later passes through the stage between.
 """
 
@@ -106,7 +107,7 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
     for name in receives:
         source = by_name[name]
         env[source] = graph.placeholder(f"recv_{name}")
-        env[source].meta = {**source.meta, meta.RECEIVED_ACTIVATION: True}
+        env[source].meta = {**source.meta, meta.RECEIVED: name}
         if any(_writes_first_argument(user) and user.args[0] is source for user in source.users):
             # the model updates it in place (``hidden *= scale``), which a received leaf that requires grad
             # refuses: the stage works on a copy, whose gradient still reaches the received value

@@ -173,7 +173,7 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
         parameter = node.op == "get_attr" and node.target in params
-        if parameter or (node.op == "placeholder" and node.meta.get(meta.RECEIVED_ACTIVATION)):
+        if parameter or (node.op == "placeholder" and meta.RECEIVED in node.meta):
             found.add(node)
         elif node.op == "call_function" and _grad_disabled(node):
             continue

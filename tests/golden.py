@@ -162,13 +162,13 @@ def no_blocks(tp: int) -> tuple[list[str], bool]:
     return [str(w.message) for w in caught if "autoshard" in str(w.message)], report.ok
 
 
-def explain(name: str, mesh_kwargs: dict, **options) -> str:
+def explain(name: str, mesh_kwargs: dict, code: bool = False, **options) -> str:
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), **options)
     pm.step(*case.inputs, target=case.target)
-    return pm.explain()
+    return pm.explain(code=code)
 
 
 def warnings_of(name: str, mesh_kwargs: dict, **options) -> list[str]:
@@ -490,7 +490,7 @@ def inference_slices(name: str, mesh_kwargs: dict, **options) -> dict:
     flat, ref_flat = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)
     worst = max((a.float() - b.float()).abs().max().item() for a, b in zip(flat, ref_flat, strict=True)
                 if isinstance(a, torch.Tensor))
-    return {"worst": worst, "batches": sorted({shapes[0][0] for shapes, _training in pm._infer}),
+    return {"worst": worst, "batches": sorted({b.captured.input_shapes[0][0] for b in pm.builds if not b.training}),
             "shapes_equal": [tuple(a.shape) == tuple(b.shape) for a, b in zip(flat, ref_flat, strict=True)
                              if isinstance(a, torch.Tensor)]}
 

@@ -409,3 +409,62 @@ def params_without_gradients(mesh_kwargs: dict, **options) -> dict:
     report = autoshard.verify(model, mesh, (x,), lambda out, t: F.mse_loss(out[0], t), target=target,
                               groups=groups_for(mesh), **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
+
+
+# ------------------------------------------------------------------------------ the model's state, saved and loaded
+
+
+def _train_one_step(pm, case) -> None:
+    """One SGD step, so that the parallel model's parameters differ from the model it was built from."""
+    params = list(pm.parameters())
+    pm.step(*case.inputs, target=case.target)
+    if params:
+        torch.optim.SGD(params, lr=0.1).step()
+
+
+def state_dict_keys(name: str, mesh_kwargs: dict, **options) -> dict:
+    """``state.state_dict(pm)`` holds exactly the keys of ``model.state_dict()``, in its order, and loads with
+    strict=True into the unmodified model (which then computes what the parallel model computes)."""
+    from autoshard.runtime import state
+
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    _train_one_step(pm, case)
+    saved = state.state_dict(pm)
+    expected = list(build(name).model.state_dict())
+    fresh = build(name, seed=1).model
+    fresh.load_state_dict(saved, strict=True)  # raises on any missing or unexpected key
+    full = pm.full_parameters()
+    for n, p in fresh.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), full[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    pm.load_state_dict(saved)
+    try:  # as the model's own load_state_dict: an unexpected key is refused unless strict=False
+        pm.load_state_dict({**saved, "not_in_the_model.weight": torch.zeros(1)})
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    pm.load_state_dict({**saved, "not_in_the_model.weight": torch.zeros(1)}, strict=False)
+    return {"keys": list(saved), "expected": expected, "method": list(pm.state_dict()), "refused": refused}
+
+
+def meta_hf_rotary(mesh_kwargs: dict, **options) -> dict:
+    """An HF Llama built on meta: ``materialize()`` recomputes its rotary tables itself (no ``buffers=``); after
+    loading the unsharded model's state dict it trains exactly, and its state dict loads strictly back."""
+    from autoshard.runtime import state
+
+    case, meta_case = build("hf_llama"), build("hf_llama", device="meta")
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=meta_case.inputs, loss_fn=meta_case.loss_fn,
+                               target=meta_case.target, groups=groups_for(mesh), **options)
+    pm.materialize("cpu")
+    pm.load_state_dict(case.model.state_dict())
+    loss = pm.step(*case.inputs, target=case.target)
+    expected = case.loss_fn(case.model(*case.inputs), case.target)
+    fresh = build("hf_llama", seed=1).model
+    fresh.load_state_dict(state.state_dict(pm), strict=True)
+    # the model built on meta now holds the tensors its programs read (as a model built on the CPU shares them)
+    reference = dict(case.model.named_buffers())
+    tables = {n: (b - reference[n]).abs().max().item() for n, b in meta_case.model.named_buffers()}
+    return {"loss": abs(loss.item() - expected.item()), "buffers": tables}

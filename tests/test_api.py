@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +12,8 @@ import autoshard
 
 import golden
 from models import build
+
+GPT = f'{Path(__file__).resolve().parent / "models.py"}:build("gpt")'
 
 
 def test_one_rank_equals_eager_bit_for_bit():
@@ -28,8 +33,8 @@ def test_explain_and_code_describe_the_program():
     case = build("gpt")
     pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
     report = pm.explain()
-    assert "training  8x16, 8x16:" in report and "nodes" in report
-    assert "transformer.h.0.attn.c_attn.weight" in report and "local 144x48" in report
+    assert "training graph (forward, loss, backward) 8x16, 8x16:" in report and "nodes" in report
+    assert re.search(r"transformer\.h\.0\.attn\.c_attn\.weight\s+replicated\s+R\s+144x48\s+144x48", report)
     assert "transformer.wte.weight, lm_head.weight" in report, "a tied weight lists all its names"
     assert "token loss" in report and "ignore_index=-100" in report
     assert "aten.linear" in pm.code(0) or "torch.ops.aten.linear" in pm.code(0)
@@ -39,7 +44,7 @@ def test_explain_and_code_describe_the_program():
 
 def test_explain_lists_data_parallel_collectives(pools):
     report = pools.get(2).run(_explain_dp)[0]
-    assert "dp x cp all-reduce (sum) of gradients over 2 ranks: 193.8 KiB" in report
+    assert "all-reduce (sum) of this rank's gradients over 2 ranks (dp=2): 193.8 KiB" in report
     assert "Mesh(dp=2" in report
 
 
@@ -59,7 +64,7 @@ def test_training_graph_is_captured_at_the_first_step_without_example_target():
         torch.optim.SGD(pm.parameters(), lr=0.1)
     pm.step(*case.inputs, target=case.target)
     assert len(list(pm.parameters())) == 6
-    assert "training  2x20, 2x24:" in pm.explain(), "captured at the microbatch shape"
+    assert "training graph (forward, loss, backward) 2x20, 2x24:" in pm.explain(), "captured at the microbatch shape"
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -105,3 +110,52 @@ def test_step_without_a_loss():
     pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs)
     with pytest.raises(ValueError, match="pass loss_fn=..."):
         pm.step(*case.inputs, target=case.target)
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "pp=2", "dp=2"])
+def test_explain_and_inspect_print_the_same_report(pools, capsys, mesh):
+    """One renderer over one compile: ``pm.explain(code=True)`` on each rank is ``autoshard inspect --rank``."""
+    from autoshard import cli
+
+    degrees = {axis: int(degree) for axis, degree in [mesh.split("=")]}
+    explained = pools.get(2).run(golden.explain, "gpt", degrees, microbatches=2, code=True)
+    for rank, text in enumerate(explained):
+        assert cli.main(["inspect", GPT, "--mesh", mesh, "--rank", str(rank), "--microbatches", "2"]) == 0
+        inspected = capsys.readouterr().out.split("\n\n", 1)[1]  # after the factory's line
+        assert _untimed(inspected).strip() == _untimed(text).strip(), f"rank {rank}"
+        assert "code of rank" in text and "collectives of rank" in text
+
+
+def _untimed(report: str) -> str:
+    return re.sub(r"captured in [\d.]+ s", "captured in _ s", report)
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    ({"tp_indivisible": "eror"}, "tp_indivisible='eror' is not an option: use 'error'"),
+    ({"data_parallel": "zero"}, "data_parallel='zero' is not an option: use 'ddp'"),
+    ({"cp_attention": "ulysses"}, "cp_attention='ulysses' is not an option: use 'gather'"),
+    ({"schedule": "1F1B"}, "schedule='1F1B' is not an option: use 'gpipe' or '1f1b' or 'interleaved'"),
+    ({"mixed_precision": "fp16"}, "mixed_precision='fp16' is not an option: use None (fp32) or 'bf16'"),
+    ({"microbatches": 0}, "microbatches=0 is not valid: it must be an integer >= 1"),
+    ({"pipeline_starts": "layers.2"}, "pass a list of module names"),
+])
+def test_a_misspelt_option_is_refused_naming_the_valid_values(option, says):
+    case = build("mlp")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, **option)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        autoshard.CompileOptions(**option)
+
+
+def test_options_come_as_one_object_or_as_keywords_not_both():
+    case = build("mlp")
+    options = autoshard.CompileOptions(microbatches=4)
+    pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, options=options)
+    assert pm.options is options
+    pm.step(*case.inputs, target=case.target)
+    assert [b.captured.input_shapes[0] for b in pm.builds] == [(2, 20)], "4 microbatches of the batch of 8"
+    with pytest.raises(ValueError, match="not both.*microbatches="):
+        autoshard.parallelize(case.model, None, example_inputs=case.inputs, options=options, microbatches=2)
+    report = autoshard.verify(build("mlp").model, None, case.inputs, case.loss_fn, target=case.target, steps=1,
+                              options=options)
+    assert report.ok, str(report)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import fx
@@ -37,14 +39,15 @@ def test_cp_with_tp_and_ring(pools):
 
 def test_explain_counts_the_key_value_gathers(pools):
     report = pools.get(2).run(golden.explain, "gpt", {"cp": 2})[0]
-    assert "cp forward  all_gather x4" in report, report  # keys and values of 2 layers
-    assert "cp backward reduce_scatter x4" in report, "their gradients are summed, each rank keeping its own"
+    assert re.search(r"cp\s+forward\s+all_gather\s+SequenceGather\s+4\s", report), report  # keys and values, 2 layers
+    assert re.search(r"cp\s+backward\s+reduce_scatter\s+SequenceGather\s+4\s", report), "their gradients summed"
 
 
 def test_an_op_that_mixes_tokens_is_gathered_with_a_warning(pools):
-    for ok, messages in pools.get(2).run(golden.token_mixing_op, 2):
-        assert ok
-        assert any("aten.cumsum" in m and "gathered" in m for m in messages), messages
+    (ok0, said), (ok1, quiet) = pools.get(2).run(golden.token_mixing_op, 2)
+    assert ok0 and ok1
+    assert any("aten.cumsum" in m and "gathered" in m for m in said), said
+    assert not quiet, "a warning is said once per job, by rank 0"
 
 
 def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
@@ -102,3 +105,35 @@ def test_a_split_value_that_is_not_whole_sequences_is_refused_at_compile_time():
     with pytest.raises(ContextParallelError, match=r"size 96 would have to hold 2 sequence\(s\) of length 12"):
         _check_whole_sequences(plan, value, Shard(0, blocks=(48, 48)))
     _check_whole_sequences(plan, value, Shard(0, blocks=(12,) * 8))  # eight whole sequences: moves
+
+
+@pytest.mark.parametrize("attention", ["gather", "ring"])
+def test_every_collective_says_its_axis_and_tp_keeps_the_shared_localizers(attention):
+    """The axis of a collective is data (its node's ``meta.AXIS``, its module's ``axis``), whatever its name says;
+    cp's attention localizer is cp's own: the shared table tp uses does not hold it."""
+    from autoshard import codegen, meta
+    from autoshard.capture import capture
+    from autoshard.dot import axis_of, collective
+    from autoshard.passes.context_parallel import plan_context_parallel
+    from autoshard.passes.loss import find_token_loss, sum_loss_pass
+    from autoshard.passes.rules import LOCALIZERS
+    from autoshard.passes.tensor_parallel import plan_tensor_parallel
+
+    from models import build
+
+    case = build("llama")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    sum_loss_pass(captured.gm, find_token_loss(captured.gm))
+    sharding = codegen.Sharding(tp_plan=plan_tensor_parallel(captured.gm, 2), tp_rank=1,
+                                cp_plan=plan_context_parallel(captured.gm, 2, attention=attention), cp_rank=1)
+    gm = codegen.build(captured, sharding).gm
+    found = {}
+    for node in gm.graph.nodes:
+        module = collective(gm, node)
+        if module is not None:
+            assert node.meta[meta.AXIS] == module.axis == axis_of(node), node.name
+            found.setdefault(module.axis, set()).add(type(module).__name__)
+    assert "ReduceFromParallel" in found["tp"], found
+    assert {"RingAttention" if attention == "ring" else "SequenceGather"} <= found["cp"], found
+    attention_op = torch.ops.aten.scaled_dot_product_attention
+    assert attention_op.default not in LOCALIZERS and attention_op not in LOCALIZERS

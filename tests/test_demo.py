@@ -27,12 +27,13 @@ def test_demo_under_torchrun_matches_the_unsharded_model():
     assert len(re.findall(r"^step \d: loss", out, re.M)) == 3
     worst = float(re.search(r"unsharded model's loss over 3 steps: (\S+)", out).group(1))
     assert worst < 1e-5
-    assert "dp x cp all-reduce (sum) of gradients over 2 ranks" in out
-    assert "tp forward  all_reduce" in out and "pipeline: 2 stages on 2 ranks" in out
+    assert "all-reduce (sum) of this rank's gradients over 2 ranks (dp=2)" in out
+    assert re.search(r"tp\s+forward\s+all_reduce", out) and "pipeline: 2 stages on 2 pp ranks" in out
+    assert out.count("warning: m=2 microbatches for pp=2") <= 1, "a warning is said once per job"
 
 
 def test_the_example_with_fsdp_over_a_pipeline():
     out = _torchrun(4, "--dp", "2", "--pp", "2", "--data-parallel", "fsdp", "--steps", "2")
     worst = float(re.search(r"unsharded model's loss over 2 steps: (\S+)", out).group(1))
     assert worst < 1e-5
-    assert "FSDP2 over dp x cp (2 ranks): parameters all-gathered once per step" in out, out
+    assert "FSDP2 over 2 ranks (dp=2): this rank's parameters all-gathered once per step" in out, out

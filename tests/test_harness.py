@@ -41,7 +41,7 @@ def test_a_perturbed_gradient_is_caught():
 def test_a_corrupted_graph_names_the_first_diverging_node():
     case, reference = build("llama"), build("llama").model
     pm = autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target)
-    gm = next(iter(pm._train.values())).gm
+    gm = pm.latest.program.gm
     victim = next(n for n in gm.graph.nodes if n.op == "call_function" and "silu" in str(n.target))
     with gm.graph.inserting_after(victim):
         wrong = gm.graph.call_function(torch.ops.aten.mul.Tensor, (victim, 1.01))

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 import autoshard
 from autoshard import api, cli
 from autoshard.mesh import Mesh
+from autoshard.options import CompileOptions
 
 from models import build
 
@@ -32,7 +32,7 @@ def inspect(capsys, *args: str) -> str:
 def test_tensor_parallel_of_a_bare_model_shows_roles_local_code_and_collectives(capsys):
     out = inspect(capsys, f"{TESTS / 'models.py'}:build_gpt_model", "--mesh", "tp=2")
     assert "rank 0 at pp=0, dp=0, cp=0, tp=0" in out
-    assert "batch: global 8x16 (made up from the first layer" in out and "inference graph" in out
+    assert "global batch 8x16 (made up from the first layer" in out and "inference graph" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("transformer.h.0.mlp.c_fc.weight"))
     assert row.split()[1:5] == ["column", "S(0)", "192x48", "96x48"], row  # ffn 4 x 48 cut in two
     assert re.search(r"transformer\.h\.0\.attn\.c_proj\.weight\s+row\s+S\(1\)\s+48x48\s+48x24", out)
@@ -178,10 +178,8 @@ def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monk
 
 def lint_warnings(mesh: Mesh, microbatches: int = 1) -> list[str]:
     case = build("gpt")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        api._lint(mesh, case.model, case.inputs, microbatches=microbatches, chunks=1, local_batch=False)
-    return [str(w.message) for w in caught]
+    findings = api.lint_findings(mesh, case.model, case.inputs, CompileOptions(microbatches=microbatches))
+    return [f"autoshard: {f}" for f in findings if f.severity in ("warning", "error")]
 
 
 def test_parallelize_warns_with_the_lint_of_its_mesh():

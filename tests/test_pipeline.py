@@ -38,9 +38,10 @@ def test_golden_pipeline(pools, name, pp, microbatches, schedule, chunks):
 
 def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
     report = pools.get(2).run(golden.explain, "gpt", {"pp": 2}, microbatches=4, schedule="1f1b")[0]
-    assert "pipeline: 2 stages on 2 ranks, schedule 1f1b, 4 microbatches; this rank runs stages [0]" in report
+    assert "pipeline: 2 stages on 2 pp ranks; rank 0 (pp=0) runs stage 0" in report
+    assert "schedule 1f1b, 4 microbatch(es)" in report
     assert "simulated bubble 20.0% (formula (p-1)/(v*m+p-1) = 20.0%)" in report
-    assert "transformer.wte.weight is used on pp ranks [0, 1]" in report
+    assert "transformer.wte.weight, lm_head.weight is used on pp ranks [0, 1]" in report
     assert "rank 0: F0 F1" in report
 
 

@@ -32,11 +32,17 @@ def check(batch: int | None, *, microbatches: int, dp: int, local: bool) -> None
         return
     what = "local batch" if local else "global batch"
     valid = [m for m in range(1, batch + 1) if batch % (m * ranks) == 0]
+    if valid:
+        fix = f"with this batch use microbatches in {valid}"
+        fix += "" if local else f" or a global batch divisible by {parts}"
+    else:  # the dp ranks cannot share this batch equally, whatever the number of microbatches
+        fewer = f" (or by {dp} with fewer microbatches)" if parts != dp else ""
+        fix = (f"no number of microbatches helps, as {batch} does not split over dp={dp} ranks: use a global batch "
+               f"divisible by {parts}{fewer}, or pass local_batch=True and give each rank its own batch")
     raise ValueError(
         f"a {what} of {batch} cannot be cut into {microbatches} microbatches"
-        + ("" if local else f" on each of dp={dp} ranks")
-        + f": the batch must be divisible by {parts}; with this batch use microbatches in {valid}"
-        + ("" if local else f" or a global batch divisible by {parts}")
+        + ("" if local or dp == 1 else f" on each of dp={dp} ranks")
+        + f": the batch must be divisible by {parts}; {fix}"
     )
 
 

@@ -1,16 +1,13 @@
-"""Pipeline parallelism for a ParallelModel: stages, schedule, executor and tied-weight gradients.
+"""Pipeline parallelism at run time: the schedule, the executor and tied-weight gradients.
 
-The first training capture is partitioned into ``p * v`` stages (``passes.partition``); later
-captures (other shapes, inference) are cut after the same nodes, so every capture places every
-parameter on the same rank. Stage s runs on pp rank ``s % p``. A parameter read by stages on two
-ranks (a tied embedding and LM head) has one copy per rank; their gradients are summed over a
-process group of exactly those ranks before the step returns, so the copies stay identical.
+The stages come compiled in a ``RankBuild`` (``autoshard.compile``): every capture is cut after the same
+nodes, so every capture places every parameter on the same rank; stage s runs on pp rank ``s % p``.
+A parameter read by stages on two ranks (a tied embedding and LM head) has one copy per rank; their
+gradients are summed over a process group of exactly those ranks before the step returns, so the
+copies stay identical.
 """
 
 from __future__ import annotations
-
-import datetime
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -18,9 +15,9 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoshard import codegen
-from autoshard.capture import Captured
-from autoshard.mesh import AXES, Mesh, MeshGroups
-from autoshard.passes.partition import Partition, partition
+from autoshard.compile import RankBuild
+from autoshard.mesh import Mesh, MeshGroups
+from autoshard.options import CompileOptions
 from autoshard.passes.pipeline_split import Stage
 from autoshard.runtime import schedules
 from autoshard.runtime.executor import PipelineExecutor, StageRunner
@@ -28,54 +25,39 @@ from autoshard.runtime.reducer import GradientReducer
 
 
 class Pipeline:
-    """This rank's part of the pipeline: its stages per capture, the schedule, and the executor."""
+    """This rank's part of the pipeline: the schedule, the executor and the sums of tied gradients."""
 
-    def __init__(
-        self, mesh: Mesh, groups: MeshGroups, *, schedule: str, chunks: int, microbatches: int,
-        starts: list[str] | None, timeout: datetime.timedelta,
-    ) -> None:
+    def __init__(self, mesh: Mesh, groups: MeshGroups, options: CompileOptions) -> None:
         self.mesh = mesh
         self.groups = groups
         self.p = mesh.pp
-        self.v = chunks
-        self.num_stages = self.p * chunks
-        self.schedule_name = schedule
-        self.starts = starts
-        self.timeout = timeout
-        self.partition: Partition | None = None
+        self.v = options.chunks
+        self.num_stages = self.p * self.v
+        self.timeout = options.timeout
         self.pp_index = groups.coords["pp"]
-        self.mine = [s for s in range(self.num_stages) if s % self.p == self.pp_index]
-        self.actions = schedules.schedule(schedule, self.p, microbatches, self.v)
+        self.actions = schedules.schedule(options.schedule, self.p, options.microbatches, self.v)
         schedules.validate(self.actions, self.p, self.v)
-        self._tied_groups: dict[frozenset[int], object] = {}
         self.tied: dict[str, frozenset[int]] = {}
         self.executor: PipelineExecutor | None = None
 
-    def build(self, captured: Captured, sharding: codegen.Sharding,
-              store: codegen.ParamStore) -> tuple[list[Stage], dict[int, codegen.RankProgram]]:
-        gm = codegen.prepare(captured)
-        if self.partition is None:
-            self.partition = result = partition(gm, self.num_stages, starts=self.starts)
-        else:
-            result = partition(gm, self.num_stages, cut_after=self.partition.cut_after)
-        stages, programs = codegen.build_stages(
-            captured, sharding, result.stage_of, self.num_stages, self.mine, store=store
-        )
-        self._find_tied(stages)
-        return stages, programs
+    def prepare(self, build: RankBuild) -> None:
+        """A build was compiled: create the groups of its tied parameters (collective, on every rank)."""
+        for name, ranks in build.tied.items():
+            self.groups.across_pp(ranks)
+            self.tied.setdefault(name, ranks)
 
     def reducer(self, programs: dict[int, codegen.RankProgram], store: codegen.ParamStore, group) -> GradientReducer:
         """Sums over ``group`` (dp x cp) of this rank's gradients, launched during each stage's last backward."""
         stage_params = {
             s: [store.get_parameter(n.target) for n in program.gm.graph.nodes
-                if n.op == "get_attr" and store._lookup(n.target) is not None
+                if n.op == "get_attr" and store.find(n.target) is not None
                 and store.get_parameter(n.target).requires_grad]  # a frozen weight has no gradient to sum
             for s, program in programs.items()
         }
         return GradientReducer(stage_params, self.actions[self.pp_index], group)
 
-    def runners(self, stages: list[Stage], programs: dict[int, codegen.RankProgram]) -> dict[int, StageRunner]:
-        return {s: StageRunner(s, programs[s], stages[s].receive_specs, stages[s].send_specs) for s in programs}
+    def runners(self, build: RankBuild) -> dict[int, StageRunner]:
+        return {s: StageRunner(s, program, *build.local_specs[s]) for s, program in build.programs.items()}
 
     def run_step(self, runners, microbatches, divisor, step: int, call=None, reducer=None,
                  device: torch.device | None = None) -> torch.Tensor:
@@ -89,9 +71,9 @@ class Pipeline:
         dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
         return total
 
-    def forward_only(self, stages: list[Stage], programs: dict[int, codegen.RankProgram], inputs: tuple,
-                     device: torch.device | None = None):
+    def forward_only(self, build: RankBuild, inputs: tuple, device: torch.device | None = None) -> list[torch.Tensor]:
         """Inference through the stages in order; the last stage's outputs are broadcast to every pp rank."""
+        stages, programs = build.stages, build.programs
         group, ranks = self.groups.group("pp"), self.groups.ranks("pp")
         received: list[torch.Tensor] = []
         flat_out: list[torch.Tensor] = []
@@ -99,7 +81,7 @@ class Pipeline:
             owner = ranks[s % self.p]
             if s in programs:
                 if s > 0:
-                    received = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in stages[s].receive_specs]
+                    received = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in build.local_specs[s][0]]
                     for buffer in received:
                         dist.recv(buffer, src=ranks[(s - 1) % self.p], group=group)
                 out = programs[s].gm(*inputs, *received)
@@ -110,7 +92,7 @@ class Pipeline:
                     flat_out = [t.detach().contiguous() for t in out]
             if s == self.num_stages - 1:
                 flat_out = self._broadcast_outputs(stages[s], flat_out, owner, device)
-        return programs, flat_out
+        return flat_out
 
     def _broadcast_outputs(self, last: Stage, flat_out: list[torch.Tensor], owner: int,
                            device: torch.device | None) -> list[torch.Tensor]:
@@ -147,29 +129,4 @@ class Pipeline:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:
-            dist.all_reduce(grad, group=self._tied_groups[ranks])  # the same part of the weight on every rank
-
-    def _find_tied(self, stages: list[Stage]) -> None:
-        holders: dict[str, set[int]] = {}
-        for stage in stages:
-            for name in stage.parameters:
-                holders.setdefault(name, set()).add(stage.index % self.p)
-        for name, ranks in sorted(holders.items()):
-            if len(ranks) > 1:
-                self.tied[name] = frozenset(ranks)
-                self._group_for(frozenset(ranks))
-
-    def _group_for(self, pp_indices: frozenset[int]):
-        """A group of the ranks at these pp coordinates; created on every rank, in the same order."""
-        if pp_indices in self._tied_groups:
-            return self._tied_groups[pp_indices]
-        others = [a for a in AXES if a != "pp"]
-        mine = None
-        for coords in itertools.product(*(range(self.mesh.degree(a)) for a in others)):
-            fixed = dict(zip(others, coords, strict=True))
-            ranks = [self.mesh.rank_of(pp=i, **fixed) for i in sorted(pp_indices)]
-            group = dist.new_group(ranks, timeout=self.timeout)
-            if self.groups.rank in ranks:
-                mine = group
-        self._tied_groups[pp_indices] = mine
-        return mine
+            dist.all_reduce(grad, group=self.groups.across_pp(ranks))  # the same part of the weight on every rank

@@ -15,6 +15,7 @@ any other mesh, with or without FSDP2: every rank reads exactly the part it hold
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 
 from autoshard.passes.collectives import shard
 from autoshard.passes.placements import Shard
+from autoshard.runtime import meta_buffers
+from autoshard.runtime.gather import gather
 
 _BLOCK = "@block"
 
@@ -29,8 +32,8 @@ _BLOCK = "@block"
 def _entries(pm):
     """(target, original name, local parameter, placement) for every parameter this rank holds."""
     store = pm.replica.store
-    for target, names in pm._names().items():
-        local = store._lookup(target)
+    for target, names in pm.names.items():
+        local = store.find(target)
         if local is None:
             continue
         placement = pm.plan.params[target].placement if pm.plan is not None else None
@@ -51,7 +54,7 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
         grad = param.grad.detach()
         grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard over dp x cp
         total += weight * grad.double().pow(2).sum()
-    axes = ("tp", "pp", "data") if getattr(pm, "data_parallel", "ddp") == "fsdp" else ("tp", "pp")
+    axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
             dist.all_reduce(total, group=pm.groups.group(axis))
@@ -64,14 +67,47 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     return norm
 
 
-def load_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict of the original model (its keys and shapes): each rank keeps its shards."""
+def state_dict(pm) -> dict[str, torch.Tensor]:
+    """The original model's ``state_dict()``: exactly its keys, in its order, every parameter at full shape.
+
+    The keys are what ``model.state_dict()`` gives (persistent buffers only, a tied weight under every name
+    it lists, extra state, its hooks' renames), so the result loads with ``strict=True`` into the unmodified
+    model. Parameters are gathered from the ranks' shards (a collective: every rank calls); buffers are the
+    model's own, which its programs share.
+    """
+    full = pm.full_parameters()
+    name_of: dict[int, str] = {}
+    for name, param in pm.model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(id(param), name)
+    own = pm.model.state_dict(keep_vars=True)  # the model's tensors themselves: a parameter is known by identity
+    out: dict[str, torch.Tensor] = OrderedDict()
+    for key, value in own.items():
+        name = name_of.get(id(value), key)
+        if name in full:
+            out[key] = full[name]
+        else:
+            out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    out._metadata = getattr(own, "_metadata", None)  # the modules' versions, which load_state_dict reads
+    return out
+
+
+def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a full state dict of the original model (its keys and shapes): each rank keeps its shards.
+
+    As ``model.load_state_dict``: with ``strict`` a missing or an unexpected key is an error naming them all.
+    """
     tp_rank, size = pm.coord("tp"), pm.mesh.tp
     missing = [name for _, name, _, _ in _entries(pm) if name not in state]
-    if missing:
-        raise KeyError(f"the state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(state) - set(pm.model.state_dict()))
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"loading a state dict into {type(pm.model).__name__}: missing keys {_few(missing)}, unexpected keys "
+            f"{_few(unexpected)}: pass this model's state dict (model.state_dict() or pm.state_dict()), or strict=False"
+        )
     with torch.no_grad():
         for target, name, param, placement in _entries(pm):
+            if name not in state:
+                continue
             full = state[name]
             if tuple(full.shape) != pm.full_shape(target):
                 raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
@@ -85,6 +121,10 @@ def load_state_dict(pm, state: dict[str, torch.Tensor]) -> None:
         buffers = {k: v for k, v in state.items() if k in dict(pm.model.named_buffers())}
         for key, value in buffers.items():
             _set_buffer(pm.model, key, value)
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{'...' if len(names) > 5 else ''}"
 
 
 def _local_part(full: torch.Tensor, placement: Shard | None, rank: int, size: int) -> torch.Tensor:
@@ -186,8 +226,8 @@ def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
             param = torch.empty(param.shape, dtype=param.dtype) if for_load else param.full_tensor()
         if padded:
             # a padded shard's layout depends on the degree: write and read the tensor whole
-            view[name] = torch.empty(pm.full_shape(target), dtype=param.dtype) if for_load else pm._gather(
-                target, param.detach())
+            view[name] = (torch.empty(pm.full_shape(target), dtype=param.dtype) if for_load
+                          else gather(pm, target, param.detach()))
             continue
         same_layout = not for_load or (saved is not None) == blocked_here
         if blocked_here and same_layout:
@@ -290,10 +330,12 @@ def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[s
 
     Every parameter this rank holds becomes a tensor of its local shape on ``device``; the captured
     programs are rebound to them, and the devices baked into their graphs (``arange(..., device=meta)``)
-    are rewritten. Buffers are parameter-free state the compiler cannot invent: give the ones the
-    programs read in ``buffers`` (by their names in the model) unless the model has none on ``meta``.
-    Returns the bytes allocated for parameters. ``device`` defaults to the rank's own (its CUDA device
-    under NCCL, else the CPU).
+    are rewritten. Buffers on ``meta`` that the programs read come from ``buffers`` (by their names in the
+    model); a non-persistent one not given there is recomputed by the module that owns it (HuggingFace's
+    ``_init_weights``, an ``init_weights(buffer_device=...)``, or its constructor called again; see
+    ``runtime.meta_buffers``), and one error names every buffer still missing. The model and its programs
+    then share one tensor per buffer, as they do for a model built with real tensors. Returns the bytes
+    allocated for parameters. ``device`` defaults to the rank's own (its CUDA device under NCCL, else the CPU).
 
     ``init=None`` leaves the shards zero for ``load_checkpoint``. Otherwise the model's own
     initialisers fill them: ``init=True`` calls every module's ``reset_parameters()``, and a function
@@ -310,6 +352,8 @@ def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[s
     if pm.groups is not None and device.type != pm.groups.device_type:
         raise ValueError(f"materialize({str(device)!r}): this rank's process groups communicate on "
                          f"{pm.groups.device_type}; materialize there (the default)")
+    programs = _programs(pm)
+    values = meta_buffers.resolve(pm.model, programs, device, buffers or {})  # raises before any allocation
     store = pm.replica.store
     allocated = 0
     if pm.replica.sharded_data:  # FSDP2 allocates its own shards (of dp x cp) of this rank's parameters
@@ -325,10 +369,10 @@ def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[s
         allocated += fresh.numel() * fresh.element_size()
         owner, _, attr = target.rpartition(".")
         setattr(store.get_submodule(owner) if owner else store, attr, fresh)
-    for gm in _programs(pm):
+    for gm in programs:
         store.adopt(gm)
-        _materialize_buffers(gm, device, buffers or {})
         _rewrite_devices(gm, device)
+    meta_buffers.install(pm.model, programs, values, device)
     if init is not None:
         _initialise(pm, device, init)
     return allocated
@@ -338,7 +382,7 @@ def _initialise(pm, device: torch.device, init) -> None:
     """Run the model's initialisers module by module (``Module.apply``'s order); keep this rank's parts."""
     if init is not True and not callable(init):
         raise ValueError(f"init={init!r}: use True (every module's reset_parameters()) or a function of a module")
-    target_of = {name: target for target, names in pm._names().items() for name in names}
+    target_of = {name: target for target, names in pm.names.items() for name in names}
     held = {target: (param, placement) for target, _, param, placement in _entries(pm)}
     order = _apply_order(pm.model)
     last_visit: dict[int, int] = {}  # a tied parameter keeps its full tensor until its last module has run
@@ -420,31 +464,7 @@ def _copy_part(pm, local, full: torch.Tensor, placement: Shard | None) -> None:
 
 
 def _programs(pm) -> list:
-    gms = []
-    for program in pm._train.values():
-        gms += [r.program.gm for r in program.runners.values()] if program.runners else [program.gm]
-    for _, built in pm._infer.values():
-        gms += [p.gm for p in built.values()] if isinstance(built, dict) else [built.gm]
-    return gms
-
-
-def _materialize_buffers(gm, device: torch.device, given: dict[str, torch.Tensor]) -> None:
-    from autoshard.capture import MODEL_PREFIX
-
-    for name, buffer in list(gm.named_buffers()):
-        if buffer.device == device:
-            continue
-        owner, _, attr = name.rpartition(".")
-        if buffer.device.type != "meta":  # real data (autoshard's own masks, say): move it
-            (gm.get_submodule(owner) if owner else gm).register_buffer(attr, buffer.to(device), persistent=False)
-            continue
-        original = name.removeprefix(MODEL_PREFIX)
-        if original not in given:
-            raise ValueError(
-                f"buffer {original} of the model is on {buffer.device} and the programs read it: pass its value, "
-                f"materialize(buffers={{'{original}': tensor}})"
-            )
-        (gm.get_submodule(owner) if owner else gm).register_buffer(attr, given[original].to(device), persistent=False)
+    return [program.gm for build in pm.builds for program in build.programs.values()]
 
 
 def _rewrite_devices(gm, device: torch.device) -> None:

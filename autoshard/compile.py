@@ -1,0 +1,287 @@
+"""``compile_rank``: from a captured graph to everything one rank of a mesh runs, as one plain object.
+
+Terms: a *capture* (``capture.Captured``) is the model (and its loss, for training) as one fx graph at one
+set of input shapes; a *rank build* (``RankBuild``) is all that the compiler decided for one rank from one
+capture: the tensor- and context-parallel plans, the pipeline partition and its stages, the rank's
+*programs* (one per stage it runs; stage 0 without pipelining), the parameters tied across pipeline
+ranks, the schedule, the input range checks, and the notes and fallbacks a person should read.
+
+``compile_rank`` is pure: it needs no process group (without groups the collectives it inserts print and
+count but cannot run), so ``autoshard inspect`` builds any rank of any mesh in one process, and the
+runtime builds its own rank with its groups. A later capture of the same model (another input shape,
+inference) is compiled ``like`` the first one: the same tp plan and the same pipeline cuts, so every
+capture places every parameter on the same rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autoshard import codegen
+from autoshard.capture import Captured, capture
+from autoshard.mesh import Mesh, MeshGroups
+from autoshard.options import CompileOptions
+from autoshard.passes.context_parallel import (
+    PARTIAL_OUTPUT,
+    ContextParallelPlan,
+    check_divisible,
+    plan_context_parallel,
+)
+from autoshard.passes.input_checks import InputChecks, input_checks
+from autoshard.passes.loss import find_token_loss, sum_loss_pass, token_count_graph
+from autoshard.passes.partition import Partition, partition
+from autoshard.passes.pipeline_split import Stage, TensorSpec
+from autoshard.passes.placements import R, Shard
+from autoshard.passes.propagate import propagate, reaching_output, redistributions
+from autoshard.passes.sharding import FALLBACKS
+from autoshard.passes.tensor_parallel import plan_tensor_parallel
+from autoshard.plan import TensorParallelPlan
+from autoshard.runtime import batching, schedules
+
+
+@dataclass
+class RankBuild:
+    """What the compiler decided for the rank at ``coords`` of ``mesh`` from one capture."""
+
+    captured: Captured
+    mesh: Mesh
+    coords: dict[str, int]
+    options: CompileOptions
+    programs: dict[int, codegen.RankProgram]  # this rank's programs, by stage (0 without pipelining)
+    tp_plan: TensorParallelPlan | None = None
+    cp_plan: ContextParallelPlan | None = None
+    partition: Partition | None = None
+    stages: list[Stage] = field(default_factory=list)  # every stage, its specs at global shapes (empty without pp)
+    local_specs: dict[int, tuple[list[TensorSpec], list[TensorSpec]]] = field(default_factory=dict)  # this rank's
+    # stages: (received, sent) at the shapes this rank holds
+    tied: dict[str, frozenset[int]] = field(default_factory=dict)  # parameter -> the pp coordinates that read it
+    actions: schedules.Schedule | None = None
+    checks: InputChecks | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank_of(**self.coords)
+
+    @property
+    def training(self) -> bool:
+        return self.captured.with_loss
+
+    @property
+    def program(self) -> codegen.RankProgram:
+        """The first program of this rank (its only one without pipelining)."""
+        return self.programs[min(self.programs)]
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp * self.options.chunks if self.mesh.pp > 1 else 1
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return [note for program in self.programs.values() for note in program.gm.meta.get(FALLBACKS, [])]
+
+    @property
+    def cp_copies(self) -> int:
+        """How many cp ranks hold the whole loss (1 when each holds a partial sum of it)."""
+        whole = self.mesh.cp > 1 and self.mesh.pp == 1 and not self.program.gm.meta.get(PARTIAL_OUTPUT, False)
+        return self.mesh.cp if whole else 1
+
+    def placeholder_names(self) -> list[str]:
+        return [n.target for n in self.captured.gm.graph.nodes if n.op == "placeholder"]
+
+    def sequence_dims(self) -> dict[int, int]:
+        """The position of every input cp splits, and its sequence dim."""
+        if self.cp_plan is None:
+            return {}
+        names = self.placeholder_names()
+        return {names.index(name): dim for name, dim in self.cp_plan.inputs.items() if name in names}
+
+    def check_sequence(self, values: tuple) -> None:
+        """Refuse, on every rank alike and before any collective, a sequence the cp ranks cannot split."""
+        for position, dim in self.sequence_dims().items():
+            value = values[position] if position < len(values) else None
+            if isinstance(value, torch.Tensor) and value.dim() > dim:
+                check_divisible(dataclasses.replace(self.cp_plan, seq_len=value.shape[dim]))
+
+    def check_data(self, values: tuple) -> None:
+        """Refuse ids and targets outside the vocabulary, on every rank alike, before any collective.
+
+        ``values`` is what this rank was given (the global batch, or its own slice with ``local_batch``); the
+        checks run on every microbatch-sized piece of it, as the capture is at the microbatch's shape.
+        """
+        if not self.checks.checks:
+            return
+        batch = batching.batch_size(values)
+        size = next((s[0] for s in self.captured.input_shapes if isinstance(s, tuple) and s), None)
+        parts = batch // size if batch and size and batch % size == 0 else 1
+        for piece in batching.split(values, parts):
+            self.checks.run(*piece)
+
+    def local_inputs(self, args: tuple) -> tuple:
+        """This cp rank's tokens of the sequence-split inputs (all of every other input)."""
+        if self.cp_plan is None:
+            return args
+        index = self.cp_plan.positions(self.coords["cp"])
+        return tuple(a.index_select(self.cp_plan.inputs[name], index.to(a.device)) if name in self.cp_plan.inputs
+                     else a for name, a in zip(self.placeholder_names(), args, strict=True))
+
+    @functools.cached_property
+    def batched_outputs(self) -> list[bool] | None:
+        """For each flat output of an inference capture: whether it carries the capture's batch along dim 0 (so
+        dp ranks may compute slices of a batch and gather them). None when an op mixes the batch."""
+        gm = codegen.prepare(self.captured)  # without export's shape guards (they read every input)
+        batch = next((s[0] for s in self.captured.input_shapes if isinstance(s, tuple) and s), None)
+        seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder" and _leading_dim(n) == batch}
+        prop = propagate(gm, seeds, max(self.mesh.dp, 2), keep_outputs=True)
+        if any(not _broadcast_over_batch(r) for r in redistributions(prop)):
+            return None  # some op needs the whole batch: computing slices would be wrong
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        placements = [prop.of(leaf) if isinstance(leaf, fx.Node) else R for leaf in pytree.tree_leaves(output.args[0])]
+        if any(p not in (R, Shard(0)) for p in placements):
+            return None
+        return [p == Shard(0) for p in placements]
+
+    def trained_parameters(self) -> set[str]:
+        """The parameters (by name in the capture) from which a differentiable path reaches the loss."""
+        return {n.target for n in reaching_output(self.program.gm) if n.op == "get_attr"}
+
+
+def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, loss_fn, *,
+                         training: bool = True) -> Captured:
+    """The training capture (model and loss in one graph), its loss rewritten to a sum when it is a token mean."""
+    captured = capture(model, inputs, loss_fn=loss_fn, example_target=target, training=training)
+    _check_loss_trains(captured, model)
+    captured.token_loss = find_token_loss(captured.gm)
+    if captured.token_loss is not None:
+        captured.count_gm = token_count_graph(captured.gm, captured.token_loss)
+        sum_loss_pass(captured.gm, captured.token_loss)
+    return captured
+
+
+def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options: CompileOptions, *,
+                 like: RankBuild | None = None, groups: MeshGroups | None = None,
+                 store: codegen.ParamStore | None = None) -> RankBuild:
+    """Everything the rank at ``coords`` runs for ``captured``; ``like`` is the model's first build, if any."""
+    coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
+    build = RankBuild(captured, mesh, coords, options, programs={})
+    build.tp_plan = _tp_plan(captured, mesh, options, like, build.notes)
+    build.cp_plan = _cp_plan(captured, mesh, options, like)
+    sharding = codegen.Sharding(
+        tp_plan=build.tp_plan, tp_rank=coords["tp"], cp_plan=build.cp_plan, cp_rank=coords["cp"],
+        tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
+        cp_group=groups.group("cp") if groups is not None and mesh.cp > 1 else None,
+        training=captured.with_loss,
+    )
+    if mesh.pp == 1:
+        build.programs = {0: codegen.build(captured, sharding, store=store)}
+    else:
+        _pipeline(build, sharding, like, store)
+    build.checks = input_checks(captured.gm)
+    return build
+
+
+def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int, options: CompileOptions, *,
+                         target: torch.Tensor | None = None, loss_fn=None) -> RankBuild:
+    """Rank ``rank``'s build from a global batch (its dp slice, its first microbatch), without processes: what
+    ``parallelize`` compiles on that rank. With ``loss_fn`` and ``target`` the training graph, else inference."""
+    coords = mesh.coords(rank)
+    values = (*inputs, target) if loss_fn is not None else inputs
+    batching.check(batching.batch_size(inputs), microbatches=options.microbatches, dp=mesh.dp, local=False)
+    if mesh.dp > 1:
+        values = batching.split(values, mesh.dp)[coords["dp"]]
+    values = batching.split(values, options.microbatches)[0]
+    if loss_fn is not None:
+        captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
+    else:
+        captured = capture(model, values, training=model.training)
+    options.check_mesh(mesh)
+    return compile_rank(captured, mesh, coords, options)
+
+
+def _tp_plan(captured: Captured, mesh: Mesh, options: CompileOptions, like: RankBuild | None,
+             notes: list[str]) -> TensorParallelPlan | None:
+    if mesh.tp == 1:
+        return None
+    if like is not None:
+        return like.tp_plan
+    plan = options.tp_plan or plan_tensor_parallel(captured.gm, mesh.tp, indivisible=options.tp_indivisible)
+    if all(not isinstance(p.placement, Shard) for p in plan.params.values()):
+        notes.append(f"no block to split over tp={mesh.tp} was found (no column -> row pattern, no vocab-parallel "
+                     "embedding): the tp ranks run the model replicated")
+    return plan
+
+
+def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
+             like: RankBuild | None) -> ContextParallelPlan | None:
+    """The first capture's cp plan when this capture's sequence is as long, else a plan of its own."""
+    if mesh.cp == 1:
+        return None
+    plan = like.cp_plan if like is not None else None
+    if plan is not None:
+        names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
+        present = [(name, dim) for name, dim in plan.inputs.items() if name in names]
+        if all(captured.input_shapes[names.index(name)][dim] == plan.seq_len for name, dim in present):
+            return plan  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
+    return plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
+                                 attention=options.cp_attention)
+
+
+def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | None,
+              store: codegen.ParamStore | None) -> None:
+    """Cut the capture into stages (after the same nodes as ``like``) and build this rank's."""
+    p, v, options = build.mesh.pp, build.options.chunks, build.options
+    gm = codegen.prepare(build.captured)
+    if like is None:
+        build.partition = partition(gm, build.num_stages, starts=options.pipeline_starts)
+    else:
+        build.partition = partition(gm, build.num_stages, cut_after=like.partition.cut_after)
+    mine = [s for s in range(build.num_stages) if s % p == build.coords["pp"]]
+    build.stages, build.programs, build.local_specs = codegen.build_stages(
+        build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store)
+    holders: dict[str, set[int]] = {}
+    for stage in build.stages:
+        for name in stage.parameters:
+            holders.setdefault(name, set()).add(stage.index % p)
+    build.tied = {name: frozenset(ranks) for name, ranks in sorted(holders.items()) if len(ranks) > 1}
+    build.actions = schedules.schedule(options.schedule, p, options.microbatches, v)
+    schedules.validate(build.actions, p, v)
+
+
+def _check_loss_trains(captured: Captured, model: nn.Module) -> None:
+    """Refuse, on every rank alike and before any collective, a captured loss that no trainable parameter reaches."""
+    trainable = {name for name, p in captured.gm.named_parameters() if p.requires_grad}
+    if trainable and not any(n.op == "get_attr" and n.target in trainable for n in reaching_output(captured.gm)):
+        raise ValueError(
+            f"the captured graph of {type(model).__name__} computes a loss that does not depend on its parameters, "
+            "although the model's does: a part of the model hides its computation from the capture (a custom "
+            "autograd Function that runs its forward without gradients and recomputes in backward, such as "
+            "reversible layers), so autoshard cannot train it; replace that part by plain modules"
+        )
+
+
+def _leading_dim(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
+
+
+def _broadcast_over_batch(redistribution) -> bool:
+    """A replicated value that a batch slice needs sliced is harmless when it is an expand over the batch dim:
+    every slice of it is the same (an attention mask broadcast to the batch, for example)."""
+    value = redistribution.value
+    if redistribution.src != R or redistribution.dst != Shard(0) or value.target is not torch.ops.aten.expand.default:
+        return False
+    source = value.args[0].meta.get("val")
+    target = value.meta.get("val")
+    return isinstance(source, torch.Tensor) and (source.dim() < target.dim() or source.shape[0] == 1)
+
+
+def with_coords(build: RankBuild, coords: dict[str, int]) -> RankBuild:
+    """The same capture compiled for another rank of the mesh (without process groups)."""
+    return compile_rank(build.captured, build.mesh, coords, build.options, like=build)
+

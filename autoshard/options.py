@@ -1,0 +1,114 @@
+"""``CompileOptions``: every option of ``parallelize``, in one frozen dataclass checked once.
+
+``parallelize``, ``verify`` and ``autoshard inspect`` all build one (their keyword arguments and flags are
+its public face), and every later layer reads it instead of taking the options one by one. A value that
+is not valid is refused here with the valid ones named, so a misspelt choice never silently means the
+other one. Checks that need the mesh (a tp plan made for another degree) are in :meth:`check_mesh`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+
+from autoshard.mesh import Mesh
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+
+CHOICES = {
+    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "tp_indivisible": ("error", "replicate"),
+    "cp_attention": ("gather", "ring"),
+    "mixed_precision": (None, "bf16"),
+    "data_parallel": ("ddp", "fsdp"),
+}
+_MEANINGS = {
+    "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
+    "cp_attention": "'gather' (all-gather keys and values) or 'ring' (pass key/value blocks around the cp ranks)",
+    "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
+    "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How ``parallelize`` compiles and runs a model.
+
+    Fields:
+    microbatches: how many microbatches each rank's local batch is cut into.
+    local_batch: ``step()`` gets each rank's own slice of the batch (a data loader that shards by
+        rank) instead of the global batch.
+    timeout: how long any collective may wait before the step fails, naming the rank and step.
+    tp_indivisible: what to do with a block whose heads or width the tp degree does not divide:
+        ``"error"`` (the default: an error naming the layer and the degrees that work) or
+        ``"replicate"`` (keep that block replicated, with a warning).
+    schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
+    chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
+    pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
+        stage after the first begins.
+    cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
+        values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
+    cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
+    mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
+    activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
+    tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
+        printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
+    data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
+        ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded). Under pipeline
+        parallelism a rank's parameters stay gathered for the step (one all-gather per step, not per
+        microbatch) and gradients are reduce-scattered after its last backward.
+    """
+
+    microbatches: int = 1
+    local_batch: bool = False
+    schedule: str = "1f1b"
+    chunks: int = 1
+    pipeline_starts: tuple[str, ...] | None = None
+    tp_indivisible: str = "error"
+    cp_attention: str = "gather"
+    cp_load_balance: bool = False
+    mixed_precision: str | None = None
+    activation_checkpointing: bool = False
+    tp_plan: object = None  # a TensorParallelPlan to apply instead of the one the compiler finds
+    data_parallel: str = "ddp"
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        for name, valid in CHOICES.items():
+            value = getattr(self, name)
+            if value not in valid:
+                meaning = _MEANINGS.get(name) or " or ".join(map(repr, valid))
+                raise ValueError(f"{name}={value!r} is not an option: use {meaning}")
+        for name in ("microbatches", "chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= 1")
+        for name in ("local_batch", "cp_load_balance", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not valid: pass True or False")
+        if self.pipeline_starts is not None:
+            starts = self.pipeline_starts
+            if isinstance(starts, str) or not all(isinstance(s, str) for s in starts):
+                raise ValueError(f"pipeline_starts={starts!r}: pass a list of module names, e.g. ['layers.4']")
+            object.__setattr__(self, "pipeline_starts", tuple(starts))
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            object.__setattr__(self, "timeout", datetime.timedelta(seconds=self.timeout))
+        if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or seconds)")
+        if self.tp_plan is not None and not hasattr(self.tp_plan, "params"):
+            raise ValueError(f"tp_plan is a {type(self.tp_plan).__name__}: pass a TensorParallelPlan (pm.plan, or "
+                             "TensorParallelPlan.from_json(...))")
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Refuse the options that do not fit ``mesh``."""
+        if self.tp_plan is not None and self.tp_plan.size != mesh.tp:
+            raise ValueError(f"the tp plan was made for tp={self.tp_plan.size}, the mesh has tp={mesh.tp}: make "
+                             f"the plan at tp={mesh.tp} or use a mesh of tp={self.tp_plan.size}")
+
+    def replace(self, **changes) -> CompileOptions:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

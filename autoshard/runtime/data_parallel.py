@@ -1,0 +1,228 @@
+"""Gradient sums over the ranks that split the batch and the sequence (dp x cp), behind one interface.
+
+A ``GradientSync`` is chosen once per parallel model from its options and mesh:
+
+- ``Local``: one rank on dp x cp; nothing to sum.
+- ``Replicas``: PyTorch's DistributedDataParallel, its buckets summed (not averaged) by a communication
+  hook, because every loss term is already divided by the global batch's divisor.
+- ``PipelineReplicas``: under pipeline parallelism a rank runs many backwards per step, so DDP's
+  contract does not hold; ``reducer.GradientReducer`` launches each bucket during the last backward that
+  finishes it.
+- ``FullyShard``: PyTorch's FSDP2 ``fully_shard`` over dp x cp (parameters, gradients and optimizer
+  state sharded); under a pipeline the parameters stay gathered for the step and gradients are
+  reduce-scattered after the last backward, as torch.distributed.pipelining does.
+
+The *replica* is the module that holds this rank's parameters (its ``store``) and runs a given program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+
+import torch.distributed as dist
+from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from autoshard import codegen
+
+# Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+class Replica(nn.Module):
+    """The module data parallelism wraps: this rank's parameters, and a forward that runs a given program."""
+
+    def __init__(self, store: codegen.ParamStore) -> None:
+        super().__init__()
+        self.store = store
+        self.sharded_data = False
+
+    def forward(self, gm: fx.GraphModule, *args):
+        if self.sharded_data:  # fully_shard swaps the store's parameters: point the program at the current ones
+            self.store.adopt(gm)
+        return gm(*args)
+
+
+class GradientSync:
+    """No sum: one rank on dp x cp. The base of the strategies, and the interface the parallel model calls."""
+
+    sharded = False  # whether the parameters are sharded over dp x cp (FSDP2)
+
+    def __init__(self, replica: Replica, group=None, pipeline=None, device_type: str = "cpu") -> None:
+        self.replica = replica
+        self.group = group
+        self.pipeline = pipeline
+        self.device_type = device_type
+        self.reducer = None
+
+    def prepare(self, build) -> None:
+        """A build was compiled (its parameters are in the store)."""
+
+    def module(self) -> nn.Module:
+        """What runs a program's forward and backward without pipelining."""
+        return self.replica
+
+    def microbatch(self, last: bool):
+        """The context of one microbatch's forward and backward (the last one triggers the sums)."""
+        return contextlib.nullcontext()
+
+    def begin_pipeline_step(self) -> None:
+        pass
+
+    def finish_pipeline_step(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def fresh_gradients(self):
+        """Set aside the gradients of earlier ``step()`` calls and add them back after this step's sums.
+
+        Every sum a step makes (over dp x cp, over tied copies on several pipeline ranks) must add this step's
+        gradients only: a gradient that still holds an earlier, already summed step would be counted once per
+        rank. So gradient accumulation over several steps equals eager ``backward()`` calls.
+        """
+        earlier = {}
+        for p in self.replica.parameters():
+            if p.grad is not None:
+                earlier[p], p.grad = p.grad, None
+        try:
+            yield
+        finally:
+            for p, grad in earlier.items():
+                if p.grad is not None:
+                    grad.add_(p.grad)
+                p.grad = grad
+
+
+Local = GradientSync
+
+
+class Replicas(GradientSync):
+    """DistributedDataParallel over dp x cp, summing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ddp: DistributedDataParallel | None = None
+        self._unused = False
+
+    def prepare(self, build) -> None:
+        if self._ddp is None and build.training:
+            self._unused = _has_unused_parameters(build, self.replica)
+
+    def module(self) -> nn.Module:
+        if self._ddp is None:
+            self._ddp = DistributedDataParallel(self.replica, process_group=self.group,
+                                                find_unused_parameters=self._unused, **_NO_BUFFER_SYNC)
+            self._ddp.register_comm_hook(self.group, _sum_hook)
+        return self._ddp
+
+    def microbatch(self, last: bool):
+        return self._ddp.no_sync() if self._ddp is not None and not last else contextlib.nullcontext()
+
+
+class PipelineReplicas(GradientSync):
+    """Replicas under a pipeline: gradients summed in buckets during the backwards that finish them."""
+
+    def prepare(self, build) -> None:
+        if self.reducer is None and build.training:
+            self.reducer = self.pipeline.reducer(build.programs, self.replica.store, self.group)
+
+    def finish_pipeline_step(self) -> None:
+        self.reducer.finish(self.replica.store.named_parameters())
+
+    def abort(self) -> None:
+        if self.reducer is not None:
+            self.reducer.reset()
+
+
+class FullyShard(GradientSync):
+    """FSDP2 over dp x cp: parameters, gradients and optimizer state sharded."""
+
+    sharded = True
+
+    def prepare(self, build) -> None:
+        if not self.replica.sharded_data:
+            if build.training:
+                self._shard()
+            return  # now, so that an optimizer built next holds the sharded parameters
+        new = [name for name, p in self.replica.store.named_parameters() if not hasattr(p, "device_mesh")]
+        if new:
+            raise ValueError(
+                f"the capture at input shapes {build.captured.input_shapes} reads parameters no earlier capture read "
+                f"({', '.join(new[:3])}{'...' if len(new) > 3 else ''}), and under data_parallel='fsdp' the "
+                "parameters were sharded when the first training graph was captured: capture first with inputs "
+                "that reach every parameter (pass that example target to parallelize), or use data_parallel='ddp'"
+            )
+
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(self.group, self.device_type)
+        # Under pipelining a stage runs one forward per microbatch: keep the parameters gathered for the step
+        # rather than all-gathering them again for every microbatch (torchtitan's default too).
+        fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None)
+        self.replica.set_gradient_divide_factor(1.0)  # losses are normalised globally: gradients are sums
+        self.replica.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+        self.replica.sharded_data = True
+
+    def microbatch(self, last: bool):
+        self.replica.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def begin_pipeline_step(self) -> None:
+        """Keep unsharded gradients over the step's many backwards, reduce none yet."""
+        self.replica.set_is_last_backward(False)
+        self.replica.set_reshard_after_backward(False)
+        self.replica.set_requires_gradient_sync(False)
+
+    def finish_pipeline_step(self) -> None:
+        """After the last backward: reduce-scatter the gradients and reshard (as torch.distributed.pipelining
+        does, since no single backward is the step's last one). It calls FSDP2's own post-backward steps,
+        private API that torch.distributed.pipelining uses the same way (torch 2.13)."""
+        from torch.distributed.fsdp import fully_shard
+
+        self.replica.set_is_last_backward(True)
+        self.replica.set_reshard_after_backward(True)
+        self.replica.set_requires_gradient_sync(True)
+        state = fully_shard.state(self.replica)
+        for fsdp_state in state._state_ctx.all_states:
+            for group in fsdp_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    @contextlib.contextmanager
+    def fresh_gradients(self):
+        yield  # FSDP2 adds each reduce-scattered gradient into the sharded gradient it keeps
+
+
+def gradient_sync(replica: Replica, *, data_parallel: str, ranks: int, group, pipeline,
+                  device_type: str) -> GradientSync:
+    """The strategy for ``ranks`` = dp x cp ranks summing over ``group``; ``pipeline`` under pp, else None."""
+    if ranks == 1:
+        return Local(replica)
+    kind = FullyShard if data_parallel == "fsdp" else PipelineReplicas if pipeline is not None else Replicas
+    return kind(replica, group, pipeline, device_type)
+
+
+def _sum_hook(group, bucket):
+    """DDP communication hook that sums gradients (DDP's default divides by the group size)."""
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return future.then(lambda f: f.value()[0])
+
+
+def _has_unused_parameters(build, replica: Replica) -> bool:
+    """Whether some parameter gets no gradient: the graph may read it (a pooler whose output the loss
+    ignores, a sparse-attention indexer that only picks positions), but no differentiable path leads from
+    it to the loss. DDP must then be told, or it waits for that gradient forever."""
+    gm = build.program.gm
+    used = {id(operator.attrgetter(target)(gm)) for target in build.trained_parameters()}
+    return any(id(p) not in used for p in replica.parameters() if p.requires_grad)

@@ -1,0 +1,51 @@
+"""Full tensors from this rank's shards: parameters and gradients at the original model's shapes and names.
+
+A parameter is held as a tp shard (``Shard`` placements of the tp plan, fused blocks and padded vocabularies
+included), possibly further split over dp x cp by FSDP2, and only on the pipeline ranks whose stages read
+it. ``full_tensors`` gathers all of that back, so every rank sees the whole model's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from autoshard.passes.collectives import unshard
+from autoshard.passes.placements import Shard
+
+
+def full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
+    """``read(parameter)`` of every parameter at full shape, keyed by all of the original model's names.
+
+    Gathered over tp; under pp every rank contributes the parameters of its stages.
+    """
+    store = pm.store
+    names = pm.names
+    mine = {target: gather(pm, target, read(store.find(target))) for target in sorted(names)
+            if store.find(target) is not None}
+    if pm.mesh.pp > 1:
+        everyone: list = [None] * pm.mesh.pp
+        # on the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU index
+        dist.all_gather_object(everyone, {t: v.detach().cpu() if v is not None else None for t, v in mine.items()},
+                               group=pm.groups.group("pp"))
+        mine = {t: v for part in everyone for t, v in part.items()}
+    # A parameter the graph never reads is held by no program: report the model's own (never trained) tensor.
+    own = dict(pm.model.named_parameters(remove_duplicate=False))
+    return {name: mine[target] if target in mine else read(own[name]) for target, every in names.items()
+            for name in every}
+
+
+def gather(pm, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
+    """Parameter ``target`` (its name in the captures) at full shape from this rank's ``local`` part of it."""
+    if local is not None and hasattr(local, "full_tensor"):  # sharded over dp x cp by FSDP2
+        local = local.full_tensor()
+    plan = pm.plan
+    placement = plan.params[target].placement if plan is not None and target in plan.params else None
+    if local is None or not isinstance(placement, Shard):
+        return local
+    parts = [torch.empty_like(local) for _ in range(pm.mesh.tp)]
+    dist.all_gather(parts, local.contiguous(), group=pm.groups.group("tp"))
+    full = unshard(parts, placement.dim, placement.blocks)
+    return full.narrow(placement.dim, 0, pm.full_shape(target)[placement.dim])  # drop vocab padding
