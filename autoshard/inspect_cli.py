@@ -1,5 +1,4 @@
 """``autoshard inspect``: what one rank of a mesh would run, built without any process group.
-
     autoshard inspect MODULE:FACTORY --mesh tp=2,pp=2 [--rank N] [--microbatches M] [--chunks V]
                       [--schedule [NAME]] [--dot DIR]
 
@@ -11,13 +10,10 @@ stages, the collectives per microbatch and per step, and the planner's lint. Thi
 arguments and loads the factory.
 
 The factory contract. ``FACTORY()`` (or ``FACTORY(args)`` with literal arguments, e.g.
-``tests/models.py:build("gpt")``) returns ``(model, example_inputs[, target, loss_fn])``, a dict with those
-keys (``inputs`` also works), an object with those attributes (such as the test zoo's ``ZooCase``), or a bare
-``nn.Module``, whose example inputs are made up from its first layer (token ids of ``--batch`` x ``--seq`` for
-an ``nn.Embedding``, ``--batch`` x in_features values for an ``nn.Linear``). ``example_inputs`` is the global
-batch. With ``loss_fn`` and ``target`` the training graph (forward, loss and backward) is inspected; without
-them, the inference graph. ``--schedule NAME`` picks the pipeline schedule (gpipe, 1f1b, interleaved; default
-1f1b, or interleaved with ``--chunks`` > 1); ``--dot DIR`` writes one Graphviz file per rewritten graph.
+``tests/models.py:build("gpt")``) returns ``(model, example_inputs[, target, loss_fn])``, a dict or an object
+with those (``inputs`` also works), or a bare ``nn.Module`` whose global batch is made up from its first layer
+(``--batch`` x ``--seq`` token ids, or ``--batch`` x in_features values). With ``loss_fn`` and ``target`` the
+training graph is inspected, else the inference graph. ``--schedule NAME`` picks the pipeline schedule.
 
 Errors in the input (the MODULE:FACTORY, a factory that raises or returns something else, the mesh, the
 rank, a model the compiler cannot split that way) are one line on stderr, with the fix, and exit code 2.
@@ -43,7 +39,6 @@ from autoshard.options import CHOICES, CompileOptions
 
 NAME = "inspect"
 HELP = "print the plan, the code and the collectives of one rank, without any process group"
-SCHEDULE_NAMES = CHOICES["schedule"]
 
 _EPILOG = """\
 FACTORY returns (model, example_inputs[, target, loss_fn]), a dict with those keys, an object with those
@@ -102,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 for path in write_graphs(case, build, args.dot):
                     print(f"wrote {path}")
     except (InspectError, CaptureError, ValueError) as e:
-        message = _one_line(str(e)).replace("pass tp_indivisible='replicate'", "pass --tp-indivisible replicate")
+        message = _one_line(_for_the_command_line(e))
         print(f"autoshard inspect: error: {message}", file=sys.stderr)
         return 2
     return 0
@@ -121,14 +116,21 @@ def _options(args: argparse.Namespace) -> tuple[Mesh, int, CompileOptions]:
     if args.chunks > 1 and mesh.pp == 1:
         raise InspectError(f"--chunks {args.chunks} needs a pipeline: add pp=2 or more to --mesh")
     schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
-    if schedule not in SCHEDULE_NAMES:
-        raise InspectError(f"--schedule {schedule!r} is not a schedule: use one of {', '.join(SCHEDULE_NAMES)} "
+    if schedule not in CHOICES["schedule"]:
+        raise InspectError(f"--schedule {schedule!r} is not a schedule: use one of {', '.join(CHOICES['schedule'])} "
                            "(and put MODULE:FACTORY before --schedule)")
     starts = [s.strip() for s in args.pipeline_starts.split(",") if s.strip()] if args.pipeline_starts else None
     return mesh, args.rank, CompileOptions(
         microbatches=args.microbatches, chunks=args.chunks, schedule=schedule, tp_indivisible=args.tp_indivisible,
         cp_attention=args.cp_attention, cp_load_balance=args.cp_load_balance, pipeline_starts=starts,
         data_parallel=args.data_parallel)
+
+
+def _for_the_command_line(error: Exception) -> str:
+    """The error's text, with an option it suggests spelt as this command's flag."""
+    option = getattr(error, "option", None)
+    flag = f"--{option[0].replace('_', '-')} {option[1]}" if option else ""
+    return f"{error.reason}; or pass {flag} to keep such layers replicated" if option else str(error)
 
 
 def _one_line(text: str) -> str:

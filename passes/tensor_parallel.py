@@ -44,7 +44,16 @@ _CONE_LIMIT = 300
 
 
 class TensorParallelError(ValueError):
-    """A layer cannot be split over the requested degree; the message names it and the degrees that work."""
+    """A layer cannot be split over the requested degree; the message names it and the degrees that work.
+
+    ``option`` is the option and value that would keep such layers replicated instead (a front end spells it
+    its own way: a keyword argument, a command-line flag).
+    """
+
+    def __init__(self, reason: str, *, option: tuple[str, str] | None = None) -> None:
+        self.reason, self.option = reason, option
+        fix = f"; or pass {option[0]}={option[1]!r} to keep such layers replicated" if option else ""
+        super().__init__(reason + fix)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -241,7 +250,7 @@ def _indivisible(gm, row: fx.Node, reason: str, size: int, mode: str) -> None:
     layer = meta.module_path(row) or row.name
     message = f"tensor parallelism over {size} ranks cannot split the block ending in {layer}: {reason}"
     if mode == "error":
-        raise TensorParallelError(message + "; or pass tp_indivisible='replicate' to keep such layers replicated")
+        raise TensorParallelError(message, option=("tp_indivisible", "replicate"))
     warnings.warn(message + "; the layer stays replicated", stacklevel=3)
 
 
