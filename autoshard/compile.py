@@ -190,6 +190,7 @@ def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int,
                          target: torch.Tensor | None = None, loss_fn=None) -> RankBuild:
     """Rank ``rank``'s build from a global batch (its dp slice, its first microbatch), without processes: what
     ``parallelize`` compiles on that rank. With ``loss_fn`` and ``target`` the training graph, else inference."""
+    options.check_mesh(mesh)
     coords = mesh.coords(rank)
     values = (*inputs, target) if loss_fn is not None else inputs
     batching.check(batching.batch_size(inputs), microbatches=options.microbatches, dp=mesh.dp, local=False)
@@ -200,7 +201,6 @@ def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int,
         captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
     else:
         captured = capture(model, values, training=model.training)
-    options.check_mesh(mesh)
     return compile_rank(captured, mesh, coords, options)
 
 
