@@ -238,6 +238,15 @@ class ParallelModel(nn.Module):
         views = batching.split((*inputs, target), self.mesh.dp * self.options.microbatches)
         return sum(count(*view) for view in views).float()
 
+    @property
+    def steps(self) -> int:
+        """Training steps taken (``pm.step`` calls), restored by ``load_checkpoint``."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._steps = value
+
     def _sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that split the batch and the sequence (dp x cp)."""
         if self.mesh.dp * self.mesh.cp == 1:
@@ -323,17 +332,33 @@ class ParallelModel(nn.Module):
 
         return state.clip_grad_norm_(self, max_norm)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Each rank writes its own shards (torch.distributed.checkpoint); loadable under any mesh."""
-        from autoshard.runtime import state
+    def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None) -> None:
+        """Each rank writes its shards of the parameters and, with ``optimizer``, of its state; ``extra`` (the
+        user's step, an LR scheduler's ``state_dict()``) and the random streams alongside. Loads under any mesh."""
+        from autoshard.runtime import checkpoint
 
-        state.save_checkpoint(self, path)
+        checkpoint.save_checkpoint(self, path, optimizer, extra)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Read a checkpoint saved under any mesh into this rank's shards."""
-        from autoshard.runtime import state
+    def load_checkpoint(self, path: str, *, optimizer=None) -> dict:
+        """Read a checkpoint saved under any mesh into this rank's shards (and ``optimizer``'s state); returns the
+        ``extra`` it was saved with."""
+        from autoshard.runtime import checkpoint
 
-        state.load_checkpoint(self, path)
+        return checkpoint.load_checkpoint(self, path, optimizer)
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        """The whole optimizer's state at full shapes, keyed by the model's parameter names (a collective): what
+        ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` loads into an unsharded optimizer."""
+        from autoshard.runtime import optimizer_state
+
+        return optimizer_state.full_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        """Give ``optimizer`` this rank's part of a full optimizer state keyed by parameter names (what
+        ``get_optimizer_state_dict(model, optimizer)`` gives for an unsharded model, or ``optimizer_state_dict``)."""
+        from autoshard.runtime import optimizer_state
+
+        optimizer_state.load_full_state_dict(self, optimizer, state_dict)
 
     def materialize(self, device=None, *, buffers=None, init=None) -> int:
         """For a model built on ``meta``: allocate only this rank's shards on ``device``, then fill them from a

@@ -1,4 +1,4 @@
-"""Training state across ranks: global-norm clipping, full state dicts, and distributed checkpoints.
+"""Training state across ranks: global-norm clipping, full state dicts, and materialising a model built on meta.
 
 Every parameter of the original model is held by the ranks of one pp coordinate (two for a tied
 weight used on two stages), as whole tensors or tp shards, replicated over dp x cp (or, under FSDP2,
@@ -6,10 +6,7 @@ split along dim 0 over dp x cp). So a global quantity counts each tensor once: a
 contributes from every tp rank divided by the degree, a tied one only on the first pp rank that holds
 it, and nothing is summed over dp x cp (their gradients were already reduced) unless FSDP2 split it.
 
-Checkpoints use torch.distributed.checkpoint: each rank writes only its own shards, as DTensors on
-the tp group (a fused q/k/v weight is written as one tensor per block, so its layout does not
-depend on the degree) or, under FSDP2, as DTensors over (tp, dp x cp), and a checkpoint loads under
-any other mesh, with or without FSDP2: every rank reads exactly the part it holds.
+Distributed checkpoints (parameters, optimizer state, random streams) are in ``runtime.checkpoint``.
 """
 
 from __future__ import annotations
@@ -19,14 +16,10 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from autoshard.passes.collectives import shard
 from autoshard.passes.placements import Shard
 from autoshard.runtime import meta_buffers
-from autoshard.runtime.gather import gather
-
-_BLOCK = "@block"
 
 
 def _entries(pm):
@@ -139,186 +132,6 @@ def _local_part(full: torch.Tensor, placement: Shard | None, rank: int, size: in
 def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
     owner, _, attr = key.rpartition(".")
     getattr(model.get_submodule(owner) if owner else model, attr).copy_(value)
-
-
-# -------------------------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(pm, path: str) -> None:
-    """Write this rank's shards of every parameter to a distributed checkpoint at ``path`` (all ranks call)."""
-    dcp.save(_checkpoint_view(pm, for_load=False, metadata=None), checkpoint_id=path)
-
-
-def load_checkpoint(pm, path: str) -> None:
-    """Read a checkpoint written under any mesh into this rank's shards (all ranks call)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    _check_matches(pm, path, metadata)
-    view = _checkpoint_view(pm, for_load=True, metadata=metadata)
-    dcp.load(view, checkpoint_id=path)
-    with torch.no_grad():
-        for target, name, param, placement in _entries(pm):
-            if _fsdp_direct(pm, target, param, placement, _saved_blocks(metadata, name)):
-                param.to_local().copy_(view[name].to_local())  # read as exactly this rank's part of its shard
-                continue
-            if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
-                local = _local_part(view[name], placement, pm.coord("tp"), pm.mesh.tp)
-            else:
-                local = _assemble(pm, name, view, metadata, param, placement)
-            if _is_fsdp(param):  # the tp-local tensor: keep this rank's FSDP2 part of it
-                from torch.distributed.tensor import distribute_tensor
-
-                local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(local)
-
-
-def _is_fsdp(param) -> bool:
-    return hasattr(param, "device_mesh")
-
-
-def _fsdp_direct(pm, target: str, param, placement: Shard | None, saved_blocks) -> bool:
-    """Whether an FSDP2 shard is written and read as it is (not padded over tp, not blocked, here or there)."""
-    if not _is_fsdp(param) or saved_blocks is not None:
-        return False
-    return placement is None or (placement.blocks is None and pm.full_shape(target)[placement.dim] % pm.mesh.tp == 0)
-
-
-def _check_matches(pm, path: str, metadata) -> None:
-    """Refuse, before any collective, a checkpoint of another model: missing tensors or other shapes."""
-    problems = []
-    for target, name, _, _ in _entries(pm):
-        expected = pm.full_shape(target)
-        blocks = _saved_blocks(metadata, name)
-        if blocks:  # a fused tensor written block by block: the blocks hold its elements
-            sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in blocks]
-            if sum(math.prod(s) for s in sizes) != math.prod(expected):
-                problems.append(f"{name} is blocks {sizes} there, {expected} here")
-        elif name not in metadata:
-            problems.append(f"{name} is missing")
-        elif tuple(metadata[name].size) != expected:
-            problems.append(f"{name} is {tuple(metadata[name].size)} there, {expected} here")
-    if problems:
-        raise ValueError(
-            f"the checkpoint at {path} was not written for this model: {'; '.join(problems[:4])}"
-            f"{' ...' if len(problems) > 4 else ''}. Load a checkpoint saved from the same model (any mesh works)"
-        )
-
-
-def _checkpoint_view(pm, *, for_load: bool, metadata) -> dict:
-    """The state dict DCP reads or writes: DTensors on the tp group for shards, blocks as separate keys.
-
-    On load, a tensor stored in another layout than this rank holds (blocked vs not) is read whole
-    and cut here; everything else is read as exactly this rank's part. Under FSDP2 a parameter is
-    written as a DTensor over (tp, dp x cp): sharded over tp as placed, then its dim 0 over dp x cp,
-    so each rank writes only its FSDP2 shard. A blocked or padded one is gathered over dp x cp first
-    and written as without FSDP2.
-    """
-    mesh = _tp_mesh(pm)
-    meshes: dict = {}  # the (tp, dp x cp) mesh for FSDP2 shards, made once
-    view = {}
-    for target, name, param, placement in _entries(pm):
-        padded = placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp
-        blocked_here = placement is not None and placement.blocks is not None
-        saved = _saved_blocks(metadata, name) if for_load else None
-        if _fsdp_direct(pm, target, param, placement, saved):
-            view[name] = _fsdp_dtensor(pm, target, param, placement, for_load, meshes)
-            continue
-        if _is_fsdp(param):  # the whole tp-local tensor, as without FSDP2
-            param = torch.empty(param.shape, dtype=param.dtype) if for_load else param.full_tensor()
-        if padded:
-            # a padded shard's layout depends on the degree: write and read the tensor whole
-            view[name] = (torch.empty(pm.full_shape(target), dtype=param.dtype) if for_load
-                          else gather(pm, target, param.detach()))
-            continue
-        same_layout = not for_load or (saved is not None) == blocked_here
-        if blocked_here and same_layout:
-            for i, part in enumerate(param.split([b // pm.mesh.tp for b in placement.blocks], placement.dim)):
-                view[f"{name}{_BLOCK}{i}"] = _dtensor(part, mesh, placement.dim, for_load)
-        elif placement is not None and same_layout:
-            view[name] = _dtensor(param, mesh, placement.dim, for_load)
-        elif not for_load:
-            view[name] = param.detach()
-        elif saved is not None:
-            for i in saved:
-                key = f"{name}{_BLOCK}{i}"
-                view[key] = torch.empty(tuple(metadata[key].size), dtype=param.dtype)
-        else:
-            view[name] = torch.empty(tuple(metadata[name].size), dtype=param.dtype)
-    return view
-
-
-def _fsdp_dtensor(pm, target: str, param, placement: Shard | None, for_load: bool, meshes: dict):
-    """An FSDP2 shard of a (tp-sharded) parameter as a DTensor of the whole parameter over (tp, dp x cp)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as DShard
-
-    local = param.to_local()
-    data = torch.empty_like(local) if for_load else local.detach()
-    shape = pm.full_shape(target)
-    stride = torch.empty(shape, device="meta").stride()
-    if pm.mesh.tp == 1:
-        return DTensor.from_local(data, param.device_mesh, [DShard(0)], run_check=False, shape=shape, stride=stride)
-    tp = DShard(placement.dim) if placement is not None else Replicate()
-    if "tp x data" not in meshes:
-        meshes["tp x data"] = _tp_data_mesh(pm)
-    return DTensor.from_local(data, meshes["tp x data"], [tp, DShard(0)], run_check=False, shape=shape,
-                              stride=stride)
-
-
-def _tp_data_mesh(pm):
-    """A DeviceMesh (tp, dp x cp) over this rank's pp coordinate, on the groups that already exist."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    tp, pp_index = pm.mesh.tp, pm.coord("pp")
-    rows = pm.mesh.data_groups()[pp_index * tp:(pp_index + 1) * tp]  # row t: the data group of tp rank t
-    layout = torch.tensor(rows, dtype=torch.int)
-    groups = [pm.groups.group("tp"), pm.groups.group("data")]
-    return DeviceMesh.from_group(groups, pm.device.type, mesh=layout, mesh_dim_names=("tp", "data"))
-
-
-def _saved_blocks(metadata, name: str) -> list[int] | None:
-    sizes, i = [], 0
-    while f"{name}{_BLOCK}{i}" in metadata:
-        sizes.append(i)
-        i += 1
-    return sizes or None
-
-
-def _dtensor(local: torch.Tensor, mesh, dim: int, for_load: bool):
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Shard as DShard
-
-    data = torch.empty_like(local) if for_load else local.detach().contiguous()
-    return DTensor.from_local(data, mesh, [DShard(dim)], run_check=False)
-
-
-def _tp_mesh(pm):
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if pm.mesh.tp == 1:
-        return None
-    return DeviceMesh.from_group(pm.groups.group("tp"), pm.device.type)
-
-
-def _assemble(pm, name: str, view: dict, metadata, param: torch.Tensor, placement: Shard | None) -> torch.Tensor:
-    """This rank's part of ``name`` from what DCP read into ``view``."""
-    blocks = _saved_blocks(metadata, name)
-    keys = [f"{name}{_BLOCK}{i}" for i in blocks] if blocks else [name]
-    parts = [view[k].to_local() if hasattr(view[k], "to_local") else view[k] for k in keys]
-    blocked_here = placement is not None and placement.blocks is not None
-    if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
-        return torch.cat(parts, placement.dim) if blocked_here else parts[0]
-    full = torch.cat(parts, _block_dim(metadata, name, param)) if blocks else parts[0]
-    return _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
-
-
-def _block_dim(metadata, name: str, param: torch.Tensor) -> int:
-    """The dim along which saved blocks were cut: the one where the blocks' sizes differ from each other's sum."""
-    sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in _saved_blocks(metadata, name)]
-    for dim in range(len(sizes[0])):
-        if len({s[dim] for s in sizes}) > 1 or sum(s[dim] for s in sizes) == param.shape[dim]:
-            return dim
-    return 0
-
 
 
 # ---------------------------------------------------------------------------------------- materialising
@@ -456,7 +269,7 @@ def _apply_order(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _copy_part(pm, local, full: torch.Tensor, placement: Shard | None) -> None:
     """Write this rank's part of the full tensor ``full`` into its parameter ``local``."""
     part = _local_part(full.detach(), placement, pm.coord("tp"), pm.mesh.tp)
-    if _is_fsdp(local):
+    if hasattr(local, "device_mesh"):  # an FSDP2 shard over dp x cp
         from torch.distributed.tensor import distribute_tensor
 
         part = distribute_tensor(part, local.device_mesh, local.placements, src_data_rank=None)

@@ -1,0 +1,364 @@
+"""Distributed checkpoints of a training run: parameters, optimizer state, random streams and the user's state.
+
+Written with torch.distributed.checkpoint (DCP): each rank writes only its own shards, as DTensors on the
+tp group (a fused q/k/v weight is written as one tensor per block, so its layout does not depend on the
+degree) or, under FSDP2, as DTensors over (tp, dp x cp). Every per-parameter optimizer tensor (AdamW's
+two moments, SGD's momentum) is written the same way as its parameter, under
+``optim.state.<parameter name>.<key>``, so it moves with the parameter to any other mesh, with or without
+FSDP2: on load every rank reads exactly the part it holds. Keys are the original model's parameter names.
+
+Written once, by rank 0: ``autoshard.training``, a small pickled record of the optimizer's kind, its
+hyperparameters by group, every parameter's scalar state (AdamW's ``step``), the mesh and the steps
+taken; and ``autoshard.extra``, the user's own state (``extra=``: the step, an LR scheduler's
+``state_dict()``). Each rank writes its random streams under ``autoshard.rng.<rank>``: restored under the
+same mesh; under another, every rank's stream is seeded from the saved seed, the steps taken and its rank
+(dropout then draws other masks than an uninterrupted run would, which is exact only with dropout off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import pickle
+from typing import NamedTuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from autoshard.passes.placements import Shard
+from autoshard.runtime import optimizer_state
+from autoshard.runtime.gather import gather
+from autoshard.runtime.state import _entries, _few, _local_part
+
+_BLOCK = "@block"
+_OPTIM = "optim.state."
+_TRAINING = "autoshard.training"
+_EXTRA = "autoshard.extra"
+_RNG = "autoshard.rng."
+
+
+class Item(NamedTuple):
+    """One tensor laid out as a parameter: its key in the checkpoint and this rank's tensor."""
+
+    key: str
+    target: str
+    local: torch.Tensor  # the parameter itself, or optimizer state of its (local) shape
+    placement: Shard | None
+
+
+def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None) -> None:
+    """Write this rank's shards of every parameter (and of the optimizer's state) to ``path`` (all ranks call)."""
+    schema = optimizer_state.merged_schema(pm, optimizer) if optimizer is not None else None
+    items = _parameter_items(pm)
+    if optimizer is not None:
+        for target, name, param, placement in optimizer_state.held(pm, optimizer).values():
+            for key, value in optimizer.state.get(param, {}).items():
+                if key in schema.params[name].tensors:
+                    items.append(Item(f"{_OPTIM}{name}.{key}", target, value, placement))
+    view = _view(pm, items, for_load=False, metadata=None)
+    if pm.rank == 0:
+        view[_TRAINING] = pickle.dumps({"mesh": str(pm.mesh), "steps": pm.steps, "seed": torch.initial_seed(),
+                                        "optimizer": schema})
+        if extra is not None:
+            view[_EXTRA] = pickle.dumps(extra)
+    view[f"{_RNG}{pm.rank}"] = pickle.dumps(_rng_state(pm))
+    dcp.save(view, checkpoint_id=path)
+
+
+def load_checkpoint(pm, path: str, optimizer=None) -> dict:
+    """Read a checkpoint written under any mesh into this rank's shards (all ranks call); returns ``extra``.
+
+    Every check (the files of every rank, this model's parameters, the optimizer's kind and groups) runs
+    before the first collective."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: pass the directory pm.save_checkpoint() wrote")
+    everything = dcp.FileSystemReader(path).read_metadata()
+    metadata = everything.state_dict_metadata
+    _check_files(path, everything)
+    _check_matches(pm, path, metadata)
+    training = _read_object(path, metadata, _TRAINING)
+    schema = training.get("optimizer") if training else None
+    if optimizer is not None:
+        _check_optimizer(pm, path, optimizer, schema)
+    items = _parameter_items(pm)
+    states: dict[int, dict] = {}
+    if optimizer is not None:
+        items += _optimizer_items(pm, optimizer, schema, metadata, states)
+    view = _view(pm, items, for_load=True, metadata=metadata)
+    dcp.load(view, checkpoint_id=path)
+    with torch.no_grad():
+        for item in items:
+            item.local.copy_(_read_local(pm, item, view, metadata))
+    if optimizer is not None:
+        _install(pm, optimizer, schema, states)
+    if training:
+        pm.steps = training["steps"]
+        _restore_rng(pm, path, metadata, training)
+    extra = _read_object(path, metadata, _EXTRA)
+    return extra if extra is not None else {}
+
+
+def _parameter_items(pm) -> list[Item]:
+    return [Item(name, target, param, placement) for target, name, param, placement in _entries(pm)]
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+def _check_optimizer(pm, path: str, optimizer, schema) -> None:
+    if schema is None:
+        raise ValueError(
+            f"the checkpoint at {path} holds no optimizer state: it was saved without optimizer=. Load it without "
+            "optimizer= (a fresh optimizer), or save with pm.save_checkpoint(path, optimizer=opt)")
+    here = optimizer_state.kind(optimizer)
+    if schema.kind != here:
+        raise ValueError(f"the checkpoint at {path} holds the state of a {schema.kind}, not of a {here}: build the "
+                         "optimizer the run was saved with")
+    names = [name for _, name, _, _ in optimizer_state.held(pm, optimizer).values()]
+    missing = [name for name in names if name not in schema.params]
+    if missing:
+        raise ValueError(f"the checkpoint at {path} holds no optimizer state for {_few(missing)}: the optimizer "
+                         "that was saved did not train them; build it over the same parameters")
+
+
+def _optimizer_items(pm, optimizer, schema, metadata, states: dict) -> list[Item]:
+    """Tensors to read the optimizer's state into, laid out as their parameters; scalars go into ``states``."""
+    items = []
+    for target, name, param, placement in optimizer_state.held(pm, optimizer).values():
+        saved = schema.params[name]
+        values = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                  for key, value in saved.scalars.items()}
+        for key, dtype in saved.tensors.items():
+            values[key] = torch.zeros_like(param, dtype=dtype)
+            items.append(Item(f"{_OPTIM}{name}.{key}", target, values[key], placement))
+        if values:
+            states[id(param)] = values
+    return items
+
+
+def _install(pm, optimizer, schema, states: dict) -> None:
+    hyper_of = {id(param): schema.hyper_of(name)
+                for _, name, param, _ in optimizer_state.held(pm, optimizer).values()}
+    optimizer_state.install(optimizer, states, hyper_of)
+
+
+# ------------------------------------------------------------------------------------- random streams
+
+
+def _rng_state(pm) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if pm.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(pm.device)
+    return state
+
+
+def _restore_rng(pm, path: str, metadata, training: dict) -> None:
+    """This rank's saved streams under the same mesh; under another, a seed derived from the saved one."""
+    saved = _read_object(path, metadata, f"{_RNG}{pm.rank}") if training["mesh"] == str(pm.mesh) else None
+    if saved is None:
+        digest = hashlib.sha256(f"{training['seed']}:{training['steps']}:{pm.rank}".encode()).digest()
+        torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and pm.device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], pm.device)
+
+
+def _read_object(path: str, metadata, key: str):
+    """A pickled record of the checkpoint, read by this rank alone (no collective); None when absent."""
+    if key not in metadata:
+        return None
+    holder = {key: b""}
+    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    return pickle.loads(holder[key])
+
+
+# -------------------------------------------------------------------------------------------- checks
+
+
+def _check_files(path: str, everything) -> None:
+    """Every file the metadata names is there (a rank's file missing is named with its rank)."""
+    wanted = {info.relative_path for info in (everything.storage_data or {}).values()}
+    missing = sorted(name for name in wanted if not os.path.exists(os.path.join(path, name)))
+    if missing:
+        ranks = sorted({name.split("_")[2] for name in missing if name.startswith("__") and name.count("_") >= 3})
+        whose = f" (written by rank {', '.join(ranks)})" if ranks else ""
+        raise FileNotFoundError(
+            f"the checkpoint at {path} is incomplete: {', '.join(missing[:4])} is missing{whose}. Copy every file "
+            "the saving ranks wrote into the directory")
+
+
+def _check_matches(pm, path: str, metadata) -> None:
+    """Refuse, before any collective, a checkpoint of another model: missing tensors or other shapes."""
+    problems = []
+    for target, name, _, _ in _entries(pm):
+        expected = pm.full_shape(target)
+        blocks = _saved_blocks(metadata, name)
+        if blocks:  # a fused tensor written block by block: the blocks hold its elements
+            sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in blocks]
+            if sum(math.prod(s) for s in sizes) != math.prod(expected):
+                problems.append(f"{name} is blocks {sizes} there, {expected} here")
+        elif name not in metadata:
+            problems.append(f"{name} is missing")
+        elif tuple(metadata[name].size) != expected:
+            problems.append(f"{name} is {tuple(metadata[name].size)} there, {expected} here")
+    if problems:
+        raise ValueError(
+            f"the checkpoint at {path} was not written for this model: {'; '.join(problems[:4])}"
+            f"{' ...' if len(problems) > 4 else ''}. Load a checkpoint saved from the same model (any mesh works)"
+        )
+
+
+# ---------------------------------------------------------------------------------- layout of tensors
+
+
+def _is_fsdp(tensor) -> bool:
+    return hasattr(tensor, "device_mesh")
+
+
+def _fsdp_direct(pm, item: Item, saved_blocks) -> bool:
+    """Whether an FSDP2 shard is written and read as it is (not padded over tp, not blocked, here or there)."""
+    if not _is_fsdp(item.local) or saved_blocks is not None:
+        return False
+    placement = item.placement
+    return placement is None or (placement.blocks is None and
+                                 pm.full_shape(item.target)[placement.dim] % pm.mesh.tp == 0)
+
+
+def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
+    """The state dict DCP reads or writes: DTensors on the tp group for shards, blocks as separate keys.
+
+    On load, a tensor stored in another layout than this rank holds (blocked vs not) is read whole
+    and cut here; everything else is read as exactly this rank's part. Under FSDP2 a tensor is
+    written as a DTensor over (tp, dp x cp): sharded over tp as placed, then its dim 0 over dp x cp,
+    so each rank writes only its FSDP2 shard. A blocked or padded one is gathered over dp x cp first
+    and written as without FSDP2.
+    """
+    mesh = _tp_mesh(pm)
+    meshes: dict = {}  # the (tp, dp x cp) mesh for FSDP2 shards, made once
+    view = {}
+    for item in items:
+        key, target, local, placement = item
+        padded = placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp
+        blocked_here = placement is not None and placement.blocks is not None
+        saved = _saved_blocks(metadata, key) if for_load else None
+        if _fsdp_direct(pm, item, saved):
+            view[key] = _fsdp_dtensor(pm, item, for_load, meshes)
+            continue
+        if _is_fsdp(local):  # the whole tp-local tensor, as without FSDP2
+            local = torch.empty(local.shape, dtype=local.dtype) if for_load else local.full_tensor()
+        if padded:
+            # a padded shard's layout depends on the degree: write and read the tensor whole
+            view[key] = (torch.empty(pm.full_shape(target), dtype=local.dtype) if for_load
+                         else gather(pm, target, local.detach()))
+            continue
+        same_layout = not for_load or (saved is not None) == blocked_here
+        if blocked_here and same_layout:
+            for i, part in enumerate(local.split([b // pm.mesh.tp for b in placement.blocks], placement.dim)):
+                view[f"{key}{_BLOCK}{i}"] = _dtensor(part, mesh, placement.dim, for_load)
+        elif placement is not None and same_layout:
+            view[key] = _dtensor(local, mesh, placement.dim, for_load)
+        elif not for_load:
+            view[key] = local.detach()
+        elif saved is not None:
+            for i in saved:
+                block = f"{key}{_BLOCK}{i}"
+                view[block] = torch.empty(tuple(metadata[block].size), dtype=local.dtype)
+        else:
+            view[key] = torch.empty(tuple(metadata[key].size), dtype=local.dtype)
+    return view
+
+
+def _read_local(pm, item: Item, view: dict, metadata) -> torch.Tensor:
+    """This rank's part of ``item`` (in the layout of ``item.local``) from what DCP read into ``view``."""
+    key, target, local, placement = item
+    if _fsdp_direct(pm, item, _saved_blocks(metadata, key)):  # read as exactly this rank's part of its FSDP2 shard
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(view[key].to_local(), local.device_mesh, local.placements, run_check=False,
+                                  shape=local.shape, stride=local.stride())
+    if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+        part = _local_part(view[key], placement, pm.coord("tp"), pm.mesh.tp)
+    else:
+        part = _assemble(pm, key, view, metadata, local, placement)
+    if _is_fsdp(local):  # the tp-local tensor: keep this rank's FSDP2 part of it
+        from torch.distributed.tensor import distribute_tensor
+
+        part = distribute_tensor(part, local.device_mesh, local.placements, src_data_rank=None)
+    return part
+
+
+def _fsdp_dtensor(pm, item: Item, for_load: bool, meshes: dict):
+    """An FSDP2 shard of a (tp-sharded) tensor as a DTensor of the whole tensor over (tp, dp x cp)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    local = item.local.to_local()
+    data = torch.empty_like(local) if for_load else local.detach()
+    shape = pm.full_shape(item.target)
+    stride = torch.empty(shape, device="meta").stride()
+    if pm.mesh.tp == 1:
+        return DTensor.from_local(data, item.local.device_mesh, [DShard(0)], run_check=False, shape=shape,
+                                  stride=stride)
+    tp = DShard(item.placement.dim) if item.placement is not None else Replicate()
+    if "tp x data" not in meshes:
+        meshes["tp x data"] = _tp_data_mesh(pm)
+    return DTensor.from_local(data, meshes["tp x data"], [tp, DShard(0)], run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _tp_data_mesh(pm):
+    """A DeviceMesh (tp, dp x cp) over this rank's pp coordinate, on the groups that already exist."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp, pp_index = pm.mesh.tp, pm.coord("pp")
+    rows = pm.mesh.data_groups()[pp_index * tp:(pp_index + 1) * tp]  # row t: the data group of tp rank t
+    layout = torch.tensor(rows, dtype=torch.int)
+    groups = [pm.groups.group("tp"), pm.groups.group("data")]
+    return DeviceMesh.from_group(groups, pm.device.type, mesh=layout, mesh_dim_names=("tp", "data"))
+
+
+def _saved_blocks(metadata, key: str) -> list[int] | None:
+    sizes, i = [], 0
+    while f"{key}{_BLOCK}{i}" in metadata:
+        sizes.append(i)
+        i += 1
+    return sizes or None
+
+
+def _dtensor(local: torch.Tensor, mesh, dim: int, for_load: bool):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as DShard
+
+    data = torch.empty_like(local) if for_load else local.detach().contiguous()
+    return DTensor.from_local(data, mesh, [DShard(dim)], run_check=False)
+
+
+def _tp_mesh(pm):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if pm.mesh.tp == 1:
+        return None
+    return DeviceMesh.from_group(pm.groups.group("tp"), pm.device.type)
+
+
+def _assemble(pm, key: str, view: dict, metadata, local: torch.Tensor, placement: Shard | None) -> torch.Tensor:
+    """This rank's part of ``key`` from what DCP read into ``view``."""
+    blocks = _saved_blocks(metadata, key)
+    keys = [f"{key}{_BLOCK}{i}" for i in blocks] if blocks else [key]
+    parts = [view[k].to_local() if hasattr(view[k], "to_local") else view[k] for k in keys]
+    blocked_here = placement is not None and placement.blocks is not None
+    if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
+        return torch.cat(parts, placement.dim) if blocked_here else parts[0]
+    full = torch.cat(parts, _block_dim(metadata, key, local)) if blocks else parts[0]
+    return _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
+
+
+def _block_dim(metadata, key: str, local: torch.Tensor) -> int:
+    """The dim along which saved blocks were cut: the one where the blocks' sizes differ from each other's sum."""
+    sizes = [tuple(metadata[f"{key}{_BLOCK}{i}"].size) for i in _saved_blocks(metadata, key)]
+    for dim in range(len(sizes[0])):
+        if len({s[dim] for s in sizes}) > 1 or sum(s[dim] for s in sizes) == local.shape[dim]:
+            return dim
+    return 0
