@@ -21,12 +21,33 @@ CLIP = 0.05
 
 
 def build(name: str, seed: int = 0):
-    """A zoo model, or an architecture of the corpus as ``corpus/<name>``."""
+    """A zoo model; an architecture of the corpus as ``corpus/<name>``; ``gpt_vocab101`` (a vocabulary no tp
+    degree divides: padded shards); ``hf_gpt2_dropout`` (GPT-2 with dropout 0.1 everywhere)."""
     if name.startswith("corpus/"):
         from corpus.architectures import build as build_corpus
 
         return build_corpus(name.removeprefix("corpus/"), seed=seed)
+    if name == "gpt_vocab101":
+        from models import ZooCase, build_gpt_model, token_data, token_loss
+
+        torch.manual_seed(seed)
+        model = build_gpt_model(vocab=101)
+        tokens, target = token_data(torch.Generator().manual_seed(seed + 2), vocab=101)
+        return ZooCase(name, model, (tokens,), target, token_loss)
+    if name == "hf_gpt2_dropout":
+        from golden_loop import _dropout_gpt2
+
+        case = build_zoo("hf_gpt2", seed=seed)
+        torch.manual_seed(seed)
+        return _with_model(case, _dropout_gpt2())
     return build_zoo(name, seed=seed)
+
+
+def _with_model(case, model):
+    """``case`` with another model (the same data and loss)."""
+    from models import ZooCase
+
+    return ZooCase(case.name, model, case.inputs, case.target, case.loss_fn)
 
 
 def _groups(named) -> list[dict]:
@@ -168,3 +189,102 @@ def single_second_half(name: str, path: str) -> dict:
     params = dict(model.named_parameters())
     return {"losses": losses, "reference": ref_losses,
             **_differences(params, get_optimizer_state_dict(model, opt), ref_model, ref_opt)}
+
+
+def _full_params(pm) -> dict:
+    return {n: t.clone() for n, t in pm.full_parameters().items()}
+
+
+def same_mesh(name: str, mesh_kwargs: dict, path: str, options: dict | None = None) -> dict:
+    """6 steps straight against 3, save, load into a model of another seed under the same mesh, 3 more: with the
+    reduction order unchanged, the parameters and losses are bit-identical (dropout too: the random streams are
+    restored). Each run starts from the same random state on each rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    case = build(name)
+    pm, opt, scheduler = _parallel(case, mesh_kwargs, options or {})
+    straight = _train_parallel(pm, case, opt, scheduler, 2 * HALF)
+    expected = _full_params(pm)
+    torch.manual_seed(100 + rank)
+    case = build(name)
+    pm, opt, scheduler = _parallel(case, mesh_kwargs, options or {})
+    first = _train_parallel(pm, case, opt, scheduler, HALF)
+    pm.save_checkpoint(path, optimizer=opt, extra={"scheduler": scheduler.state_dict()})
+    torch.manual_seed(12345)  # what the resumed process would have: anything
+    other = build(name, seed=7)
+    pm, opt, scheduler = _parallel(other, mesh_kwargs, options or {})
+    extra = pm.load_checkpoint(path, optimizer=opt)
+    scheduler.load_state_dict(extra["scheduler"])
+    second = _train_parallel(pm, case, opt, scheduler, HALF)
+    got = _full_params(pm)
+    return {"straight": straight, "resumed": first + second, "steps": pm.steps,
+            "bitwise": all(torch.equal(got[n], expected[n]) for n in expected),
+            "worst": max((got[n] - expected[n]).abs().max().item() for n in expected)}
+
+
+def rng_under_another_mesh(name: str, save_mesh: dict, load_mesh: dict, path: str) -> dict:
+    """Under another mesh the random streams are seeded from the checkpoint: the same on two loads, and not
+    the same on two ranks."""
+    import torch.distributed as dist
+
+    case = build(name)
+    torch.manual_seed(3)
+    pm, opt, _ = _parallel(case, save_mesh, {})
+    pm.save_checkpoint(path, optimizer=opt)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(dist.get_rank() * 1000 + len(draws))
+        pm2, opt2, _ = _parallel(build(name, seed=7), load_mesh, {})
+        pm2.load_checkpoint(path, optimizer=opt2)
+        draws.append(torch.rand(4))
+    return {"repeatable": torch.equal(draws[0], draws[1]), "draw": draws[0].tolist()}
+
+
+def refusals(path: str) -> dict:
+    """Each bad input of resuming, with the error it gets (before any collective: every rank raises it)."""
+    import os
+    import shutil
+
+    case = build("gpt")
+    mesh = {"tp": 2}
+    pm, opt, scheduler = _parallel(case, mesh, {})
+    _train_parallel(pm, case, opt, scheduler, 1)
+    out = {}
+
+    def attempt(what, fn):
+        try:
+            fn()
+            out[what] = "no error"
+        except (ValueError, FileNotFoundError) as e:
+            out[what] = f"{type(e).__name__}: {e}"
+
+    pm.save_checkpoint(f"{path}/params", extra={"step": 1})
+    pm.save_checkpoint(f"{path}/adamw", optimizer=opt)
+    sgd = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+    attempt("no optimizer state", lambda: pm.load_checkpoint(f"{path}/params", optimizer=opt))
+    attempt("another optimizer", lambda: pm.load_checkpoint(f"{path}/adamw", optimizer=sgd))
+    lbfgs = torch.optim.LBFGS(pm.parameters())
+    pm.step(*case.inputs, target=case.target)
+    lbfgs.step(lambda: pm.step(*case.inputs, target=case.target))
+    attempt("LBFGS", lambda: pm.save_checkpoint(f"{path}/lbfgs", optimizer=lbfgs))
+    one_group = torch.optim.AdamW(pm.parameters())
+    attempt("other groups", lambda: pm.load_checkpoint(f"{path}/adamw", optimizer=one_group))
+    attempt("positions", lambda: pm.load_optimizer_state_dict(opt, opt.state_dict()))
+    foreign = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    attempt("foreign optimizer", lambda: pm.save_checkpoint(f"{path}/foreign", optimizer=foreign))
+    llama = build("llama")
+    other, other_opt, _ = _parallel(llama, mesh, {})
+    attempt("another model", lambda: other.load_checkpoint(f"{path}/adamw", optimizer=other_opt))
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{path}/adamw", f"{path}/incomplete")
+        os.remove(f"{path}/incomplete/__1_0.distcp")
+    dist.barrier()
+    attempt("missing file", lambda: pm.load_checkpoint(f"{path}/incomplete", optimizer=opt))
+    attempt("missing directory", lambda: pm.load_checkpoint(f"{path}/nowhere"))
+    pm.step(*case.inputs, target=case.target)  # the pool still works: nobody waits in a collective
+    return out

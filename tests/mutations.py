@@ -30,6 +30,7 @@ HARNESS = "tests/test_harness.py::"
 LOSS_ARGS = TP + "test_the_vocab_parallel_loss_keeps_the_cross_entropy_arguments"
 LOOP = "tests/test_training_loop.py::"
 CLIPPING = COMPOSED + "test_global_norm_clipping_and_adamw_match_the_unsharded_model"
+RESUME = "tests/test_resume.py::"
 
 MUTANTS = (
     # ------------------------------------------------------------------ the four that once survived the suite
@@ -187,6 +188,31 @@ MUTANTS = (
            "s = s.masked_fill(qpos[:, None] <= kpos[None, :], float(\"-inf\"))",
            "ring attention's causal mask of global positions leaves out the diagonal",
            (f"{CP}test_golden_context_parallel_ring[gpt-2-contiguous]",)),
+    # ------------------------------------------------------------------------------------------ resuming
+    Mutant("resume-fresh-optimizer", "autoshard/runtime/checkpoint.py",
+           "    if optimizer is not None:\n        _install(pm, optimizer, schema, states)",
+           "    if False:\n        _install(pm, optimizer, schema, states)",
+           "load_checkpoint reads the optimizer's state but leaves the optimizer fresh",
+           (f"{RESUME}test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped[dp2xtp2-to-tp2xpp2-gpt]",)),
+    Mutant("resume-step-count", "autoshard/runtime/optimizer_state.py",
+           "            out.scalars[key] = value.detach().cpu().clone()",
+           "            out.scalars[key] = value.detach().cpu().clone() * 0",
+           "AdamW's step count is saved as zero: the bias correction of the resumed steps is wrong",
+           (f"{RESUME}test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped[pp2-to-tp4-hf_llama]",)),
+    Mutant("resume-block-order", "autoshard/runtime/checkpoint.py",
+           "        return torch.cat(parts, placement.dim) if blocked_here else parts[0]",
+           "        return torch.cat(parts[::-1], placement.dim) if blocked_here else parts[0]",
+           "a fused q/k/v tensor's blocks are put back in the wrong order",
+           (f"{RESUME}test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees[corpus/gpt_neox]",)),
+    Mutant("resume-hyper-ignored", "autoshard/runtime/optimizer_state.py",
+           '        groups.append({**saved, **hyper, "params": saved["params"]})',
+           '        groups.append({**saved, "params": saved["params"]})',
+           "the saved learning rate and schedule's hyperparameters are not restored",
+           (f"{RESUME}test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped[dp2xtp2-to-tp2xpp2-gpt]",)),
+    Mutant("resume-rng-not-restored", "autoshard/runtime/checkpoint.py",
+           '    torch.set_rng_state(saved["cpu"])', "    pass",
+           "the random streams are not restored under the same mesh: dropout draws other masks after resuming",
+           (f"{RESUME}test_dropout_streams_are_restored_under_the_same_mesh",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",

@@ -44,3 +44,71 @@ def test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped(pools, tmp_pa
     results = pools.get(_world(load)).run(golden_resume.second_half, name, load, path, load_options)
     assert all(r["step"] == golden_resume.HALF for r in results)
     _check(results, first)
+
+
+def test_a_single_process_run_moves_to_eight_ranks_and_back(pools, tmp_path):
+    """Unsharded (get_optimizer_state_dict) -> dp2 x tp2 x pp2 -> unsharded (set_optimizer_state_dict)."""
+    mesh = {"dp": 2, "tp": 2, "pp": 2}
+    path = str(tmp_path / "single.pt")
+    first = golden_resume.single_first_half("gpt", path)
+    _check(pools.get(8).run(golden_resume.second_half, "gpt", mesh, path, PP, full=True), first)
+    path = str(tmp_path / "eight.pt")
+    first = pools.get(8).run(golden_resume.first_half, "gpt", mesh, path, PP, full=True)[0]
+    _check([golden_resume.single_second_half("gpt", path)], first)
+
+
+# corpus architectures and layouts whose state must move with a non-slice shard
+LAYOUTS = [
+    ("corpus/gpt_neox", "fused qkv per head"),
+    ("corpus/falcon", "multi-query attention, fused qkv"),
+    ("corpus/gpt2", "Conv1D weights, tied head"),
+    ("corpus/mixtral", "mixture of experts"),
+    ("gpt_vocab101", "a padded vocabulary"),
+]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
+def test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees(pools, tmp_path, name):
+    path = str(tmp_path / "ckpt")
+    first = pools.get(2).run(golden_resume.first_half, name, {"tp": 2}, path)[0]
+    _check(pools.get(4).run(golden_resume.second_half, name, {"tp": 4}, path), first)
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2, "pp": 2}, PP), ({"dp": 2, "tp": 2}, FSDP)],
+                         ids=["tp2xpp2", "fsdp-dp2xtp2"])
+def test_resuming_under_the_same_mesh_is_bit_identical(pools, tmp_path, mesh, options):
+    for result in pools.get(4).run(golden_resume.same_mesh, "hf_llama", mesh, str(tmp_path / "ckpt"), options):
+        assert result["resumed"] == result["straight"] and result["bitwise"], result
+        assert result["steps"] == 2 * golden_resume.HALF
+
+
+def test_dropout_streams_are_restored_under_the_same_mesh(pools, tmp_path):
+    """GPT-2 with dropout 0.1 at dp=2: the resumed run draws the masks the straight run drew."""
+    for result in pools.get(2).run(golden_resume.same_mesh, "hf_gpt2_dropout", {"dp": 2}, str(tmp_path / "ckpt")):
+        assert result["resumed"] == result["straight"] and result["bitwise"], result
+
+
+def test_random_streams_under_another_mesh_are_seeded_from_the_checkpoint(pools, tmp_path):
+    results = pools.get(4).run(golden_resume.rng_under_another_mesh, "gpt", {"tp": 2, "dp": 2}, {"dp": 4},
+                               str(tmp_path / "ckpt"))
+    assert all(r["repeatable"] for r in results)
+    assert len({tuple(r["draw"]) for r in results}) == 4  # each rank its own stream
+
+
+def test_bad_checkpoints_and_optimizers_are_refused_clearly(pools, tmp_path):
+    results = pools.get(2).run(golden_resume.refusals, str(tmp_path))
+    assert results[0] == results[1]
+    found = results[0]
+    expected = {
+        "no optimizer state": "holds no optimizer state: it was saved without optimizer=",
+        "another optimizer": "holds the state of a torch.optim.adamw.AdamW, not of a torch.optim.sgd.SGD",
+        "LBFGS": "LBFGS keeps state",
+        "other groups": "saved with different hyperparameters (weight_decay)",
+        "positions": "keyed by positions",
+        "foreign optimizer": "not one of this parallel model's parameters",
+        "another model": "was not written for this model",
+        "missing file": "__1_0.distcp is missing (written by rank 1)",
+        "missing directory": "no checkpoint at",
+    }
+    for what, words in expected.items():
+        assert words in found[what], (what, found[what])

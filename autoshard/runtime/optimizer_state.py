@@ -228,6 +228,7 @@ def install(optimizer: torch.optim.Optimizer, states: dict[int, dict], hyper_of:
                 f"optimizer group {len(groups)} holds parameters that were saved with different hyperparameters "
                 f"({', '.join(differ)}): build the optimizer's groups as when the state was saved (for example by "
                 "the same rule over pm.named_parameters())")
-        groups.append({**saved, **(next(iter(found.values())) if found else {}), "params": saved["params"]})
+        hyper = next(iter(found.values())) if found else {}
+        groups.append({**saved, **hyper, "params": saved["params"]})
     index = {id(param): i for i, param in enumerate(order)}
     optimizer.load_state_dict({"state": {index[k]: v for k, v in states.items()}, "param_groups": groups})
