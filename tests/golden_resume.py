@@ -288,3 +288,22 @@ def refusals(path: str) -> dict:
     attempt("missing directory", lambda: pm.load_checkpoint(f"{path}/nowhere"))
     pm.step(*case.inputs, target=case.target)  # the pool still works: nobody waits in a collective
     return out
+
+
+def asynchronous_save(name: str, mesh_kwargs: dict, path: str) -> dict:
+    """A checkpoint written in the background holds the state at the call, though training goes on meanwhile."""
+    case = build(name)
+    pm, opt, scheduler = _parallel(case, mesh_kwargs, {})
+    _train_parallel(pm, case, opt, scheduler, 1)
+    saved = _full_params(pm)
+    saved_state = pm.optimizer_state_dict(opt)
+    future = pm.save_checkpoint(path, optimizer=opt, asynchronous=True)
+    _train_parallel(pm, case, opt, scheduler, 2)  # changes every parameter and moment while the write runs
+    future.result()
+    pm2, opt2, _ = _parallel(build(name, seed=7), mesh_kwargs, {})
+    pm2.load_checkpoint(path, optimizer=opt2)
+    loaded, state = _full_params(pm2), pm2.optimizer_state_dict(opt2)
+    moments = [(state["state"][n][k] - v).abs().max().item() for n, values in saved_state["state"].items()
+               for k, v in values.items() if k != "step"]
+    return {"param": max((loaded[n] - saved[n]).abs().max().item() for n in saved), "state": max(moments),
+            "step": [float(v["step"]) for v in state["state"].values()][0]}

@@ -112,3 +112,8 @@ def test_bad_checkpoints_and_optimizers_are_refused_clearly(pools, tmp_path):
     }
     for what, words in expected.items():
         assert words in found[what], (what, found[what])
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_at_the_call(pools, tmp_path):
+    for result in pools.get(2).run(golden_resume.asynchronous_save, "gpt", {"tp": 2}, str(tmp_path / "ckpt")):
+        assert result == {"param": 0.0, "state": 0.0, "step": 1.0}, result

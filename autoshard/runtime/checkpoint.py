@@ -47,8 +47,13 @@ class Item(NamedTuple):
     placement: Shard | None
 
 
-def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None) -> None:
-    """Write this rank's shards of every parameter (and of the optimizer's state) to ``path`` (all ranks call)."""
+def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
+    """Write this rank's shards of every parameter (and of the optimizer's state) to ``path`` (all ranks call).
+
+    With ``asynchronous``, the shards are copied to host memory and written in the background
+    (``torch.distributed.checkpoint.async_save``, on a process group of its own so that training's
+    collectives are not interleaved with it): returns a future whose ``result()`` waits for the write.
+    """
     schema = optimizer_state.merged_schema(pm, optimizer) if optimizer is not None else None
     items = _parameter_items(pm)
     if optimizer is not None:
@@ -63,7 +68,45 @@ def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None) ->
         if extra is not None:
             view[_EXTRA] = pickle.dumps(extra)
     view[f"{_RNG}{pm.rank}"] = pickle.dumps(_rng_state(pm))
+    if asynchronous:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = DefaultStager(StagingOptions(False, False, False, False))  # plain host copies: CPU-only works
+        view = {key: _own_storage(value) for key, value in view.items()}
+        return dcp.async_save(view, checkpoint_id=path, process_group=_background_group(pm), async_stager=stager)
     dcp.save(view, checkpoint_id=path)
+    return None
+
+
+_BACKGROUND: dict = {}
+
+
+def _own_storage(value):
+    """A tensor that is part of another's storage (one block of a fused weight), copied out: the host staging of
+    async_save copies whole storages and fails on a second view of one it has already staged."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if local.untyped_storage().nbytes() == local.numel() * local.element_size():
+        return value
+    if not hasattr(value, "to_local"):
+        return local.clone()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.clone(), value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def _background_group(pm):
+    """A gloo group over every rank for checkpoints written in the background (made once, by every rank)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    key = id(pm.groups)
+    if key not in _BACKGROUND:
+        _BACKGROUND[key] = dist.new_group(backend="gloo", timeout=pm.groups.timeout)
+    return _BACKGROUND[key]
 
 
 def load_checkpoint(pm, path: str, optimizer=None) -> dict:

@@ -143,7 +143,7 @@ def full_state_dict(pm, optimizer: torch.optim.Optimizer) -> dict:
     state = {}
     for name in order:
         own = schema.params[name]
-        values = {key: full[key][name] for key in own.tensors}
+        values = {key: full[key][name].clone() for key in own.tensors}  # not the live state of a replicated one
         values.update({key: value.clone() if isinstance(value, torch.Tensor) else value
                        for key, value in own.scalars.items()})
         if values:

@@ -332,12 +332,13 @@ class ParallelModel(nn.Module):
 
         return state.clip_grad_norm_(self, max_norm)
 
-    def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None) -> None:
+    def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
         """Each rank writes its shards of the parameters and, with ``optimizer``, of its state; ``extra`` (the
-        user's step, an LR scheduler's ``state_dict()``) and the random streams alongside. Loads under any mesh."""
+        user's step, an LR scheduler's ``state_dict()``) and the random streams alongside. Loads under any mesh.
+        With ``asynchronous`` the write runs in the background: returns a future (``.result()`` waits)."""
         from autoshard.runtime import checkpoint
 
-        checkpoint.save_checkpoint(self, path, optimizer, extra)
+        return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous)
 
     def load_checkpoint(self, path: str, *, optimizer=None) -> dict:
         """Read a checkpoint saved under any mesh into this rank's shards (and ``optimizer``'s state); returns the
