@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["run", "tp", "pp", "cp", "3d", "meta"]
+ORDER = ["run", "tp", "pp", "cp", "3d", "meta", "checkpoint"]
 
 
 def main() -> None:

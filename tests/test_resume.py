@@ -14,6 +14,8 @@ PAIRS = [
     ("fsdp-dp2-to-ddp-dp2", {"dp": 2}, FSDP, {"dp": 2}, {}),
     ("pp2-to-tp4", {"pp": 2}, PP, {"tp": 4}, {}),
     ("tp2xcp2-to-dp4", {"tp": 2, "cp": 2}, {}, {"dp": 4}, {}),
+    ("fsdp-dp2xtp2-to-tp4", {"dp": 2, "tp": 2}, FSDP, {"tp": 4}, {}),
+    ("tp2xpp2-to-fsdp-dp2xtp2", {"tp": 2, "pp": 2}, PP, {"dp": 2, "tp": 2}, FSDP),
 ]
 
 
