@@ -62,7 +62,8 @@ def held(pm, optimizer: torch.optim.Optimizer) -> dict[int, tuple]:
             if id(param) not in entries:
                 raise ValueError(
                     f"the optimizer holds a tensor of shape {tuple(param.shape)} that is not one of this parallel "
-                    "model's parameters: build it from pm.parameters() or pm.named_parameters() (each rank's shards)"
+                    "model's parameters: build it from pm.parameters() or pm.named_parameters() (each rank's shards; "
+                    "for a model built on meta, after pm.materialize())"
                 )
             out[id(param)] = entries[id(param)]
     return out
