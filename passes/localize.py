@@ -16,6 +16,7 @@ consulted first; no axis changes the shared table.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -23,7 +24,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.collectives import ReduceFromParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
-from autoshard.passes.placements import R, Shard, local_shape
+from autoshard.passes.placements import Partial, R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
 from autoshard.passes.rules import LOCALIZERS, arg, localizer
 
@@ -125,6 +126,32 @@ def _lookup(table: Mapping[object, Localizer], target) -> Localizer | None:
 def _sizes(node: fx.Node, rw: Rewriter) -> None:
     if isinstance(rw.placement(node), Shard):
         node.args = (node.args[0], list(rw.local_shape(node)), *node.args[2:])
+
+
+@localizer(aten.unflatten.int, aten.flatten.using_ints)
+def _unflatten(node: fx.Node, rw: Rewriter) -> None:
+    """Dims unflattened or flattened (a packed q/k/v projection into (3, width), RoPE's pairs back into features):
+    as a reshape to the local shape."""
+    if isinstance(rw.placement(node), Shard):
+        node.target = aten.reshape.default
+        node.args = (node.args[0], list(rw.local_shape(node)))
+        node.kwargs = {}
+
+
+@localizer(aten.mean.dim)
+def _pending_mean(node: fx.Node, rw: Rewriter) -> None:
+    """A mean over the split dim left pending: this rank's summand is its sum divided by the whole count (the node
+    becomes that division, so every consumer and every record of it stays as it is)."""
+    if not isinstance(rw.placement(node), Partial):
+        return
+    source = rw.original(node.args[0]).meta["val"].shape
+    dims = arg(node, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or range(len(source)))
+    count = math.prod(source[d % len(source)] for d in dims)
+    with rw.gm.graph.inserting_before(node):
+        total = rw.gm.graph.call_function(aten.sum.dim_IntList, node.args, node.kwargs)
+    total.meta.update(node.meta)
+    node.target, node.args, node.kwargs = aten.div.Tensor, (total, count), {}
 
 
 @localizer(aten.split.Tensor, aten.split_with_sizes.default)

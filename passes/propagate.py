@@ -31,6 +31,7 @@ class Propagation:
     partial_outputs: bool = False  # the graph may return a pending sum (a loss summed over the axis later)
     ring_attention: bool = False  # attention over a split sequence passes keys around instead of gathering
     keep_outputs: bool = False  # outputs stay as placed (a pipeline stage hands split activations on)
+    pending_sums: bool = False  # a sum over the split dim stays Partial until a consumer needs it (tp; see Context)
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
@@ -64,10 +65,11 @@ def propagate(
     partial_outputs: bool = False,
     ring_attention: bool = False,
     keep_outputs: bool = False,
+    pending_sums: bool = False,
 ) -> Propagation:
     """Placements of every node of ``gm`` given the placements ``seeds`` of parameters and inputs."""
     result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention,
-                         keep_outputs=keep_outputs)
+                         keep_outputs=keep_outputs, pending_sums=pending_sums)
     nodes = list(gm.graph.nodes)
     if base is None:
         todo = nodes
@@ -81,7 +83,7 @@ def propagate(
 
 
 def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
-    ctx = Context(result.size, result.placements, result.ring_attention)
+    ctx = Context(result.size, result.placements, result.ring_attention, result.pending_sums)
     if len(todo) == len(nodes):
         for node in nodes:
             _store(result, node, ctx)

@@ -14,6 +14,7 @@ shapes that capture recorded (``node.meta["val"]``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,10 +40,14 @@ class Decision:
 class Context:
     """What a rule may read: the degree, the placement of each value, and each value's global shape."""
 
-    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple], ring_attention: bool = False) -> None:
+    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple], ring_attention: bool = False,
+                 pending_sums: bool = False) -> None:
         self.size = size
         self.placements = placements
         self.ring_attention = ring_attention
+        # A sum over the split dim may stay pending (Partial), reduced where a consumer needs it whole by an
+        # all-reduce whose backward is the identity: right where every rank back-propagates the same loss (tp).
+        self.pending_sums = pending_sums
 
     def of(self, value) -> Placement:
         if not isinstance(value, fx.Node):
@@ -282,7 +287,7 @@ def _squeeze(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(p.dim - sum(d < p.dim for d in removed), p.blocks))
 
 
-@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.flatten.using_ints)
 def _reshape(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
@@ -303,7 +308,41 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
         outer = math.prod(in_shape[d] for d in ins if d < p.dim)
         block = math.prod(in_shape[d] for d in ins if d >= p.dim)
         return Decision(Shard(outs[0], (block,) * outer))
+    if p.blocks is None:
+        return _split_and_merge(node, ctx, p, [in_shape[d] for d in ins], ins, [out_shape[d] for d in outs], outs)
     return replicate_all(node, ctx)
+
+
+def _split_and_merge(node: fx.Node, ctx: Context, p: Shard, in_sizes, ins, out_sizes, outs) -> Decision:
+    """Several dims reshaped into several others ((tokens, batch, width) to (tokens, batch * heads, head dim), as
+    torch's MultiheadAttention views q): as the split of the sharded dim into pieces, then a merge of pieces.
+
+    The pieces are the finest sizes both shapes are made of. The shard goes to the outermost piece of the
+    sharded input dim (its heads); in the output dim holding that piece, pieces outside it make blocks
+    (each batch row holds its heads), as a merge of dims does."""
+    bounds = sorted({math.prod(in_sizes[:i]) for i in range(1, len(in_sizes) + 1)} |
+                    {math.prod(out_sizes[:i]) for i in range(1, len(out_sizes) + 1)})
+    if any(b % a for a, b in itertools.pairwise(bounds)):
+        return replicate_all(node, ctx)
+    pieces = [bounds[0], *(b // a for a, b in itertools.pairwise(bounds))]
+
+    def owner(sizes: list[int], index: int) -> int:  # the dim of ``sizes`` that piece ``index`` belongs to
+        return next(d for d in range(len(sizes)) if bounds[index] <= math.prod(sizes[:d + 1]))
+
+    mine = [i for i in range(len(pieces)) if ins[owner(in_sizes, i)] == p.dim and pieces[i] != 1]
+    if not mine:
+        return replicate_all(node, ctx)
+    first = mine[0]
+    if pieces[first] % ctx.size:
+        reason = _indivisible(pieces[first], ctx.size, f"heads (a dim of {math.prod(in_sizes)} viewed as "
+                                                       f"{tuple(out_sizes)})")
+        return replicate_all(node, ctx, conflict=reason)
+    out = owner(out_sizes, first)
+    together = [i for i in range(len(pieces)) if owner(out_sizes, i) == out]
+    outer = math.prod(pieces[i] for i in together if i < first)
+    if outer == 1:
+        return Decision(Shard(outs[out]))
+    return Decision(Shard(outs[out], (math.prod(pieces[i] for i in together if i >= first),) * outer))
 
 
 def _split_dim(node: fx.Node, ctx: Context, p: Shard, sizes: list[int], outs: list[int]) -> Decision:
@@ -316,12 +355,16 @@ def _split_dim(node: fx.Node, ctx: Context, p: Shard, sizes: list[int], outs: li
     if target is None:
         return replicate_all(node, ctx)
     if sizes[target] % ctx.size:
+        what = f"heads (a dim of {math.prod(sizes)} viewed as {tuple(sizes)})"
+        reason = _indivisible(sizes[target], ctx.size, what)
         if p.blocks is None and target == 0 and len(sizes) > 2:
             # (parts, heads, head dim): a fused q/k/v viewed whole; as a blocked shard each rank takes its heads
             # of every part, so let the planner retry with blocks before calling the heads indivisible
             return replicate_all(node, ctx, hint=(math.prod(sizes[1:]),) * sizes[0])
-        what = f"heads (a dim of {math.prod(sizes)} viewed as {tuple(sizes)})"
-        reason = _indivisible(sizes[target], ctx.size, what)
+        if p.blocks is None and target == 0 and len(sizes) == 2:
+            # (parts, width) as torch's packed in_proj views q/k/v, or (heads, head dim) of too few heads: the
+            # planner tries the blocked layout and, when it does not help, takes the conflict
+            return replicate_all(node, ctx, conflict=reason, hint=(sizes[1],) * sizes[0])
         return replicate_all(node, ctx, conflict=reason)
     return Decision(Shard(outs[target]))
 
@@ -429,6 +472,22 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p, {t: p for t in tensors if ctx.of(t) != p})
 
 
+@rule(aten.stack.default)
+def _stack(node: fx.Node, ctx: Context) -> Decision:
+    """Stacking values sharded alike (RoPE's ``stack((-x2, x1), -1)`` on a rank's heads): the shard keeps its dim,
+    moved one out when the new dim is inserted before it."""
+    tensors = node.args[0]
+    dim = _dim(arg(node, "dim", 0), len(ctx.shape(node)))
+    shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
+    if not shards:
+        return _pointwise(node, ctx)
+    if len(shards) > 1:
+        return replicate_all(node, ctx)
+    (p,) = shards
+    want = {t: p for t in tensors if ctx.of(t) != p}
+    return Decision(Shard(p.dim + (p.dim >= dim), p.blocks), want)
+
+
 @rule(aten.repeat_interleave.self_int)
 def _repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
@@ -437,6 +496,14 @@ def _repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     if arg(node, "dim") is None and len(ctx.shape(node.args[0])) > 1:  # repeats the flattened tensor
         return replicate_all(node, ctx)
     return Decision(p)  # repeating each of this rank's heads gives exactly its share of the repeated heads
+
+
+@rule(aten._assert_tensor_metadata.default)
+def _metadata_assert(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 - every rule's signature
+    """Export's check of a value's dtype and device after ``x.to(dtype)`` (a float32 norm): it reads no data and
+    is removed before code is generated, so any placement passes it. Without this rule every such check on a
+    sharded value (QK-norm inside attention) asked for a gather, and the whole attention stayed replicated."""
+    return Decision(R)
 
 
 # The rules for reductions, norms, matmuls, attention, embeddings and losses register themselves.

@@ -51,6 +51,8 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     dims = [_dim(d, ndim) for d in dims] or list(range(ndim))  # None and [] both reduce every dim
     keepdim = arg(node, "keepdim")
     if p.dim in dims:
+        if ctx.pending_sums and p.blocks is None and node.target in (aten.mean.dim, aten.sum.dim_IntList):
+            return Decision(Partial())  # each rank's sum over its part (a mean: divided by the whole count)
         return replicate_all(node, ctx)
     return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
 
@@ -107,7 +109,31 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
 
 @rule(aten.matmul.default, aten.bmm.default)
 def _matmul(node: fx.Node, ctx: Context) -> Decision:
-    a, b = node.args[0], node.args[1]
+    return _batched_matmul(node, ctx, node.args[0], node.args[1])
+
+
+@rule(aten.baddbmm.default)
+def _baddbmm(node: fx.Node, ctx: Context) -> Decision:
+    """``bias + a @ b`` (BLOOM adds its ALiBi bias to the scores so): the product's shard, and the bias cut the same
+    way (a per-head bias built in the graph: each rank takes its heads' rows, no communication)."""
+    bias, a, b = node.args[:3]
+    if ctx.of(a) == R and ctx.of(b) == R:  # the product is whole: so must the bias be
+        return Decision(R, {} if ctx.of(bias) == R else {bias: R})
+    decision = _batched_matmul(node, ctx, a, b)
+    out, p = decision.out, ctx.of(bias)
+    if not isinstance(out, Shard) or decision.fallback:
+        return decision if p == R or decision.fallback else replicate_all(node, ctx)
+    shape, nout = ctx.shape(bias), len(ctx.shape(node))
+    d = out.dim - (nout - len(shape))
+    if p != Shard(d, out.blocks):
+        if d >= 0 and shape[d] != 1:
+            decision.want[bias] = Shard(d, out.blocks)
+        elif not isinstance(p, Replicate):
+            decision.want[bias] = R
+    return decision
+
+
+def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     pa, pb = ctx.of(a), ctx.of(b)
     na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
     if na < 2 or nb < 2:

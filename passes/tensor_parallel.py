@@ -24,6 +24,7 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -33,7 +34,8 @@ from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.collectives import local_indices
 from autoshard.passes.placements import Placement, R, Shard
-from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
+from autoshard.passes.propagate import Propagation, cost, requires_grad
+from autoshard.passes.propagate import propagate as _propagate_any_axis
 from autoshard.passes.rules import arg
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
@@ -41,6 +43,8 @@ from autoshard.plan import ParamPlan, TensorParallelPlan
 aten = torch.ops.aten
 _LINEARS = {aten.linear.default: (1, 2, 0), aten.addmm.default: (2, 0, 1)}  # op -> (weight arg, bias arg, out dim)
 _CONE_LIMIT = 300
+# every tp rank back-propagates the same loss: a sum over a split dim (a norm over a split width) may stay pending
+propagate = functools.partial(_propagate_any_axis, pending_sums=True)
 
 
 class TensorParallelError(ValueError):
@@ -150,8 +154,10 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
     """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
     blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
     dropped: dict[fx.Node, str] = {}
+    hinted: set[fx.Node] = set()
+    baseline: dict[fx.Node, str] = {}
     prop = None
-    for _ in range(2 * len(columns) + 2):
+    for _ in range(3 * len(columns) + 2):
         live = [c for c in columns if c not in dropped]
         if not live:
             break
@@ -167,11 +173,20 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
             _record(gm, plan, prop, live, row, blocks, dropped)
             return prop
+        culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
         hint = _hint(prop, live)
-        if hint is not None and blocks[hint[0]] is None:
+        if hint is not None and blocks[hint[0]] is None and hint[0] not in hinted:
+            if not hinted:
+                baseline = culprits  # the conflicts before any blocked layout: what to fall back on
+            hinted.add(hint[0])
             blocks[hint[0]] = hint[1]
             continue
-        culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
+        if baseline:
+            # the blocked layouts did not help (heads viewed as (heads, head dim), not a fused projection): back
+            # to the conflicts they were tried for
+            for column in hinted:
+                blocks[column] = None
+            culprits, baseline = baseline, {}
         if not culprits:
             break
         if len(culprits) == len(live) and row is not None:
@@ -213,7 +228,7 @@ def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx
 
 
 def _hint(prop: Propagation, columns) -> tuple[fx.Node, tuple] | None:
-    for node in prop.changed:
+    for node in sorted(prop.changed, key=lambda n: n.name):  # the same choice on every rank
         decision = prop.decisions.get(node)
         if decision is not None and decision.blocks_hint:
             for c in columns:

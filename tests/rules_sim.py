@@ -28,8 +28,9 @@ from torch.utils import _pytree as pytree
 from autoshard import meta
 from autoshard.passes import collectives, localize
 from autoshard.passes.placements import Placement, R, Shard
-from autoshard.passes.propagate import propagate, requires_grad
+from autoshard.passes.propagate import requires_grad
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements
+from autoshard.passes.tensor_parallel import propagate  # as the tp planner propagates (pending sums)
 
 USER_LINE = 'File "/home/user/model.py", line 42, in forward\n    y = the_op(x)'
 

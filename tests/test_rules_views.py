@@ -77,6 +77,17 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], -1), {}, {0: Shard(0)}, Shard(0)),
     (aten.cat.default, ([rand(2, 4), rand(6, 4, seed=1)],), {}, {0: Shard(1)}, Shard(1)),
     (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0), 1: Shard(0)}, R),
+    (aten.unflatten.int, (x3, -1, [2, 3]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.unflatten.int, (rand(4, 12), 1, [3, 4]), {}, {0: QKV}, Shard(2)),  # torch's packed in_proj as (3, width)
+    (aten.unflatten.int, (rand(4, 12), 0, [2, 2]), {}, {0: Shard(1)}, Shard(2)),
+    (aten.flatten.using_ints, (rand(2, 4, 3), 1, 2), {}, {0: Shard(1)}, Shard(1)),
+    (aten.flatten.using_ints, (rand(2, 4, 3), -2), {}, {0: Shard(0)}, Shard(0)),
+    # (tokens, batch, width) -> (tokens, batch * heads, head dim): heads split, every batch row holds its heads
+    (aten.view.default, (rand(3, 2, 8), [3, 8, 2]), {}, {0: Shard(2)}, Shard(1, (4, 4))),
+    (aten.view.default, (rand(3, 2, 6), [3, 6, 2]), {}, {0: Shard(2)}, R),  # 3 heads over 2 ranks
+    (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)], -1), {}, {0: Shard(1), 1: Shard(1)}, Shard(1)),
+    (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)],), {}, {0: Shard(1)}, Shard(2)),
+    (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)], 1), {}, {0: Shard(0), 1: Shard(1)}, R),
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, 1), {}, {0: Shard(1)}, Shard(1)),
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, 1), {"output_size": 8}, {0: Shard(1)}, Shard(1)),
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, -3), {}, {0: Shard(1)}, Shard(1)),
@@ -194,6 +205,25 @@ def test_two_inputs_split_on_different_dims_are_gathered():
     out.assert_exact()
 
 
+def test_a_metadata_check_passes_any_placement():
+    """Export checks a value's dtype after ``x.to(torch.float32)`` (a norm computed in fp32, inside attention with
+    QK-norm): the check reads no data, so a split value passes it without a gather."""
+    from torch import fx
+
+    from autoshard.passes.propagate import cost
+    from autoshard.passes.tensor_parallel import propagate
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 4, 6)
+    check = graph.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
+    check.meta["val"] = None
+    graph.output(x)
+    prop = propagate(fx.GraphModule(torch.nn.Module(), graph), {"x": Shard(2)}, 2)
+    assert prop.decisions[check].want == {} and not prop.decisions[check].fallback
+    assert cost(prop, {check}) == (0, 0, [])
+
+
 # ------------------------------------------------------------------------------ every rule has its cases
 
 
@@ -205,7 +235,8 @@ def _covered() -> set:
     for table in (layers.LINEAR_CASES, layers.NORM_CASES, layers.SOFTMAX_CASES, layers.REDUCE_CASES,
                   layers.MATMUL_CASES):
         ops |= {case.values[0] for case in table}
-    ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default}
+    ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default,
+            aten._assert_tensor_metadata.default}  # test_a_metadata_check_passes_any_placement
     assert loss.CE_CASES and layers.ATTENTION_CASES
     return ops | {op.overloadpacket for op in ops}
 
