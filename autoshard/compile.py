@@ -214,7 +214,27 @@ def _tp_plan(captured: Captured, mesh: Mesh, options: CompileOptions, like: Rank
     if all(not isinstance(p.placement, Shard) for p in plan.params.values()):
         notes.append(f"no block to split over tp={mesh.tp} was found (no column -> row pattern, no vocab-parallel "
                      "embedding): the tp ranks run the model replicated")
+    else:
+        notes.extend(_replicated_weights(captured, plan, mesh.tp))
     return plan
+
+
+def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, share: float = 0.01) -> list[str]:
+    """A note naming every matrix (or stack of expert matrices) of more than ``share`` of the parameters that tp left
+    replicated: each tp rank holds it whole, which is the memory tp exists to save."""
+    params = dict(captured.gm.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    found = [(name, p.numel() / total) for name, p in params.items()
+             if p.dim() >= 2 and p.numel() > share * total and plan.params.get(name) is not None
+             and plan.params[name].role == "replicated"]
+    if not found:
+        return []
+    found.sort(key=lambda item: -item[1])
+    named = "; ".join(f"{captured.names.get(name, [name])[0]} ({part:.1%}): {plan.params[name].reason}"
+                      for name, part in found[:4])
+    more = f"; and {len(found) - 4} more" if len(found) > 4 else ""
+    return [f"{len(found)} weight(s) holding {sum(part for _, part in found):.0%} of the parameters stay replicated "
+            f"under tp={tp} (every tp rank holds them whole): {named}{more}"]
 
 
 def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,

@@ -81,8 +81,11 @@ def _parameters(build) -> list[str]:
     full = dict(captured.gm.named_parameters())
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in local.values()}.values())
     title = f"tensor-parallel plan over tp={build.mesh.tp}" if plan is not None else "tp=1, each whole"
+    whole = sum(p.numel() * p.element_size() for p in full.values())
+    even = whole / (build.mesh.tp * build.mesh.pp)
     lines = [f"parameters: {title}; rank {build.rank} (tp rank {build.coords['tp']}) holds {len(local)} of {len(full)} "
-             f"tensors, {format_bytes(held)}:"]
+             f"tensors, {format_bytes(held)}: {held / whole:.0%} of the model's {format_bytes(whole)} (an even split "
+             f"over tp x pp would be {format_bytes(even)}):"]
     rows = []
     for target, param in full.items():
         entry = plan.params.get(target) if plan is not None else None

@@ -71,6 +71,9 @@ class DataDependentShape(ValueError):
 
 Rule = Callable[[fx.Node, Context], Decision]
 RULES: dict[object, Rule] = {}
+# Rules for ops recognised by their signature rather than their identity (a library's own grouped matmul op,
+# registered when that library loads): (matches(node), rule), tried when no rule is keyed by the op.
+MATCHERS: list[tuple[Callable[[fx.Node], bool], Rule]] = []
 LOCALIZERS: dict[object, Callable] = {}
 
 
@@ -100,6 +103,8 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
     fn = RULES.get(node.target)
     if fn is None and hasattr(node.target, "overloadpacket"):
         fn = RULES.get(node.target.overloadpacket)
+    if fn is None:
+        fn = next((rule for matches, rule in MATCHERS if matches(node)), None)
     if fn is not None:
         try:
             return fn(node, ctx)

@@ -11,6 +11,7 @@ from torch import fx
 
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import (
+    MATCHERS,
     RULES,
     Context,
     Decision,
@@ -158,6 +159,38 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
         elif not isinstance(p, Replicate):
             want[n] = R
     return Decision(Shard(dim, blocks), want)
+
+
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped matmul of mixture-of-experts layers: rows of ``x`` (tokens sorted by expert) times their expert's
+    matrix, ``out[rows of e] = x[rows of e] @ w[e]`` with the row ranges given by ``offsets`` (torch's
+    ``_grouped_mm``, and libraries' own ops of the same signature)."""
+    if node.op != "call_function" or "grouped_mm" not in str(node.target) or len(node.args) < 3:
+        return False
+    x, w, offsets = node.args[:3]
+    shapes = [Context.shape(v) if isinstance(v, fx.Node) else () for v in (x, w, offsets)]
+    out = Context.shape(node)
+    return (len(shapes[0]) == 2 and len(shapes[1]) == 3 and len(shapes[2]) == 1 and len(out) == 2
+            and shapes[0][1] == shapes[1][1] and out == (shapes[0][0], shapes[1][2]))
+
+
+def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
+    """Each expert's matmul as a linear: its output features split (column: ``w`` split on dim 2, ``x`` whole) or its
+    input features split (row: ``x`` and ``w``'s dim 1 split alike; each rank's product is a summand)."""
+    x, w, offsets = node.args[:3]
+    px, pw = ctx.of(x), ctx.of(w)
+    if isinstance(ctx.of(offsets), Shard):
+        return replicate_all(node, ctx)
+    if px == R and isinstance(pw, Shard) and pw.dim == 2:
+        return Decision(Shard(1, pw.blocks))
+    if isinstance(px, Shard) and px.dim == 1 and isinstance(pw, Shard) and pw.dim == 1 and px.blocks == pw.blocks:
+        return Decision(Partial())
+    if isinstance(px, Shard) and px.dim == 0 and pw == R:  # tokens split (another axis): rows stay rows
+        return replicate_all(node, ctx)
+    return _pointwise(node, ctx) if px == R and pw == R else replicate_all(node, ctx)
+
+
+MATCHERS.append((is_grouped_mm, _grouped_mm))
 
 
 @rule(aten.scaled_dot_product_attention.default)

@@ -25,6 +25,7 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import torch
@@ -37,6 +38,7 @@ from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, requires_grad
 from autoshard.passes.propagate import propagate as _propagate_any_axis
 from autoshard.passes.rules import arg
+from autoshard.passes.rules_nn import is_grouped_mm
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
@@ -73,36 +75,65 @@ def plan_tensor_parallel(gm: fx.GraphModule, size: int, *, indivisible: str = "e
     grad = requires_grad(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     state = _plan_vocab(gm, plan, state, params)
+    blockers: dict[str, str] = {}  # weight -> why the region it was tried in needed a gather
     for row in _linears(gm, params):
         if _weight(row) in plan.params:
             continue
         columns = sorted((c for c in _cone(_input(row), grad) if _is_free(c, plan, state)), key=order.__getitem__)
         if columns and _is_free(row, plan, None):
-            state = _try_region(gm, plan, state, columns, row, indivisible)
+            state = _try_region(gm, plan, state, columns, row, indivisible, blockers)
     for lone in _linears(gm, params):
         if _is_free(lone, plan, state):
             state = _try_region(gm, plan, state, [lone], None, "replicate")
-    return _finish(gm, plan, params)
+    return _finish(gm, plan, params, blockers)
 
 
-def _finish(gm: fx.GraphModule, plan: TensorParallelPlan, params: set[str]) -> TensorParallelPlan:
+def _finish(gm: fx.GraphModule, plan: TensorParallelPlan, params: set[str],
+            blockers: dict[str, str] | None = None) -> TensorParallelPlan:
     for name in sorted(params - set(plan.params), key=list(params).index):
-        plan.params[name] = ParamPlan(R, "replicated", "no pattern shards it")
+        plan.params[name] = ParamPlan(R, "replicated", (blockers or {}).get(name, "no pattern shards it"))
     ordered = {n: plan.params[n] for n, _ in gm.named_parameters()}
     plan.params = ordered
     return plan
 
 
 def _linears(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.target in _LINEARS and _weight(n) in params]
+    return [n for n in gm.graph.nodes if _is_linear(n) and _weight(n) in params]
+
+
+def _is_linear(node: fx.Node) -> bool:
+    """A linear (``linear``, ``addmm``) or a mixture of experts' grouped matmul over a stack of expert matrices."""
+    return node.target in _LINEARS or is_grouped_mm(node)
+
+
+def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
+    """The parameter node a linear multiplies by, and the dim of that parameter holding its output features."""
+    if node.target in _LINEARS:
+        w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
+        return w, _LINEARS[node.target][2]
+    w = node.args[1]  # grouped: (experts, in, out), stored as it is or as its transpose (experts, out, in)
+    if isinstance(w, fx.Node) and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:3]) == [1, 2]:
+        return w.args[0], 1
+    return w, 2
 
 
 def _weight(node: fx.Node) -> str | None:
-    w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
+    w, _ = _weight_node(node)
     return w.target if isinstance(w, fx.Node) and w.op == "get_attr" else None
 
 
+def _out_dim(node: fx.Node) -> int:
+    return _weight_node(node)[1]
+
+
+def _in_dim(node: fx.Node) -> int:
+    out = _out_dim(node)
+    return 1 - out if node.target in _LINEARS else 3 - out  # (out, in) / (in, out); experts: 1 and 2
+
+
 def _bias(node: fx.Node) -> str | None:
+    if node.target not in _LINEARS:
+        return None
     b = arg(node, "bias" if node.target is aten.linear.default else "self")  # by position or keyword
     return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
 
@@ -114,7 +145,9 @@ def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None)
 
 
 def _input(node: fx.Node) -> fx.Node:
-    """The activation a linear multiplies: linear(x, w, b) and addmm(b, x, w)."""
+    """The activation a linear multiplies: linear(x, w, b), addmm(b, x, w) and grouped(x, w, offsets)."""
+    if node.target not in _LINEARS:
+        return node.args[0]
     return arg(node, "input" if node.target is aten.linear.default else "mat1")
 
 
@@ -128,7 +161,7 @@ def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
         seen.add(node)
         if len(seen) > _CONE_LIMIT:
             return []
-        if node.target in _LINEARS and _weight(node) is not None:
+        if _is_linear(node) and _weight(node) is not None:
             found.append(node)
         elif node in grad and node.op == "call_function":  # a linear of a computed weight (a cast) is any op
             todo.extend(node.all_input_nodes)
@@ -136,21 +169,20 @@ def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
 
 
 def _column_seeds(node: fx.Node, blocks) -> dict[str, Placement]:
-    out_dim = _LINEARS[node.target][2]
-    seeds = {_weight(node): Shard(out_dim, blocks)}
+    seeds = {_weight(node): Shard(_out_dim(node), blocks)}
     if _bias(node):
         seeds[_bias(node)] = Shard(0, blocks)
     return seeds
 
 
 def _row_seeds(node: fx.Node) -> dict[str, Placement]:
-    seeds = {_weight(node): Shard(1 - _LINEARS[node.target][2])}
+    seeds = {_weight(node): Shard(_in_dim(node))}
     if _bias(node):
         seeds[_bias(node)] = R
     return seeds
 
 
-def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
+def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | None = None) -> Propagation:
     """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
     blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
     dropped: dict[fx.Node, str] = {}
@@ -196,7 +228,30 @@ def _try_region(gm, plan, state, columns, row, indivisible) -> Propagation:
         dropped.update(culprits)
     if prop is not None:
         _note_refusals(plan, prop)
+        if blockers is not None and row is not None:
+            why = _blocker(prop, gm, row)
+            for node in (*columns, row):
+                for name in filter(None, (_weight(node), _bias(node))):
+                    blockers.setdefault(name, why)
     return state
+
+
+def _blocker(prop: Propagation, gm: fx.GraphModule, row: fx.Node) -> str:
+    """Why a region was refused, for explain(): the first op that needed a split value whole."""
+    layer = meta.module_path(row) or row.name
+    for node in gm.graph.nodes:
+        decision = prop.decisions.get(node) if node in prop.changed else None
+        if decision is None:
+            continue
+        gathered = [v for v, dst in decision.want.items() if isinstance(prop.of(v), Shard) and dst == R]
+        if decision.conflict or gathered or decision.fallback:
+            op = getattr(node.target, "__name__", str(node.target))
+            where = re.sub(r'File ".*?([^/"]+)", line (\d+), in \w+', r"\1:\2", meta.source_line(node)) or \
+                meta.module_path(node) or node.name
+            what = decision.conflict or (f"{op} has no rule for a split input" if decision.fallback and not
+                                         decision.reason else decision.reason or f"{op} needs its input whole")
+            return f"no pattern: the block ending in {layer} would gather at {op} ({what}; {where})"
+    return "no pattern shards it"
 
 
 def _note_refusals(plan: TensorParallelPlan, prop: Propagation) -> None:
@@ -217,8 +272,7 @@ def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx
     if lone:
         return None
     for c in columns:
-        out_dim = _LINEARS[c.target][2]
-        width = gm.get_parameter(_weight(c)).shape[out_dim]
+        width = gm.get_parameter(_weight(c)).shape[_out_dim(c)]
         pieces = blocks[c] or (width,)
         if any(p % size for p in pieces):
             works = [d for d in range(1, width + 1) if width % d == 0]

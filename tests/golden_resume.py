@@ -56,9 +56,29 @@ def _groups(named) -> list[dict]:
             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
+OPTIMIZERS = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-6),
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=3e-3, amsgrad=True),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.05),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3, momentum=0.5, centered=True),
+}
+KIND = "adamw"  # the optimizer every function here builds (the tests of other kinds set it on each rank)
+
+
 def _optimizer(named):
-    opt = torch.optim.AdamW(_groups(named), lr=3e-3, betas=(0.9, 0.95), eps=1e-6)
+    opt = OPTIMIZERS[KIND](_groups(named))
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def with_optimizer(kind: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with every optimizer built as ``kind``."""
+    global KIND
+    KIND = kind
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        KIND = "adamw"
 
 
 def _train(step, clip, opt, scheduler, steps: int) -> list[float]:

@@ -48,6 +48,15 @@ def test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped(pools, tmp_pa
     _check(results, first)
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adagrad", "rmsprop"])
+def test_other_optimizers_resume_under_another_mesh(pools, tmp_path, kind):
+    """SGD with Nesterov momentum, Adam with amsgrad, Adagrad, centred RMSprop: every per-parameter state moves."""
+    path = str(tmp_path / "ckpt")
+    run = golden_resume.with_optimizer
+    first = pools.get(4).run(run, kind, golden_resume.first_half, "gpt", {"dp": 2, "tp": 2}, path)[0]
+    _check(pools.get(4).run(run, kind, golden_resume.second_half, "gpt", {"tp": 2, "pp": 2}, path, PP), first)
+
+
 def test_a_single_process_run_moves_to_eight_ranks_and_back(pools, tmp_path):
     """Unsharded (get_optimizer_state_dict) -> dp2 x tp2 x pp2 -> unsharded (set_optimizer_state_dict)."""
     mesh = {"dp": 2, "tp": 2, "pp": 2}

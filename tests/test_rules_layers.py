@@ -328,3 +328,25 @@ def test_the_planner_reads_a_linear_by_argument_name(op, args, kwargs):
     node = graph.call_function(op, tuple(nodes[a] for a in args), {k: nodes.get(v, v) for k, v in kwargs.items()})
     assert (tensor_parallel._input(node).name, tensor_parallel._weight(node), tensor_parallel._bias(node)) == \
         ("x", "w", "b")
+
+
+# ------------------------------------------------------------------------------- experts (grouped matmuls)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("shard,placement", [
+    ({1: Shard(2)}, Shard(1)),  # column: each expert's output features split
+    ({1: Shard(2, (4, 4))}, Shard(1, (4, 4))),  # a fused gate/up of every expert
+    ({0: Shard(1), 1: Shard(1)}, P),  # row: input features split, each rank's product a summand
+    ({0: Shard(0)}, R),  # rows split (another axis): the offsets index all of them
+], ids=["column", "column-blocked", "row", "rows-gathered"])
+def test_grouped_matmul_of_experts(shard, placement, size):
+    """transformers' grouped matmul op (what its MoE layers export to; torch's ``_grouped_mm`` has the same signature
+    and takes only bf16 on the CPU)."""
+    import transformers.integrations.moe  # noqa: F401 - registers the op
+
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    offsets = torch.tensor([4, 4, 12], dtype=torch.int32)  # expert 1 gets no tokens
+    out = simulate(op, (rand(12, 8), rand(3, 8, 8, seed=1), offsets), shard=shard, size=size)
+    assert out.placement == placement, (out.placement, out.reason)
+    out.assert_exact(rtol=1e-5, atol=1e-5)
