@@ -85,10 +85,13 @@ def test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees(
     _check(pools.get(4).run(golden_resume.second_half, name, {"tp": 4}, path), first)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "adagrad", "rmsprop"])
 @pytest.mark.parametrize("mesh,options", [({"tp": 2, "pp": 2}, PP), ({"dp": 2, "tp": 2}, FSDP)],
                          ids=["tp2xpp2", "fsdp-dp2xtp2"])
-def test_resuming_under_the_same_mesh_is_bit_identical(pools, tmp_path, mesh, options):
-    for result in pools.get(4).run(golden_resume.same_mesh, "hf_llama", mesh, str(tmp_path / "ckpt"), options):
+def test_resuming_under_the_same_mesh_is_bit_identical(pools, tmp_path, mesh, options, kind):
+    run = golden_resume.with_optimizer
+    for result in pools.get(4).run(run, kind, golden_resume.same_mesh, "hf_llama", mesh, str(tmp_path / "ckpt"),
+                                   options):
         assert result["resumed"] == result["straight"] and result["bitwise"], result
         assert result["steps"] == 2 * golden_resume.HALF
 
