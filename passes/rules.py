@@ -47,6 +47,7 @@ class Context:
         self.ring_attention = ring_attention
         # A sum over the split dim may stay pending (Partial), reduced where a consumer needs it whole by an
         # all-reduce whose backward is the identity: right where every rank back-propagates the same loss (tp).
+        # Only tp sets it, and the rules that hold on tp alone read it too.
         self.pending_sums = pending_sums
 
     def of(self, value) -> Placement:
@@ -313,7 +314,7 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
         outer = math.prod(in_shape[d] for d in ins if d < p.dim)
         block = math.prod(in_shape[d] for d in ins if d >= p.dim)
         return Decision(Shard(outs[0], (block,) * outer))
-    if p.blocks is None:
+    if p.blocks is None and ctx.pending_sums:  # tp only: the cp split cannot follow a sequence merged into blocks
         return _split_and_merge(node, ctx, p, [in_shape[d] for d in ins], ins, [out_shape[d] for d in outs], outs)
     return replicate_all(node, ctx)
 
