@@ -258,7 +258,8 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | No
     p, v, options = build.mesh.pp, build.options.chunks, build.options
     gm = codegen.prepare(build.captured)
     if like is None:
-        build.partition = partition(gm, build.num_stages, starts=options.pipeline_starts)
+        build.partition = partition(gm, build.num_stages, starts=options.pipeline_starts,
+                                    balance=options.pipeline_balance)
     else:
         build.partition = partition(gm, build.num_stages, cut_after=like.partition.cut_after)
     mine = [s for s in range(build.num_stages) if s % p == build.coords["pp"]]

@@ -125,7 +125,9 @@ def _pipeline(build) -> list[str]:
         + ", ".join(map(str, mine)),
         f"  cuts after {', '.join(part.cut_after)} (of {part.candidates} places where the fewest values cross), "
         f"sending {', '.join(format_bytes(b) for b in part.crossing_bytes)} per microbatch",
-        f"  stage costs {', '.join(f'{c:.3g}' for c in part.costs)} (largest over mean: {part.balance:.2f})",
+        f"  stage costs {', '.join(f'{c:.3g}' for c in part.costs)} (largest over mean: {part.balance:.2f}); "
+        f"parameters per stage {', '.join(format_bytes(b) for b in part.param_bytes)} (the largest holds "
+        f"{part.largest_param_share:.0%}; balanced for {build.options.pipeline_balance})",
         f"  schedule {build.options.schedule}, {m} microbatch(es): simulated bubble {sim.bubble:.1%} (formula "
         f"(p-1)/(v*m+p-1) = {(p - 1) / (v * m + p - 1):.1%}); at most {max(sim.peak_in_flight.values()):.2g} "
         "stage-equivalents of activations in flight",

@@ -22,12 +22,14 @@ CHOICES = {
     "cp_attention": ("gather", "ring"),
     "mixed_precision": (None, "bf16"),
     "data_parallel": ("ddp", "fsdp"),
+    "pipeline_balance": ("both", "time", "memory"),
 }
 _MEANINGS = {
     "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
     "cp_attention": "'gather' (all-gather keys and values) or 'ring' (pass key/value blocks around the cp ranks)",
     "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
+    "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
 }
 
 
@@ -47,6 +49,9 @@ class CompileOptions:
     chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
     pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
         stage after the first begins.
+    pipeline_balance: what the partition balances: ``"both"`` (the default: the largest of each stage's
+        share of the training time and its share of the parameters, whose gradients and optimizer state
+        scale with them), ``"time"`` or ``"memory"``.
     cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
         values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
     cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
@@ -65,6 +70,7 @@ class CompileOptions:
     schedule: str = "1f1b"
     chunks: int = 1
     pipeline_starts: tuple[str, ...] | None = None
+    pipeline_balance: str = "both"
     tp_indivisible: str = "error"
     cp_attention: str = "gather"
     cp_load_balance: bool = False

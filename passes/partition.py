@@ -8,8 +8,11 @@ valid cuts the partitioner picks the ones that make the largest stage cost as sm
 (dynamic programming, exact), preferring cuts where fewer bytes cross; a cut that moves several times the
 bytes of the cheapest one (the logits between an LM head and its loss) is used only when needed. A
 stage's cost is the training FLOPs of its nodes plus a term for the parameters it reads
-(``autoshard.cost``), so the embedding and LM head stages are not treated as free. Nothing here looks
-at names; a user may instead name the modules that stages start at.
+(``autoshard.cost``), so the embedding and LM head stages are not treated as free. By default the
+partition balances memory too: a stage's score is the larger of its share of that cost and its share of
+the parameters (whose gradients and optimizer state are as many again), so a mixture-of-experts stage
+whose routed tokens cost little cannot end up holding most of the model's bytes. Nothing here looks at
+names; a user may instead name the modules that stages start at.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from autoshard.passes.propagate import reaching_output, requires_grad
 # the LM head and the loss too, but it is the logits, vocab/hidden times the residual stream: cuts that
 # move more than this many times the bytes of the cheapest are left out unless the stage count needs them.
 HEAVY_CUT = 4
+# A stage whose score is more than this many times its even share gets cuts where more values cross tried too.
+BALANCED = 1.2
+EXTRA_VALUES = 2
 
 
 @dataclass(frozen=True)
@@ -37,11 +43,17 @@ class Partition:
     cut_after: tuple[str, ...]  # the last activation of every stage but the last
     crossing_bytes: tuple[int, ...]
     candidates: int
+    param_bytes: tuple[int, ...] = ()  # the parameter bytes each stage is the first to read
 
     @property
     def balance(self) -> float:
         """Largest stage cost over the mean: 1.0 is perfect balance."""
         return max(self.costs) / (sum(self.costs) / len(self.costs))
+
+    @property
+    def largest_param_share(self) -> float:
+        """The largest stage's share of the parameter bytes of all stages together."""
+        return max(self.param_bytes) / sum(self.param_bytes) if sum(self.param_bytes) else 0.0
 
 
 class PartitionError(ValueError):
@@ -49,16 +61,20 @@ class PartitionError(ValueError):
 
 
 def partition(
-    gm: fx.GraphModule, num_stages: int, *, starts: list[str] | None = None, cut_after: tuple[str, ...] | None = None
+    gm: fx.GraphModule, num_stages: int, *, starts: list[str] | None = None, cut_after: tuple[str, ...] | None = None,
+    balance: str = "both",
 ) -> Partition:
     """Cut ``gm`` into ``num_stages`` stages.
 
     ``starts`` names the module each later stage begins at; ``cut_after`` repeats an earlier partition's
     cuts (by node name) on another capture of the same model, so its stages hold the same parameters.
+    ``balance`` is what the cuts even out: ``"time"`` (the cost), ``"memory"`` (the parameter bytes) or
+    ``"both"`` (the larger of the two shares).
     """
     order, dag = _activation_dag(gm)
+    memory = _param_bytes(gm, order)
     if num_stages == 1:
-        return Partition({n.name: 0 for n in order}, (sum(_costs(gm, order)),), (), (), 0)
+        return Partition({n.name: 0 for n in order}, (sum(_costs(gm, order)),), (), (), 0, (sum(memory),))
     crossing = _crossing_sets(order, dag)
     sendable = [i for i, c in enumerate(crossing[:-1]) if all(_is_tensor(n) for n in c)]
     fewest = min((len(crossing[i]) for i in sendable), default=0)
@@ -79,16 +95,72 @@ def partition(
         weights = _weights_read(gm, order)
         cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
         cuts = None
+        scores = _scores(costs, memory, balance)
         if len(cheap) >= num_stages - 1:
-            cuts = _balanced_cuts(costs, cheap, nbytes, num_stages, weights)
+            cuts = _balanced_cuts(scores, cheap, nbytes, num_stages, weights)
         if cuts is None:
-            cuts = _balanced_cuts(costs, candidates, nbytes, num_stages, weights)
+            cuts = _balanced_cuts(scores, candidates, nbytes, num_stages, weights)
+        cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap)
         if cuts is None:
             raise PartitionError(
                 f"no cut into {num_stages} stages gives every stage a parameter to train (a stage that only computes "
                 f"the loss leaves its rank nothing to optimise): {_use_at_most(_most_stages(candidates, weights))}"
             )
-    return _result(order, costs, cuts, nbytes, len(candidates))
+    return _result(order, costs, cuts, nbytes, len(candidates), memory)
+
+
+def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, weights, fewest: int, cheap):
+    """Cuts where a few more values cross, when the cuts of the fewest leave a stage with far more than its share.
+
+    Some models hand every layer a value computed once (per-layer embeddings, a relative position bias, keys
+    shared across layers): only a cut before the first layer or after the last then crosses as few values as
+    the residual stream, and one stage gets nearly everything. Cuts where up to ``EXTRA_VALUES`` more values
+    cross (each sent like the residual stream, no heavier than a cheap cut) are tried then, and kept only when
+    they lower the largest stage's score by a fifth or more."""
+    if cuts is None or _largest(cuts, scores, len(weights)) <= BALANCED * (1 / stages):
+        return cuts
+    limit = HEAVY_CUT * min((nbytes[i] for i in cheap), default=0) if cheap else None
+    more = [i for i in sendable if len(crossing[i]) <= fewest + EXTRA_VALUES and (limit is None or nbytes[i] <= limit)]
+    other = _balanced_cuts(scores, more, nbytes, stages, weights) if len(more) > len(cheap) else None
+    if other is not None and _largest(other, scores, len(weights)) <= 0.8 * _largest(cuts, scores, len(weights)):
+        return other
+    return cuts
+
+
+def _largest(cuts: list[int], scores, length: int) -> float:
+    bounds = [-1, *cuts, length - 1]
+    return max(scores(bounds[k] + 1, bounds[k + 1] + 1) for k in range(len(bounds) - 1))
+
+
+def _param_bytes(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
+    """For each activation node, the bytes of the parameters it is the first to read."""
+    params = dict(gm.named_parameters())
+    seen: set[str] = set()
+    out = []
+    for node in order:
+        total = 0
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and source.target in params and source.target not in seen:
+                seen.add(source.target)
+                total += params[source.target].numel() * params[source.target].element_size()
+        out.append(total)
+    return out
+
+
+def _scores(costs: list[float], memory: list[int], balance: str):
+    """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for."""
+    prefix_cost, prefix_mem = [0.0], [0]
+    for c, m in zip(costs, memory, strict=True):
+        prefix_cost.append(prefix_cost[-1] + c)
+        prefix_mem.append(prefix_mem[-1] + m)
+    total_cost, total_mem = prefix_cost[-1] or 1.0, prefix_mem[-1] or 1
+
+    def score(lo: int, hi: int) -> float:
+        time = (prefix_cost[hi] - prefix_cost[lo]) / total_cost
+        mem = (prefix_mem[hi] - prefix_mem[lo]) / total_mem
+        return time if balance == "time" else mem if balance == "memory" else max(time, mem)
+
+    return score
 
 
 def _weights_read(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
@@ -165,24 +237,23 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int], stages: int,
+def _balanced_cuts(stage_score, candidates: list[int], nbytes: list[int], stages: int,
                    weights: list[int]) -> list[int] | None:
-    """Choose ``stages - 1`` candidate cuts minimising the largest stage cost, then the bytes crossing, such that
+    """Choose ``stages - 1`` candidate cuts minimising the largest stage score, then the bytes crossing, such that
     every stage reads a parameter (None when no choice does): a stage without one leaves its rank no weights to
     train, whatever the cost model says."""
-    prefix, held = [0.0], [0]
-    for c, w in zip(costs, weights, strict=True):
-        prefix.append(prefix[-1] + c)
+    held = [0]
+    for w in weights:
         held.append(held[-1] + w)
     points = [-1, *candidates]  # position -1: before the first activation
-    end = len(costs) - 1
-    # best[k][j]: (largest stage cost, bytes crossing) of k stages ending at points[j]
+    end = len(weights) - 1
+    # best[k][j]: (largest stage score, bytes crossing) of k stages ending at points[j]
     best = [{0: (0.0, 0, [])}]
     for k in range(1, stages):
         layer = {}
         for j in range(1, len(points)):
             options = [
-                (max(prev[0], prefix[points[j] + 1] - prefix[points[i] + 1]), prev[1] + nbytes[points[j]], prev[2])
+                (max(prev[0], stage_score(points[i] + 1, points[j] + 1)), prev[1] + nbytes[points[j]], prev[2])
                 for i, prev in best[k - 1].items()
                 if i < j and held[points[j] + 1] > held[points[i] + 1]
             ]
@@ -191,7 +262,7 @@ def _balanced_cuts(costs: list[float], candidates: list[int], nbytes: list[int],
                 layer[j] = (score, size, [*path, points[j]])
         best.append(layer)
     finals = [
-        (max(prev[0], prefix[end + 1] - prefix[points[i] + 1]), prev[1], prev[2])
+        (max(prev[0], stage_score(points[i] + 1, end + 1)), prev[1], prev[2])
         for i, prev in best[stages - 1].items()
         if held[end + 1] > held[points[i] + 1]
     ]
@@ -217,14 +288,16 @@ def _cuts_at(order: list[fx.Node], candidates: list[int], starts: list[str], sta
     return cuts
 
 
-def _result(order, costs, cuts, nbytes, candidates) -> Partition:
-    stage_of, stage_costs = {}, []
+def _result(order, costs, cuts, nbytes, candidates, memory) -> Partition:
+    stage_of, stage_costs, stage_bytes = {}, [], []
     bounds = [-1, *cuts, len(order) - 1]
     for stage in range(len(bounds) - 1):
         members = range(bounds[stage] + 1, bounds[stage + 1] + 1)
         for i in members:
             stage_of[order[i].name] = stage
         stage_costs.append(sum(costs[i] for i in members))
+        stage_bytes.append(sum(memory[i] for i in members))
     return Partition(
-        stage_of, tuple(stage_costs), tuple(order[c].name for c in cuts), tuple(nbytes[c] for c in cuts), candidates
+        stage_of, tuple(stage_costs), tuple(order[c].name for c in cuts), tuple(nbytes[c] for c in cuts), candidates,
+        tuple(stage_bytes),
     )

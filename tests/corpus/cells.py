@@ -225,8 +225,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def outcome(results: list[dict]) -> Outcome:
-    """The cell from every rank's result: the worst rank decides; ranks that disagree on an error crash."""
-    share = results[0].get("share")
+    """The cell from every rank's result: the worst rank decides; ranks that disagree on an error crash. Its share is
+    the largest rank's (the largest pipeline stage's under pp)."""
+    shares = [r["share"] for r in results if r.get("share") is not None]
+    share = max(shares) if shares else None
     statuses = {r["status"] for r in results}
     if statuses <= {"exact", "wrong"}:
         wrong = [r for r in results if r["status"] == "wrong"]
