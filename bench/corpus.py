@@ -158,16 +158,17 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
         f"transformers {cache['transformers']}, torch {cache['torch']}. Written by `bench/corpus.py` "
         "(`make corpus`); each cell is `autoshard.verify` (3 SGD steps, every gradient, fp32 tolerances) of the "
         "tiny architecture at that mesh: exact / wrong by the largest difference / refused with autoshard's "
-        "error / crash (an internal error, a stall, or ranks that disagree). \"tp2 share\" is the bytes of rank "
-        "0's parameters over the whole model's at tp=2 (0.50 is the aim). \"not run\" cells were not run yet.",
+        "error / crash (an internal error, a stall, or ranks that disagree). \"tp2 share\" is the bytes of the "
+        "parameters the largest rank holds over the whole model's at tp=2 (0.50 is the aim); \"pp2 share\" the "
+        "same for the largest pipeline stage at pp=2. \"not run\" cells were not run yet.",
         "", *summary(cache, buildable), "",
-        "| architecture | " + " | ".join(ORDER) + " | tp2 share |",
-        "|---|" + "---|" * (len(ORDER) + 1),
+        "| architecture | " + " | ".join(ORDER) + " | tp2 share | pp2 share |",
+        "|---|" + "---|" * (len(ORDER) + 2),
     ]
     for name in buildable:
         row = rows.get(name, {})
-        share = row.get("tp2", {}).get("share")
-        cols = [_cell_text(row.get(m)) for m in ORDER] + [f"{share:.2f}" if share is not None else ""]
+        shares = [row.get(mesh, {}).get("share") for mesh in ("tp2", "pp2")]
+        cols = [_cell_text(row.get(m)) for m in ORDER] + [f"{s:.2f}" if s is not None else "" for s in shares]
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
     unbuildable = [n for n in every if n in cache["unbuildable"]]
     lines += ["", f"## Not counted: {len(unbuildable)} architectures that do not build or train eagerly at tiny size",

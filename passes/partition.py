@@ -115,16 +115,24 @@ def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, wei
     Some models hand every layer a value computed once (per-layer embeddings, a relative position bias, keys
     shared across layers): only a cut before the first layer or after the last then crosses as few values as
     the residual stream, and one stage gets nearly everything. Cuts where up to ``EXTRA_VALUES`` more values
-    cross (each sent like the residual stream, no heavier than a cheap cut) are tried then, and kept only when
-    they lower the largest stage's score by a fifth or more."""
+    cross (each sent like the residual stream, no heavier than a cheap cut, and each contiguous: see
+    ``_contiguous``) are tried then, and kept only when they lower the largest stage's score by a fifth or more."""
     if cuts is None or _largest(cuts, scores, len(weights)) <= BALANCED * (1 / stages):
         return cuts
     limit = HEAVY_CUT * min((nbytes[i] for i in cheap), default=0) if cheap else None
-    more = [i for i in sendable if len(crossing[i]) <= fewest + EXTRA_VALUES and (limit is None or nbytes[i] <= limit)]
+    more = [i for i in sendable if len(crossing[i]) <= fewest + EXTRA_VALUES and (limit is None or nbytes[i] <= limit)
+            and all(_contiguous(n) for n in crossing[i])]
     other = _balanced_cuts(scores, more, nbytes, stages, weights) if len(more) > len(cheap) else None
     if other is not None and _largest(other, scores, len(weights)) <= 0.8 * _largest(cuts, scores, len(weights)):
         return other
     return cuts
+
+
+def _contiguous(node: fx.Node) -> bool:
+    """Whether a value is laid out contiguously in the capture: a received copy is, so a view that relies on a
+    transposed layout (``y.transpose(1, 2).view(...)``) would fail on the other side of such a cut."""
+    val = node.meta.get(meta.VAL)
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
 
 
 def _largest(cuts: list[int], scores, length: int) -> float:

@@ -108,19 +108,20 @@ def _train_parallel(pm, case, opt, scheduler, steps: int) -> list[float]:
                   scheduler, steps)
 
 
-def _reference_losses(name: str, steps: int = 2 * HALF):
-    """The unsharded model trained ``steps`` steps straight: its losses, the model and its optimizer."""
-    case = build(name)
-    model = case.model
-    opt, scheduler = _optimizer(model.named_parameters())
-
+def _train_unsharded(model, data, opt, scheduler, steps: int) -> list[float]:
     def step():
-        loss = case.loss_fn(model(*case.inputs), case.target)
+        loss = data.loss_fn(model(*data.inputs), data.target)
         loss.backward()
         return loss.item()
 
-    losses = _train(step, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), opt, scheduler, steps)
-    return losses, model, opt
+    return _train(step, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), opt, scheduler, steps)
+
+
+def _reference_losses(name: str, steps: int = 2 * HALF):
+    """The unsharded model trained ``steps`` steps straight: its losses, the model and its optimizer."""
+    case = build(name)
+    opt, scheduler = _optimizer(case.model.named_parameters())
+    return _train_unsharded(case.model, case, opt, scheduler, steps), case.model, opt
 
 
 def first_half(name: str, mesh_kwargs: dict, path: str, options: dict | None = None, *, full: bool = False):
@@ -180,13 +181,7 @@ def single_first_half(name: str, path: str) -> list[float]:
     case = build(name)
     model = case.model
     opt, scheduler = _optimizer(model.named_parameters())
-
-    def step():
-        loss = case.loss_fn(model(*case.inputs), case.target)
-        loss.backward()
-        return loss.item()
-
-    losses = _train(step, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), opt, scheduler, HALF)
+    losses = _train_unsharded(model, case, opt, scheduler, HALF)
     torch.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt),
                 "extra": {"step": HALF, "scheduler": scheduler.state_dict()}}, path)
     return losses
@@ -201,13 +196,7 @@ def single_second_half(name: str, path: str) -> dict:
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optimizer"])
     scheduler.load_state_dict(state["extra"]["scheduler"])
-
-    def step():
-        loss = data.loss_fn(model(*data.inputs), data.target)
-        loss.backward()
-        return loss.item()
-
-    losses = _train(step, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP), opt, scheduler, HALF)
+    losses = _train_unsharded(model, data, opt, scheduler, HALF)
     ref_losses, ref_model, ref_opt = _reference_losses(name)
     params = dict(model.named_parameters())
     return {"losses": losses, "reference": ref_losses,
