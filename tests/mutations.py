@@ -192,7 +192,8 @@ MUTANTS = (
            "    return 1 - out if node.target in _LINEARS else 3 - out",
            "    return 1 - out if node.target in _LINEARS else out",
            "an expert's row weight is seeded split along its output features (the experts then stay replicated)",
-           ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[mixtral-tp2]",)),
+           ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
+            "[mixtral]",)),
     Mutant("pending-mean-count", "passes/localize.py",
            "    node.target, node.args, node.kwargs = aten.div.Tensor, (total, count), {}",
            "    node.target, node.args, node.kwargs = aten.div.Tensor, (total, count // rw.size), {}",
