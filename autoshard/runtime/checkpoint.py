@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from autoshard.passes.placements import Shard
 from autoshard.runtime import optimizer_state
 from autoshard.runtime.gather import gather
-from autoshard.runtime.state import _entries, _few, _local_part
+from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
 
 _BLOCK = "@block"
 _OPTIM = "optim.state."
@@ -325,11 +325,7 @@ def _read_local(pm, item: Item, view: dict, metadata) -> torch.Tensor:
         part = _local_part(view[key], placement, pm.coord("tp"), pm.mesh.tp)
     else:
         part = _assemble(pm, key, view, metadata, local, placement)
-    if _is_fsdp(local):  # the tp-local tensor: keep this rank's FSDP2 part of it
-        from torch.distributed.tensor import distribute_tensor
-
-        part = distribute_tensor(part, local.device_mesh, local.placements, src_data_rank=None)
-    return part
+    return fsdp_part(local, part)  # under FSDP2, this rank's part of the tp-local tensor
 
 
 def _fsdp_dtensor(pm, item: Item, for_load: bool, meshes: dict):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime import gather
-from autoshard.runtime.state import _entries, _few, _local_part
+from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
 
 
 @dataclass
@@ -203,12 +203,8 @@ def _lookup(pm, table: dict, name: str):
 
 
 def _shard_like(param, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (the tp-local tensor) split as ``param`` is over dp x cp when FSDP2 holds it."""
-    if not hasattr(param, "device_mesh"):
-        return local.clone()
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    """``local`` (the tp-local tensor) split as ``param`` is over dp x cp when FSDP2 holds it; a copy otherwise."""
+    return fsdp_part(param, local) if hasattr(param, "device_mesh") else local.clone()
 
 
 def install(optimizer: torch.optim.Optimizer, states: dict[int, dict], hyper_of: dict[int, dict]) -> None:

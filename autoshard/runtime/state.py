@@ -268,12 +268,17 @@ def _apply_order(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _copy_part(pm, local, full: torch.Tensor, placement: Shard | None) -> None:
     """Write this rank's part of the full tensor ``full`` into its parameter ``local``."""
-    part = _local_part(full.detach(), placement, pm.coord("tp"), pm.mesh.tp)
-    if hasattr(local, "device_mesh"):  # an FSDP2 shard over dp x cp
-        from torch.distributed.tensor import distribute_tensor
+    local.copy_(fsdp_part(local, _local_part(full.detach(), placement, pm.coord("tp"), pm.mesh.tp)))
 
-        part = distribute_tensor(part, local.device_mesh, local.placements, src_data_rank=None)
-    local.copy_(part)
+
+def fsdp_part(like, tp_local: torch.Tensor) -> torch.Tensor:
+    """``tp_local`` (a tp rank's whole tensor) split over dp x cp as ``like`` is when FSDP2 holds it: each rank keeps
+    its own part, with no communication (every rank holds the same ``tp_local``); else ``tp_local`` itself."""
+    if not hasattr(like, "device_mesh"):
+        return tp_local
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(tp_local, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _programs(pm) -> list:
