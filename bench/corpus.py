@@ -4,6 +4,7 @@
     .venv/bin/python bench/corpus.py --meshes tp2 dp2    # some meshes
     .venv/bin/python bench/corpus.py --only llama gpt2   # some architectures
     .venv/bin/python bench/corpus.py --limit 20          # the first 20 architectures
+    .venv/bin/python bench/corpus.py --planned           # only the planned tp=2 / tp=4 parameter shares (minutes)
 
 Every architecture of ``tests/corpus`` (every causal LM of the installed transformers, a few masked-LM and
 encoder-decoder families, torch's own transformer modules) is first built and trained eagerly at tiny size;
@@ -40,7 +41,10 @@ from corpus.architectures import check_eager, names  # noqa: E402
 from launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
-TIMEOUT = {2: 480.0, 8: 900.0}  # seconds before a cell counts as stalled, by world size
+EXTRA = ("tp4",)  # meshes run only when asked (--meshes tp4 --only ...), in a table of their own
+PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)
+SLACK = 0.02  # above 1/tp and what is replicated on purpose
+TIMEOUT = {2: 480.0, 4: 600.0, 8: 900.0}  # seconds before a cell counts as stalled, by world size
 STATUSES = ("exact", "wrong", "refused", "crash")
 
 
@@ -124,11 +128,62 @@ def run_one(pools: Pools, name: str, label: str) -> dict:
             "seconds": round(time.monotonic() - start, 1), "detail": detail}
 
 
+def planned_share(name: str, tp: int) -> dict:
+    """The parameter bytes rank 0 would hold at ``tp`` (planned in this process, nothing run), over the bytes of the
+    parameters the model's loss uses; and the most it should hold: 1/tp, plus what stays whole on purpose (norm
+    weights and biases, kv heads the degree does not divide, each held whole instead of 1/tp), plus 2%."""
+    import warnings
+
+    from corpus.architectures import build
+
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+
+    case = build(name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = compile_global_batch(case.model, case.inputs, Mesh(tp=tp), 0, CompileOptions(),
+                                         target=case.target, loss_fn=case.loss_fn)
+    except Exception as e:  # noqa: BLE001 - a refusal (heads the degree does not divide) is the cell's result
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    full = dict(built.captured.gm.named_parameters())
+    local = {n: p for program in built.programs.values() for n, p in program.gm.named_parameters()}
+    size = lambda p: p.numel() * p.element_size()  # noqa: E731
+    total = sum(size(full[n]) for n in local)
+    whole = sum(size(full[n]) for n in local if built.tp_plan.params[n].role == "replicated"
+                and (full[n].dim() <= 1 or built.tp_plan.params[n].reason.startswith("heads duplicated")))
+    return {"share": sum(size(p) for p in local.values()) / total,
+            "allowed": 1 / tp + whole / total * (1 - 1 / tp) + SLACK}
+
+
+def planned_summary(cache: dict, buildable: list[str]) -> list[str]:
+    lines = []
+    for tp in PLANNED:
+        cells = [cache.get("planned", {}).get(n, {}).get(f"tp{tp}") for n in buildable]
+        ran = [c for c in cells if c is not None]
+        within = [c for c in ran if "share" in c and c["share"] <= c["allowed"]]
+        shares = sorted(c["share"] for c in ran if "share" in c)
+        if ran:
+            lines.append(f"- tp={tp}: {len(within)} of {len(ran)} within the bound; median share "
+                         f"{shares[len(shares) // 2]:.3f}; {len(ran) - len(shares)} refused")
+    return lines
+
+
 def _cell_text(cell: dict | None) -> str:
     if cell is None:
         return "not run"
     text = cells.Outcome(cell["status"], cell["message"], cell["max_abs"]).text()
     return text.replace("|", "/").replace("\n", " ")[:110]
+
+
+def _planned_text(cell: dict | None) -> str:
+    if cell is None:
+        return ""
+    if "share" not in cell:
+        return "refused: " + cell["error"].replace("|", "/")[:90]
+    return f"{cell['share']:.2f} ({cell['allowed']:.2f}){' !' if cell['share'] > cell['allowed'] else ''}"
 
 
 def summary(cache: dict, buildable: list[str]) -> list[str]:
@@ -162,14 +217,27 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
         "parameters the largest rank holds over the whole model's at tp=2 (0.50 is the aim); \"pp2 share\" the "
         "same for the largest pipeline stage at pp=2. \"not run\" cells were not run yet.",
         "", *summary(cache, buildable), "",
-        "| architecture | " + " | ".join(ORDER) + " | tp2 share | pp2 share |",
-        "|---|" + "---|" * (len(ORDER) + 2),
+        "\"tp4 share (planned)\" is planned in one process (`--planned`), over the parameters the loss uses: the "
+        "share, then in brackets the most a rank should hold (1/tp, plus norm weights, biases and kv heads the degree "
+        "does not divide held whole, plus 2%), with ! where the share is above it. Planned the same way:", "",
+        *planned_summary(cache, buildable), "",
+        "| architecture | " + " | ".join(ORDER) + " | tp2 share | pp2 share | tp4 share (planned) |",
+        "|---|" + "---|" * (len(ORDER) + 3),
     ]
     for name in buildable:
         row = rows.get(name, {})
         shares = [row.get(mesh, {}).get("share") for mesh in ("tp2", "pp2")]
         cols = [_cell_text(row.get(m)) for m in ORDER] + [f"{s:.2f}" if s is not None else "" for s in shares]
+        cols.append(_planned_text(cache.get("planned", {}).get(name, {}).get("tp4")))
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    for mesh in EXTRA:
+        ran = [n for n in buildable if mesh in rows.get(n, {})]
+        if ran:
+            statuses = [rows[n][mesh]["status"] for n in ran]
+            lines += ["", f"## {mesh}, run on {len(ran)} architectures (the mixtures of experts): "
+                      + ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES if statuses.count(s)), "",
+                      f"| architecture | {mesh} | {mesh} share |", "|---|---|---|"]
+            lines += [f"| {n} | {_cell_text(rows[n][mesh])} | {rows[n][mesh]['share'] or 0:.2f} |" for n in ran]
     unbuildable = [n for n in every if n in cache["unbuildable"]]
     lines += ["", f"## Not counted: {len(unbuildable)} architectures that do not build or train eagerly at tiny size",
               "", "| architecture | reason |", "|---|---|"]
@@ -183,12 +251,14 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="architectures to run (names as in the table)")
-    parser.add_argument("--meshes", nargs="*", choices=list(ORDER), default=list(ORDER))
+    parser.add_argument("--meshes", nargs="*", choices=list(ORDER + EXTRA), default=list(ORDER))
     parser.add_argument("--limit", type=int, help="run only the first N architectures")
     parser.add_argument("--rerun", action="store_true", help="recompute cells already in the cache")
     parser.add_argument("--rerun-status", nargs="*", default=[], choices=STATUSES,
                         help="recompute the cached cells of these statuses (after a fix)")
     parser.add_argument("--recheck", action="store_true", help="build and train the selection eagerly again")
+    parser.add_argument("--planned", action="store_true",
+                        help="only plan the selection at tp=2 and tp=4 and record each rank's parameter share")
     parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
     parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
     args = parser.parse_args(argv)
@@ -197,9 +267,16 @@ def main(argv: list[str] | None = None) -> None:
     selected = [n for n in every if not args.only or n in args.only][: args.limit]
     buildable = sort_buildable(cache, selected, args.cache, args.recheck)
     write_table(cache, every, args.out)
+    if args.planned:
+        for name in buildable:
+            cache.setdefault("planned", {})[name] = {f"tp{tp}": planned_share(name, tp) for tp in PLANNED}
+            print(f"planned {name:28s} {cache['planned'][name]}", flush=True)
+            save(cache, args.cache)
+            write_table(cache, every, args.out)
+        return
     pools = Pools()
     try:
-        for label in [m for m in ORDER if m in args.meshes]:
+        for label in [m for m in ORDER + EXTRA if m in args.meshes]:
             for name in buildable:
                 row = cache["cells"].setdefault(name, {})
                 if label in row and not args.rerun and row[label]["status"] not in args.rerun_status:

@@ -167,6 +167,20 @@ def _split(node: fx.Node, rw: Rewriter) -> None:
     node.args = (node.args[0], local, *node.args[2:])
 
 
+@localizer(aten.slice.Tensor)
+def _slice(node: fx.Node, rw: Rewriter) -> None:
+    """Whole blocks of a blocked shard (one of a fused projection's parts): the same blocks of this rank's part."""
+    from autoshard.passes.rules import slice_bounds
+
+    source = rw.placement(node.args[0])
+    shape = rw.original(node.args[0]).meta["val"].shape
+    if not isinstance(source, Shard) or source.blocks is None or arg(node, "dim") % len(shape) != source.dim:
+        return
+    start, end = slice_bounds(node, shape[source.dim])
+    node.args = (node.args[0], source.dim, start // rw.size, end // rw.size, 1)
+    node.kwargs = {}
+
+
 @localizer(aten.repeat_interleave.self_int)
 def _repeat_interleave(node: fx.Node, rw: Rewriter) -> None:
     placement = rw.placement(node)

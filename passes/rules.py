@@ -128,6 +128,28 @@ def written_inputs(node: fx.Node) -> list[fx.Node]:
             if a.alias_info is not None and a.alias_info.is_write and isinstance(value, fx.Node)]
 
 
+def read_after(value: fx.Node, writer: fx.Node) -> bool:
+    """Whether the write of ``writer`` into ``value`` matters: ``value`` views model state (a parameter, a
+    buffer, an input) or a later node reads it. An intermediate nothing reads again may take the write on a copy."""
+    base = value
+    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) and _is_view(base):
+        base = base.args[0]
+    if base.op in ("get_attr", "placeholder"):
+        return True
+    later = False
+    for n in writer.graph.nodes:
+        if later and (value in n.all_input_nodes or base in n.all_input_nodes):
+            return True
+        later = later or n is writer
+    return False
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else []
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
 def replicate_all(node: fx.Node, ctx: Context, conflict: str | None = None, hint=None,
                   reason: str | None = None) -> Decision:
     """All inputs replicated, output replicated; a fallback only if some input was not replicated."""
@@ -190,7 +212,10 @@ _POINTWISE = (
     "__and__", "__or__", "logical_not", "bitwise_not", "to", "_to_copy", "type_as", "contiguous", "clone", "alias",
     "dropout", "detach", "lift_fresh_copy", "reciprocal", "square", "maximum", "minimum", "fill", "zeros_like",
     "ones_like", "full_like", "native_dropout", "hardtanh", "leaky_relu", "elu", "softplus", "mish",
+    "expm1", "log1p", "sign", "floor", "clamp_min", "clamp_max", "logical_and", "logical_or", "lerp", "addcmul",
+    "expand_as",
 )
+_IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_")
 
 
 def _pointwise(node: fx.Node, ctx: Context) -> Decision:
@@ -222,6 +247,24 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
 for _name in _POINTWISE:
     if hasattr(aten, _name):
         RULES[getattr(aten, _name)] = _pointwise
+for _op in (aten.min.other, aten.max.other):  # element-wise overloads of packets whose others reduce
+    RULES[_op] = _pointwise
+
+
+def _pointwise_in_place(node: fx.Node, ctx: Context) -> Decision:
+    """``x.add_(y)`` and its kin: element-wise, so each rank may write its own part of ``x``. A redistributed ``x``
+    is a copy that takes the write: right when nothing reads ``x`` (or what it views) after this op, as when
+    ``mlp_out += attn_out`` sums a row-parallel product in place."""
+    decision = _pointwise(node, ctx)
+    written = node.args[0]
+    if (written in decision.want or decision.out != ctx.of(written)) and read_after(written, node):
+        return replicate_all(node, ctx, reason=f"{node.target}: writes in place into {written.name}, whose "
+                                               f"placement the other operands would change")
+    return decision
+
+
+for _name in _IN_PLACE:
+    RULES[getattr(aten, _name)] = _pointwise_in_place
 
 
 # --------------------------------------------------------------------------------------- dims and views
@@ -244,9 +287,11 @@ def _transpose(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(dim, p.blocks))
 
 
-@rule(aten.t.default)
+@rule(aten.t.default, aten.numpy_T.default)
 def _t(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
+    if p is not None and len(ctx.shape(node)) != 2:  # numpy_T reverses every dim
+        return replicate_all(node, ctx)
     return Decision(Shard(1 - p.dim, p.blocks)) if p else _pointwise(node, ctx)
 
 
@@ -428,9 +473,36 @@ def _slice(node: fx.Node, ctx: Context) -> Decision:
     if dim == p.dim:
         if _whole_slice(node, shape[dim]):  # x[:, :] keeps every element, and so the shard
             return Decision(p)
-        return replicate_all(node, ctx)
+        bounds = slice_bounds(node, shape[dim])
+        if bounds is None:
+            return replicate_all(node, ctx)
+        if p.blocks is None:  # a fused projection cut apart by slices (phi3's qkv[..., :q]): blocked at every cut
+            cuts = {0, shape[dim]}
+            for user in node.args[0].users:
+                if user.target is aten.slice.Tensor and _dim(arg(user, "dim"), len(shape)) == dim:
+                    cuts.update(slice_bounds(user, shape[dim]) or ())
+            edges = sorted(cuts)
+            return replicate_all(node, ctx, hint=tuple(b - a for a, b in zip(edges, edges[1:], strict=False)))
+        edges = list(itertools.accumulate(p.blocks, initial=0))
+        if bounds[0] not in edges or bounds[1] not in edges:
+            return replicate_all(node, ctx)
+        covered = p.blocks[edges.index(bounds[0]):edges.index(bounds[1])]
+        return Decision(Shard(dim, covered if len(covered) > 1 else None))  # whole blocks: each rank's part of each
     removed = node.target is aten.select.int and dim < p.dim
     return Decision(Shard(p.dim - removed, p.blocks))
+
+
+def slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a step-1 ``slice`` over a dim of ``size``, clamped as Python clamps; None otherwise."""
+    if node.target is not aten.slice.Tensor or arg(node, "step") != 1:
+        return None
+    start, end = arg(node, "start"), arg(node, "end")
+    if not all(isinstance(v, int) or v is None for v in (start, end)):
+        return None
+    start = 0 if start is None else start + size if start < 0 else start
+    end = size if end is None else end + size if end < 0 else end
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    return (start, end) if start < end else None
 
 
 def _whole_slice(node: fx.Node, size: int) -> bool:

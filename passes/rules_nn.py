@@ -41,7 +41,8 @@ def _softmax(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p) if dim != p.dim else replicate_all(node, ctx)
 
 
-@rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction)
+@rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
+      aten.logsumexp.default)
 def _reduce(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
@@ -145,6 +146,11 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     if dim is None:
         if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
             return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
+        if nb == 2 and pa == R and pb == Shard(1, pb.blocks if isinstance(pb, Shard) else None):
+            return Decision(Shard(nout - 1, pb.blocks))  # x @ W.T with W's output features split: a column
+        if (nb == 2 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
+                and pb.dim == 0 and pa.blocks == pb.blocks):
+            return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
         return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
     # A blocked batch shard (heads merged into a (batch * heads) dim: each rank holds its heads of every
     # sample) stays blocked, and the other operand must hold the same elements: the same blocks.

@@ -107,9 +107,9 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:
 def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
     """An op that writes in place into a split value cannot run replicated: its write would land on a copy."""
     from autoshard import meta
-    from autoshard.passes.rules import written_inputs
+    from autoshard.passes.rules import read_after, written_inputs
 
-    written = [n for n in written_inputs(node) if prop.of(n) != R and _read_after(n, node)]
+    written = [n for n in written_inputs(node) if prop.of(n) != R and read_after(n, node)]
     if written:
         where = meta.source_line(node) or meta.module_path(node) or "unknown source"
         raise ValueError(
@@ -118,28 +118,6 @@ def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
             f"rewrites it: run on a gathered copy, the write would be lost. Keep the tensor it writes replicated on "
             f"{axis} (for an embedding with max_norm: leave its weight out of the plan)"
         )
-
-
-def _read_after(value: fx.Node, writer: fx.Node) -> bool:
-    """Whether the write of ``writer`` into ``value`` matters: ``value`` views model state (a parameter, a
-    buffer, an input) or a later node reads it. An intermediate nothing reads again may take the write on a copy."""
-    base = value
-    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) and _is_view(base):
-        base = base.args[0]
-    if base.op in ("get_attr", "placeholder"):
-        return True
-    later = False
-    for n in writer.graph.nodes:
-        if later and (value in n.all_input_nodes or base in n.all_input_nodes):
-            return True
-        later = later or n is writer
-    return False
-
-
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    returns = schema.returns if schema is not None else []
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 def _warn_fallback(node: fx.Node, axis: str, reason: str | None = None) -> str:

@@ -101,8 +101,16 @@ def _linears(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if _is_linear(n) and _weight(n) in params]
 
 
+_MATMULS = {aten.matmul.default, aten.mm.default}
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default}
+
+
 def _is_linear(node: fx.Node) -> bool:
-    """A linear (``linear``, ``addmm``) or a mixture of experts' grouped matmul over a stack of expert matrices."""
+    """A linear (``linear``, ``addmm``, ``x @ W.T`` of a 2-D parameter) or a mixture of experts' grouped matmul over
+    a stack of expert matrices."""
+    if node.target in _MATMULS:
+        w, _ = _weight_node(node)
+        return isinstance(w, fx.Node) and w.op == "get_attr" and len(node.args[1].meta["val"].shape) == 2
     return node.target in _LINEARS or is_grouped_mm(node)
 
 
@@ -111,6 +119,12 @@ def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         return w, _LINEARS[node.target][2]
+    if node.target in _MATMULS:  # x @ W.T (W stored (out, in), as nn.Linear) or x @ W (stored (in, out))
+        w = node.args[1]
+        if isinstance(w, fx.Node) and (w.target in _TRANSPOSES or (
+                w.target is aten.transpose.int and sorted(d % 2 for d in w.args[1:3]) == [0, 1])):
+            return w.args[0], 0
+        return w, 1
     w = node.args[1]  # grouped: (experts, in, out), stored as it is or as its transpose (experts, out, in)
     if isinstance(w, fx.Node) and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:3]) == [1, 2]:
         return w.args[0], 1
@@ -128,7 +142,7 @@ def _out_dim(node: fx.Node) -> int:
 
 def _in_dim(node: fx.Node) -> int:
     out = _out_dim(node)
-    return 1 - out if node.target in _LINEARS else 3 - out  # (out, in) / (in, out); experts: 1 and 2
+    return 3 - out if is_grouped_mm(node) else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
 
 
 def _bias(node: fx.Node) -> str | None:
@@ -223,7 +237,9 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
             break
         if len(culprits) == len(live) and row is not None:
             reason = max(culprits.values(), key=lambda text: int(text.split()[0]))
-            _indivisible(gm, row, reason, plan.size, indivisible)
+            if _shards_when_divisible(gm, plan, state, columns, row):
+                _indivisible(gm, row, reason, plan.size, indivisible)
+            # else no degree would shard it (falcon's one fused q/k/v of 4 + 2 heads, sliced apart): replicated
             break
         dropped.update(culprits)
     if prop is not None:
@@ -234,6 +250,16 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
                 for name in filter(None, (_weight(node), _bias(node))):
                     blockers.setdefault(name, why)
     return state
+
+
+def _shards_when_divisible(gm, plan, state, columns, row) -> bool:
+    """Whether the block would be sharded were its sizes divisible (planned for one rank, where every size is): the
+    question behind an error that names the degrees that divide. Tried on a scratch plan, quietly."""
+    scratch = TensorParallelPlan(size=1, params=dict(plan.params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _try_region(gm, scratch, propagate(gm, dict(state.seeds), 1), columns, row, "replicate")
+    return any(_weight(c) in scratch.params for c in columns)
 
 
 def _blocker(prop: Propagation, gm: fx.GraphModule, row: fx.Node) -> str:

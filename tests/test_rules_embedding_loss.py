@@ -361,7 +361,7 @@ def test_the_range_checks_skip_values_without_data():
 def test_an_in_place_write_matters_when_the_value_is_model_state_or_read_later(read_later):
     from torch import fx
 
-    from autoshard.passes.sharding import _read_after
+    from autoshard.passes.rules import read_after
 
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -371,5 +371,5 @@ def test_an_in_place_write_matters_when_the_value_is_model_state_or_read_later(r
     if read_later:
         outputs.append(graph.call_function(aten.mul.Tensor, (h, 2.0)))
     graph.output(tuple(outputs))
-    assert _read_after(h, write) is read_later  # an intermediate nothing reads again may take the write on a copy
-    assert _read_after(x, graph.call_function(aten.mul_.Tensor, (x, 2.0)))  # an input always matters
+    assert read_after(h, write) is read_later  # an intermediate nothing reads again may take the write on a copy
+    assert read_after(x, graph.call_function(aten.mul_.Tensor, (x, 2.0)))  # an input always matters

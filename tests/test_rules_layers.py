@@ -193,6 +193,10 @@ REDUCE_CASES = [
     pytest.param(aten.var.correction, (rand(2, 4, 6), [2]), {"correction": 2}, {0: Shard(0)}, Shard(0),
                  id="var-correction2"),
     pytest.param(aten.var.correction, (rand(2, 4, 6), None), {}, {0: Shard(0)}, R, id="var-all"),
+    pytest.param(aten.amin.default, (rand(2, 4, 6), [-1], True), {}, {0: Shard(1)}, Shard(1), id="amin-keepdim"),
+    # attention sinks merged by a log-sum-exp over the keys (granite's sliding-window attention), heads split
+    pytest.param(aten.logsumexp.default, (rand(2, 4, 6), [-1], True), {}, {0: Shard(1)}, Shard(1), id="logsumexp"),
+    pytest.param(aten.logsumexp.default, (rand(2, 4, 6), [1]), {}, {0: Shard(1)}, R, id="logsumexp-over-split"),
 ]
 
 
@@ -217,6 +221,12 @@ MATMUL_CASES = [
     pytest.param(aten.matmul.default, (rand(2, 6, 4), rand(2, 4, 6, seed=1)), {0: Shard(2), 1: Shard(1)}, R,
                  id="matmul-contraction-gathers"),
     pytest.param(aten.matmul.default, (rand(6, 4), rand(4, seed=1)), {0: Shard(0)}, R, id="matmul-vector"),
+    # Falcon's linears, ``x @ self.weight.T``: the weight's output features split is a column, its input features a
+    # row (each rank's product a summand)
+    pytest.param(aten.matmul.default, (rand(2, 5, 3), rand(3, 6, seed=1)), {1: Shard(1)}, Shard(2),
+                 id="matmul-weight-column"),
+    pytest.param(aten.matmul.default, (rand(2, 5, 4), rand(4, 6, seed=1)), {0: Shard(2), 1: Shard(0)}, P,
+                 id="matmul-weight-row"),
     pytest.param(aten.bmm.default, (rand(4, 5, 3), rand(4, 3, 6, seed=1)), {1: Shard(0)}, Shard(0), id="bmm-batch"),
     # BLOOM's scores: ALiBi (built whole, one row per (batch, head)) + q @ k: each rank takes its heads' rows
     pytest.param(aten.baddbmm.default, (rand(4, 1, 6), rand(4, 5, 3, seed=1), rand(4, 3, 6, seed=2)),

@@ -58,6 +58,12 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.slice.Tensor, (rand(4, 6), -1, None, None), {}, {0: Shard(1)}, Shard(1)),
     (aten.slice.Tensor, (rand(4, 6), 1, 0, None, 2), {}, {0: Shard(1)}, R),
     (aten.slice.Tensor, (rand(4, 6),), {"dim": 1, "start": 2}, {0: Shard(1)}, R),
+    # whole blocks of a fused projection (phi3's qkv[..., :q], qkv[..., q:q + k], qkv[..., q + k:])
+    (aten.slice.Tensor, (rand(4, 12), 1, 4, 8), {}, {0: QKV}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 12), -1, -4, BIG), {}, {0: QKV}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 12), 1, None, 8), {}, {0: QKV}, Shard(1, (4, 4))),
+    (aten.slice.Tensor, (rand(4, 12), 1, 2, 8), {}, {0: QKV}, R),  # not on a block's edge
+    (aten.numpy_T.default, (rand(4, 6),), {}, {0: Shard(1)}, Shard(0)),
     (aten.select.int, (x3, 0, 1), {}, {0: Shard(2)}, Shard(1)),
     (aten.select.int, (x3, -1, 2), {}, {0: Shard(2)}, R),
     (aten.select.int, (x3, 2, -1), {}, {0: Shard(1)}, Shard(1)),
@@ -188,7 +194,40 @@ POINTWISE_CASES = [  # (op, args, kwargs, shard): the output keeps the input's s
     (aten.elu.default, (x3, 0.5), {}, {0: Shard(1)}),
     (aten.softplus.default, (x3, 2.0, 1.0), {}, {0: Shard(1)}),
     (aten.mish.default, (x3,), {}, {0: Shard(1)}),
+    (aten.expm1.default, (x3,), {}, {0: Shard(1)}),
+    (aten.log1p.default, (pos,), {}, {0: Shard(1)}),
+    (aten.sign.default, (x3,), {}, {0: Shard(1)}),
+    (aten.floor.default, (x3,), {}, {0: Shard(1)}),
+    (aten.clamp_min.default, (x3, -0.2), {}, {0: Shard(1)}),
+    (aten.clamp_max.Tensor, (x3, yb), {}, {0: Shard(2)}),
+    (aten.min.other, (x3, yb), {}, {0: Shard(2)}),  # xIELU's min(x, eps)
+    (aten.max.other, (x3, y6), {}, {0: Shard(1)}),
+    (aten.logical_and.default, (mask, ~mask), {}, {0: Shard(1)}),
+    (aten.logical_or.default, (mask, rand(6, seed=9) > 0), {}, {0: Shard(2)}),
+    (aten.lerp.Scalar, (x3, yb, 0.3), {}, {0: Shard(1)}),
+    (aten.addcmul.default, (x3, yb, y6), {"value": 0.5}, {0: Shard(2)}),
+    (aten.expand_as.default, (rand(2, 1, 6), x3), {}, {1: Shard(1)}),  # XLM's mask expanded to the split scores
 ]
+
+# in place: the written tensor a frozen parameter (autograd refuses writes into a leaf that needs a gradient)
+IN_PLACE_CASES = [  # (op, args, kwargs, shard, output placement)
+    (aten.add_.Tensor, (x3, y6), {}, {0: Shard(1)}, Shard(1)),
+    (aten.sub_.Tensor, (x3, x3 * 2), {"alpha": 2}, {0: Shard(2), 1: Shard(2)}, Shard(2)),
+    (aten.mul_.Tensor, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
+    (aten.div_.Scalar, (x3, 4.0), {}, {0: Shard(0)}, Shard(0)),
+    (aten.masked_fill_.Scalar, (x3, mask, -1.0), {}, {0: Shard(1)}, Shard(1)),
+    # the written tensor whole, the other split: splitting it would write into a copy that the model's state
+    # (here a parameter) never sees, so the split operand is gathered instead
+    (aten.add_.Tensor, (x3, x3 * 2), {}, {1: Shard(1)}, R),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", IN_PLACE_CASES,
+                         ids=lambda v: str(v) if callable(v) else None)
+def test_element_wise_in_place(op, args, kwargs, shard, placement):
+    out = simulate(op, args, kwargs, shard=shard, frozen=(0,))
+    assert out.placement == placement, (out.placement, out.reason)
+    out.assert_exact()
 
 
 @pytest.mark.parametrize("op,args,kwargs,shard", POINTWISE_CASES, ids=lambda v: str(v) if callable(v) else None)
@@ -231,7 +270,7 @@ def _covered() -> set:
     import test_rules_embedding_loss as loss
     import test_rules_layers as layers
 
-    ops = {case[0] for case in VIEW_CASES + POINTWISE_CASES}
+    ops = {case[0] for case in VIEW_CASES + POINTWISE_CASES + IN_PLACE_CASES}
     for table in (layers.LINEAR_CASES, layers.NORM_CASES, layers.SOFTMAX_CASES, layers.REDUCE_CASES,
                   layers.MATMUL_CASES):
         ops |= {case.values[0] for case in table}

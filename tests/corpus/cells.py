@@ -41,6 +41,7 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "pp2": ({"pp": 2}, {"microbatches": 2}),
     "cp2": ({"cp": 2}, {}),
     "dp2xtp2xpp2": ({"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
+    "tp4": ({"tp": 4}, {}),  # run for the mixture-of-experts architectures (experts split four ways)
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
