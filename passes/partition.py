@@ -33,7 +33,7 @@ from autoshard.passes.propagate import reaching_output, requires_grad
 HEAVY_CUT = 4
 # A stage whose score is more than this many times its even share gets cuts where more values cross tried too.
 BALANCED = 1.2
-EXTRA_VALUES = 2
+EXTRA_VALUES = 6
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,13 @@ def partition(
         weights = _weights_read(gm, order)
         cheap = [i for i in candidates if nbytes[i] <= HEAVY_CUT * min(nbytes[c] for c in candidates)]
         cuts = None
-        scores = _scores(costs, memory, balance)
+        scores = _scores(costs, memory, balance, num_stages)
         if len(cheap) >= num_stages - 1:
             cuts = _balanced_cuts(scores, cheap, nbytes, num_stages, weights)
         if cuts is None:
             cuts = _balanced_cuts(scores, candidates, nbytes, num_stages, weights)
-        cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap)
+        cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap,
+                                 memory_bound={"both": 1.0, "memory": BALANCED / num_stages}.get(balance))
         if cuts is None:
             raise PartitionError(
                 f"no cut into {num_stages} stages gives every stage a parameter to train (a stage that only computes "
@@ -109,30 +110,44 @@ def partition(
     return _result(order, costs, cuts, nbytes, len(candidates), memory)
 
 
-def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, weights, fewest: int, cheap):
+def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, weights, fewest: int, cheap,
+                      memory_bound: float | None = None):
     """Cuts where a few more values cross, when the cuts of the fewest leave a stage with far more than its share.
 
     Some models hand every layer a value computed once (per-layer embeddings, a relative position bias, keys
     shared across layers): only a cut before the first layer or after the last then crosses as few values as
     the residual stream, and one stage gets nearly everything. Cuts where up to ``EXTRA_VALUES`` more values
     cross (each sent like the residual stream, no heavier than a cheap cut, and each contiguous: see
-    ``_contiguous``) are tried then, and kept only when they lower the largest stage's score by a fifth or more."""
+    ``_contiguous``) are tried then, and kept only when they lower the largest stage's score by a fifth or more.
+    With ``memory_bound`` (the score above which a stage holds more than its share of the parameters, when they
+    are balanced too), a stage still over it gets heavier cuts tried as well: a model of a few unlike layers (a
+    linear-attention layer holding half the weights) has no light cut that splits its parameters, and fitting in
+    memory comes before the bytes sent."""
     if cuts is None or _largest(cuts, scores, len(weights)) <= BALANCED * (1 / stages):
         return cuts
     limit = HEAVY_CUT * min((nbytes[i] for i in cheap), default=0) if cheap else None
-    more = [i for i in sendable if len(crossing[i]) <= fewest + EXTRA_VALUES and (limit is None or nbytes[i] <= limit)
-            and all(_contiguous(n) for n in crossing[i])]
-    other = _balanced_cuts(scores, more, nbytes, stages, weights) if len(more) > len(cheap) else None
-    if other is not None and _largest(other, scores, len(weights)) <= 0.8 * _largest(cuts, scores, len(weights)):
-        return other
+    for bounded in (True, False) if memory_bound is not None else (True,):
+        more = [i for i in sendable if len(crossing[i]) <= fewest + EXTRA_VALUES
+                and (not bounded or limit is None or nbytes[i] <= limit) and all(_contiguous(n) for n in crossing[i])]
+        other = _balanced_cuts(scores, more, nbytes, stages, weights) if len(more) > len(cheap) else None
+        gain = 0.8 if bounded else 1.0  # heavier cuts are tried for memory alone: any stage nearer its share wins
+        if other is not None and _largest(other, scores, len(weights)) < gain * _largest(cuts, scores, len(weights)):
+            cuts = other
+        if memory_bound is None or _largest(cuts, scores, len(weights)) <= memory_bound:
+            break
     return cuts
 
 
 def _contiguous(node: fx.Node) -> bool:
-    """Whether a value is laid out contiguously in the capture: a received copy is, so a view that relies on a
-    transposed layout (``y.transpose(1, 2).view(...)``) would fail on the other side of such a cut."""
+    """Whether a value's dims are laid out in row-major order in the capture, as a received copy's are: after a cut
+    where a transposed value crosses, ``y.transpose(1, 2).view(...)`` would fail on the copy. Gaps between rows
+    (a ``select`` of one layer's slice from a tensor of every layer's) are allowed: the copy only closes them,
+    which leaves every view that worked valid."""
     val = node.meta.get(meta.VAL)
-    return isinstance(val, torch.Tensor) and val.is_contiguous()
+    if not isinstance(val, torch.Tensor):
+        return False
+    dims = [(size, stride) for size, stride in zip(val.shape, val.stride(), strict=True) if size > 1]
+    return all(outer[1] >= inner[1] * inner[0] for outer, inner in zip(dims, dims[1:], strict=False))
 
 
 def _largest(cuts: list[int], scores, length: int) -> float:
@@ -155,8 +170,13 @@ def _param_bytes(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
     return out
 
 
-def _scores(costs: list[float], memory: list[int], balance: str):
-    """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for."""
+def _scores(costs: list[float], memory: list[int], balance: str, stages: int):
+    """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for.
+
+    ``"both"`` holds each stage's parameters within ``BALANCED`` times an even share where cuts allow it (a stage
+    over it scores one more than its share, so any cut within it wins), and within that minimises the larger of
+    the time and memory shares: a rank's parameters, gradients and optimizer state are what decide whether a
+    model fits at all, a few percent of time only how fast it runs."""
     prefix_cost, prefix_mem = [0.0], [0]
     for c, m in zip(costs, memory, strict=True):
         prefix_cost.append(prefix_cost[-1] + c)
@@ -166,7 +186,9 @@ def _scores(costs: list[float], memory: list[int], balance: str):
     def score(lo: int, hi: int) -> float:
         time = (prefix_cost[hi] - prefix_cost[lo]) / total_cost
         mem = (prefix_mem[hi] - prefix_mem[lo]) / total_mem
-        return time if balance == "time" else mem if balance == "memory" else max(time, mem)
+        if balance != "both":
+            return time if balance == "time" else mem
+        return max(time, mem) + (mem > BALANCED / stages)
 
     return score
 

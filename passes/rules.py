@@ -538,8 +538,9 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
 
 @rule(aten.cat.default)
 def _cat(node: fx.Node, ctx: Context) -> Decision:
-    tensors = node.args[0]
     ndim = len(ctx.shape(node))
+    # cat skips a 1-D empty tensor whatever the other dims (a key/value cache's empty start, XLM's): it takes no part
+    tensors = [t for t in node.args[0] if not (len(ctx.shape(t)) == 1 and ctx.shape(t)[0] == 0 and ndim != 1)]
     dim = _dim(arg(node, "dim"), ndim)
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
     if not shards:

@@ -83,6 +83,8 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], -1), {}, {0: Shard(0)}, Shard(0)),
     (aten.cat.default, ([rand(2, 4), rand(6, 4, seed=1)],), {}, {0: Shard(1)}, Shard(1)),
     (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0), 1: Shard(0)}, R),
+    # an empty 1-D start (a key/value cache before its first update) takes no part, whatever its placement
+    (aten.cat.default, ([torch.zeros(0), rand(2, 4, 6, seed=1)], 2), {}, {1: Shard(1)}, Shard(1)),
     (aten.unflatten.int, (x3, -1, [2, 3]), {}, {0: Shard(2)}, Shard(2)),
     (aten.unflatten.int, (rand(4, 12), 1, [3, 4]), {}, {0: QKV}, Shard(2)),  # torch's packed in_proj as (3, width)
     (aten.unflatten.int, (rand(4, 12), 0, [2, 2]), {}, {0: Shard(1)}, Shard(2)),
