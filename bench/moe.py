@@ -14,9 +14,9 @@ backward, AdamW step, between barriers):
   head ColwiseParallel into ``loss_parallel``, the router replicated, and for the experts a style of its own
   (``ExpertsTensorParallel``: every expert's fused gate/up weight split on its output features, its down
   weight on its input features, the layer's tokens and routing weights marked replicated with partial
-  gradients and its output all-reduced once), since PyTorch ships no style for 3-D expert weights. Its fused [gate; up] rows must be
-  permuted so that a contiguous shard holds each rank's gate and up halves (without it the run is silently
-  wrong), and its forward runs on the local shards.
+  gradients and its output all-reduced once), since PyTorch ships no style for 3-D expert weights. Its fused
+  [gate; up] rows must be permuted so that a contiguous shard holds each rank's gate and up halves (without it
+  the run is silently wrong), and its forward runs on the local shards.
 
 Reported, from rank 0 into ``bench/results_moe.md``: each runner's loss and largest gradient difference from
 the unsharded model after one step, its median step time, and its parameter bytes per rank.
@@ -155,6 +155,7 @@ class Runner:
 
 def runners(model, tokens, target, mesh) -> dict[str, Runner]:
     import autoshard
+
     from models import hf_token_loss
 
     eager = copy.deepcopy(model)
