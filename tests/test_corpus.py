@@ -37,6 +37,9 @@ SAMPLE = {
     "mlm/bert": "masked LM: bidirectional encoder, MLM head",
     "torch/transformer_encoder": "torch's nn.TransformerEncoder",
     "torch/multihead_attention": "torch's nn.MultiheadAttention, tied head",
+    "phi3": "fused qkv and gate/up projections cut apart by slices",
+    "xlm": "a mask expanded to the scores and filled in place, a key/value cache's empty start",
+    "apertus": "xIELU activation (min, expm1) with learned scalars",
 }
 
 CELLS = [(name, "tp2") for name in SAMPLE] + [
@@ -46,6 +49,9 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("s2s/bart", "pp2"),
     ("qwen3", "cp2"),
     ("mistral", "cp2"),
+    ("mixtral", "tp4"),  # experts split four ways
+    ("qwen2_moe", "tp4"),
+    ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
 ]
 
 

@@ -240,6 +240,11 @@ SHARDED_NOW = {
     "torch/multihead_attention": "torch's packed in_proj (unflatten, (tokens, batch * heads) views)",
     "mixtral": "experts stacked as 3-D weights, multiplied by a grouped matmul",
     "qwen2_moe": "experts plus a shared expert",
+    "apertus": "xIELU activation in the MLP (min, expm1)",
+    "granite_swa": "attention sinks merged by a log-sum-exp over the keys",
+    "xlm": "a mask expanded to the scores (expand_as) and filled in place",
+    "phi3": "fused qkv cut apart by slices",
+    "xglm": "scores clamped from below by max(scores, finfo.min)",
 }
 
 
