@@ -473,6 +473,8 @@ def _slice(node: fx.Node, ctx: Context) -> Decision:
     if dim == p.dim:
         if _whole_slice(node, shape[dim]):  # x[:, :] keeps every element, and so the shard
             return Decision(p)
+        if _strided_whole(node, shape[dim], p, ctx.size):  # gpt-oss's interleaved gate/up: x[..., ::2], x[..., 1::2]
+            return Decision(Shard(dim))
         bounds = slice_bounds(node, shape[dim])
         if bounds is None:
             return replicate_all(node, ctx)
@@ -490,6 +492,16 @@ def _slice(node: fx.Node, ctx: Context) -> Decision:
         return Decision(Shard(dim, covered if len(covered) > 1 else None))  # whole blocks: each rank's part of each
     removed = node.target is aten.select.int and dim < p.dim
     return Decision(Shard(p.dim - removed, p.blocks))
+
+
+def _strided_whole(node: fx.Node, size: int, p: Shard, ranks: int) -> bool:
+    """``x[start::step]`` over the whole split dim, ``start < step``, each rank's part a whole number of steps:
+    the same slice of every part is that part's share of the result."""
+    if node.target is not aten.slice.Tensor or p.blocks is not None:
+        return False
+    start, end, step = arg(node, "start") or 0, arg(node, "end"), arg(node, "step")
+    return (isinstance(step, int) and step > 1 and isinstance(start, int) and 0 <= start < step
+            and (end is None or end >= size) and size % ranks == 0 and (size // ranks) % step == 0)
 
 
 def slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:

@@ -19,6 +19,7 @@ from autoshard.passes.rules import (
     _indivisible,
     _one_input_shard,
     _pointwise,
+    _replicated_like,
     arg,
     refuse,
     replicate_all,
@@ -57,6 +58,21 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
             return Decision(Partial())  # each rank's sum over its part (a mean: divided by the whole count)
         return replicate_all(node, ctx)
     return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
+
+
+@rule(aten.max.dim, aten.min.dim)
+def _reduce_with_indices(node: fx.Node, ctx: Context) -> Decision:
+    """``x.max(dim)``: values and indices, both split as ``x`` when ``dim`` is not its split dim (attention sinks'
+    ``logits.max(dim=-1)`` with heads split); over the split dim each rank would find its own part's extreme."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return Decision(_replicated_like(node), {node.args[0]: R} if isinstance(ctx.of(node.args[0]), Partial) else {})
+    ndim = len(ctx.shape(node.args[0]))
+    dim = _dim(arg(node, "dim"), ndim)
+    if dim == p.dim:
+        return replicate_all(node, ctx)
+    out = Shard(p.dim if arg(node, "keepdim") else p.dim - (dim < p.dim), p.blocks)
+    return Decision((out, out))
 
 
 @rule(aten.layer_norm.default, aten.rms_norm.default)

@@ -40,6 +40,7 @@ SAMPLE = {
     "phi3": "fused qkv and gate/up projections cut apart by slices",
     "xlm": "a mask expanded to the scores and filled in place, a key/value cache's empty start",
     "apertus": "xIELU activation (min, expm1) with learned scalars",
+    "gpt_oss": "attention sinks, experts with interleaved gate/up, biases and a clamped GLU",
 }
 
 CELLS = [(name, "tp2") for name in SAMPLE] + [
@@ -51,6 +52,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("mistral", "cp2"),
     ("mixtral", "tp4"),  # experts split four ways
     ("qwen2_moe", "tp4"),
+    ("gpt_oss", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
 ]
 

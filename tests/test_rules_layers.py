@@ -194,6 +194,10 @@ REDUCE_CASES = [
                  id="var-correction2"),
     pytest.param(aten.var.correction, (rand(2, 4, 6), None), {}, {0: Shard(0)}, R, id="var-all"),
     pytest.param(aten.amin.default, (rand(2, 4, 6), [-1], True), {}, {0: Shard(1)}, Shard(1), id="amin-keepdim"),
+    # gpt-oss's attention sinks: the scores' row maximum, heads split
+    pytest.param(aten.max.dim, (rand(2, 4, 6), -1, True), {}, {0: Shard(1)}, (Shard(1), Shard(1)), id="max-dim"),
+    pytest.param(aten.min.dim, (rand(2, 4, 6), 0), {}, {0: Shard(1)}, (Shard(0), Shard(0)), id="min-dim-before"),
+    pytest.param(aten.max.dim, (rand(2, 4, 6), 1), {}, {0: Shard(1)}, (R, R), id="max-over-split"),
     # attention sinks merged by a log-sum-exp over the keys (granite's sliding-window attention), heads split
     pytest.param(aten.logsumexp.default, (rand(2, 4, 6), [-1], True), {}, {0: Shard(1)}, Shard(1), id="logsumexp"),
     pytest.param(aten.logsumexp.default, (rand(2, 4, 6), [1]), {}, {0: Shard(1)}, R, id="logsumexp-over-split"),

@@ -64,6 +64,10 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.slice.Tensor, (rand(4, 12), 1, None, 8), {}, {0: QKV}, Shard(1, (4, 4))),
     (aten.slice.Tensor, (rand(4, 12), 1, 2, 8), {}, {0: QKV}, R),  # not on a block's edge
     (aten.numpy_T.default, (rand(4, 6),), {}, {0: Shard(1)}, Shard(0)),
+    # gpt-oss's interleaved [gate0, up0, gate1, up1, ...]: x[..., ::2] and x[..., 1::2] of each rank's part
+    (aten.slice.Tensor, (rand(4, 8), 1, 0, BIG, 2), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 8), -1, 1, BIG, 2), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 12), 1, 0, BIG, 4), {}, {0: Shard(1)}, R),  # a part of 6 is not whole steps of 4
     (aten.select.int, (x3, 0, 1), {}, {0: Shard(2)}, Shard(1)),
     (aten.select.int, (x3, -1, 2), {}, {0: Shard(2)}, R),
     (aten.select.int, (x3, 2, -1), {}, {0: Shard(1)}, Shard(1)),

@@ -245,6 +245,7 @@ SHARDED_NOW = {
     "xlm": "a mask expanded to the scores (expand_as) and filled in place",
     "phi3": "fused qkv cut apart by slices",
     "xglm": "scores clamped from below by max(scores, finfo.min)",
+    "gpt_oss": "attention sinks (a max over the keys), experts with interleaved gate/up and biases added in place",
 }
 
 
