@@ -548,6 +548,30 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
     return replicate_all(node, ctx, hint=sizes if p.blocks is None and len(sizes) > 1 else None)
 
 
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def _complex_view(node: fx.Node, ctx: Context) -> Decision:
+    """Rotary embeddings as complex numbers (Llama 4): the trailing pair of reals becomes one complex number and
+    back. A split elsewhere stays; the pair dim itself cannot be split."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    if node.target is aten.view_as_complex.default and p.dim == len(ctx.shape(node.args[0])) - 1:
+        return replicate_all(node, ctx)
+    return Decision(p)
+
+
+@rule(aten.pad.default, aten.constant_pad_nd.default)
+def _pad(node: fx.Node, ctx: Context) -> Decision:
+    """Padding the trailing dims (``pad`` lists them from the last): a split on a dim it leaves alone stays."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    widths = list(node.args[1])
+    ndim = len(ctx.shape(node.args[0]))
+    padded = {ndim - 1 - i // 2 for i, w in enumerate(widths) if w != 0}
+    return replicate_all(node, ctx) if p.dim in padded else Decision(p)
+
+
 @rule(aten.cat.default)
 def _cat(node: fx.Node, ctx: Context) -> Decision:
     ndim = len(ctx.shape(node))

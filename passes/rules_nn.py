@@ -167,6 +167,11 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
         if (nb == 2 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 0 and pa.blocks == pb.blocks):
             return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
+        if nb == 3 and pa == R and isinstance(pb, Shard) and pb.dim == 2:
+            return Decision(Shard(nout - 1, pb.blocks))  # tokens per expert @ experts' columns (Llama 4's experts)
+        if (nb == 3 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
+                and pb.dim == 1 and pa.blocks == pb.blocks):
+            return Decision(Partial())  # ... and their rows: each rank's product a summand
         return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
     # A blocked batch shard (heads merged into a (batch * heads) dim: each rank holds its heads of every
     # sample) stays blocked, and the other operand must hold the same elements: the same blocks.

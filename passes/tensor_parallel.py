@@ -106,12 +106,22 @@ _TRANSPOSES = {aten.t.default, aten.numpy_T.default}
 
 
 def _is_linear(node: fx.Node) -> bool:
-    """A linear (``linear``, ``addmm``, ``x @ W.T`` of a 2-D parameter) or a mixture of experts' grouped matmul over
-    a stack of expert matrices."""
+    """A linear (``linear``, ``addmm``, ``x @ W.T`` of a 2-D parameter) or a mixture of experts' matmul over a stack
+    of expert matrices (a grouped matmul, or ``bmm`` of tokens gathered per expert, as Llama 4's experts)."""
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
         return isinstance(w, fx.Node) and w.op == "get_attr" and len(node.args[1].meta["val"].shape) == 2
-    return node.target in _LINEARS or is_grouped_mm(node)
+    return node.target in _LINEARS or _stacked(node)
+
+
+def _stacked(node: fx.Node) -> bool:
+    """A matmul over a stack of expert matrices (experts, in, out): every expert's tokens times its matrix."""
+    if is_grouped_mm(node):
+        return True
+    if node.target is not aten.bmm.default:
+        return False
+    w, _ = _weight_node(node)
+    return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 3
 
 
 def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
@@ -142,7 +152,7 @@ def _out_dim(node: fx.Node) -> int:
 
 def _in_dim(node: fx.Node) -> int:
     out = _out_dim(node)
-    return 3 - out if is_grouped_mm(node) else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
+    return 3 - out if _stacked(node) else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
 
 
 def _bias(node: fx.Node) -> str | None:

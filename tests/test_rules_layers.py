@@ -222,8 +222,9 @@ MATMUL_CASES = [
                  id="matmul-broadcast-batch"),
     pytest.param(aten.matmul.default, (rand(2, 6, 3), rand(2, 3, 4, seed=1)), {0: Shard(1)}, Shard(1),
                  id="matmul-rows"),
-    pytest.param(aten.matmul.default, (rand(2, 6, 4), rand(2, 4, 6, seed=1)), {0: Shard(2), 1: Shard(1)}, R,
-                 id="matmul-contraction-gathers"),
+    # a contraction over the split dim: each rank's product a summand, summed where it is needed whole
+    pytest.param(aten.matmul.default, (rand(2, 6, 4), rand(2, 4, 6, seed=1)), {0: Shard(2), 1: Shard(1)}, P,
+                 id="matmul-contraction-pending"),
     pytest.param(aten.matmul.default, (rand(6, 4), rand(4, seed=1)), {0: Shard(0)}, R, id="matmul-vector"),
     # Falcon's linears, ``x @ self.weight.T``: the weight's output features split is a column, its input features a
     # row (each rank's product a summand)
@@ -239,7 +240,11 @@ MATMUL_CASES = [
                  {0: Shard(0), 1: Shard(0), 2: Shard(0)}, Shard(0), id="baddbmm-all-split"),
     pytest.param(aten.baddbmm.default, (rand(4, 5, 6), rand(4, 5, 3, seed=1), rand(4, 3, 6, seed=2)),
                  {0: Shard(2)}, R, id="baddbmm-bias-split-elsewhere"),
-    pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 5, seed=1)), {1: Shard(2)}, R, id="bmm-columns"),
+    # Llama 4's experts: tokens gathered per expert (experts, tokens, in) @ a stack of expert matrices
+    pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 8, seed=1)), {1: Shard(2)}, Shard(2),
+                 id="bmm-expert-columns"),
+    pytest.param(aten.bmm.default, (rand(4, 6, 8), rand(4, 8, 3, seed=1)), {0: Shard(2), 1: Shard(1)}, P,
+                 id="bmm-expert-rows"),
     # (batch * heads) merged, heads split: each rank holds its heads of every sample (eager BART-style attention)
     pytest.param(aten.bmm.default, (rand(8, 5, 3), rand(8, 3, 6, seed=1)), {0: Shard(0, (4, 4))},
                  Shard(0, (4, 4)), id="bmm-blocked-batch"),

@@ -64,6 +64,14 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.slice.Tensor, (rand(4, 12), 1, None, 8), {}, {0: QKV}, Shard(1, (4, 4))),
     (aten.slice.Tensor, (rand(4, 12), 1, 2, 8), {}, {0: QKV}, R),  # not on a block's edge
     (aten.numpy_T.default, (rand(4, 6),), {}, {0: Shard(1)}, Shard(0)),
+    # Llama 4's rotary as complex numbers: pairs of reals in and out, heads split
+    (aten.view_as_complex.default, (rand(2, 4, 3, 2),), {}, {0: Shard(1)}, Shard(1)),
+    (aten.view_as_complex.default, (rand(2, 4, 2),), {}, {0: Shard(2)}, R),
+    (aten.view_as_real.default, (torch.randn(2, 4, 3, dtype=torch.complex64),), {}, {0: Shard(1)}, Shard(1)),
+    # the trailing dims padded (a chunked linear attention's sequence), heads split
+    (aten.pad.default, (x3, [0, 2]), {}, {0: Shard(1)}, Shard(1)),
+    (aten.pad.default, (x3, [0, 0, 1, 1]), {}, {0: Shard(1)}, R),
+    (aten.constant_pad_nd.default, (x3, [1, 0], 0.5), {}, {0: Shard(0)}, Shard(0)),
     # gpt-oss's interleaved [gate0, up0, gate1, up1, ...]: x[..., ::2] and x[..., 1::2] of each rank's part
     (aten.slice.Tensor, (rand(4, 8), 1, 0, BIG, 2), {}, {0: Shard(1)}, Shard(1)),
     (aten.slice.Tensor, (rand(4, 8), -1, 1, BIG, 2), {}, {0: Shard(1)}, Shard(1)),

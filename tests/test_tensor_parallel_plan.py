@@ -246,6 +246,7 @@ SHARDED_NOW = {
     "phi3": "fused qkv cut apart by slices",
     "xglm": "scores clamped from below by max(scores, finfo.min)",
     "gpt_oss": "attention sinks (a max over the keys), experts with interleaved gate/up and biases added in place",
+    "llama4_text": "rotary as complex numbers (view_as_complex), experts as bmm over gathered tokens",
 }
 
 
