@@ -181,6 +181,18 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
     node.kwargs = {}
 
 
+@localizer(aten.conv1d.default)
+def _depthwise_conv(node: fx.Node, rw: Rewriter) -> None:
+    """A depthwise convolution over this rank's channels: one group per channel it holds."""
+    if isinstance(rw.placement(node), Shard):
+        args = list(node.args) + [None, 1, 0, 1, 1][len(node.args) - 2:]
+        if "groups" in node.kwargs:
+            node.kwargs = {**node.kwargs, "groups": node.kwargs["groups"] // rw.size}
+        else:
+            args[6] = args[6] // rw.size
+        node.args = tuple(args)
+
+
 @localizer(aten.repeat_interleave.self_int)
 def _repeat_interleave(node: fx.Node, rw: Rewriter) -> None:
     placement = rw.placement(node)

@@ -215,7 +215,7 @@ _POINTWISE = (
     "expm1", "log1p", "sign", "floor", "clamp_min", "clamp_max", "logical_and", "logical_or", "lerp", "addcmul",
     "expand_as",
 )
-_IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_")
+_IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_", "copy_")
 
 
 def _pointwise(node: fx.Node, ctx: Context) -> Decision:
@@ -558,6 +558,24 @@ def _complex_view(node: fx.Node, ctx: Context) -> Decision:
     if node.target is aten.view_as_complex.default and p.dim == len(ctx.shape(node.args[0])) - 1:
         return replicate_all(node, ctx)
     return Decision(p)
+
+
+@rule(aten.cumsum.default, aten.cumprod.default)
+def _scan(node: fx.Node, ctx: Context) -> Decision:
+    """A running sum along one dim: a split on another dim stays."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    return replicate_all(node, ctx) if _dim(arg(node, "dim"), len(ctx.shape(node))) == p.dim else Decision(p)
+
+
+@rule(aten.tril.default, aten.triu.default)
+def _triangle(node: fx.Node, ctx: Context) -> Decision:
+    """A triangle of the last two dims: a split on a leading dim stays."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    return replicate_all(node, ctx) if p.dim >= len(ctx.shape(node)) - 2 else Decision(p)
 
 
 @rule(aten.pad.default, aten.constant_pad_nd.default)

@@ -60,6 +60,20 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
 
 
+@rule(aten.conv1d.default)
+def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
+    """A depthwise convolution (one filter per channel, ``groups`` = channels: a linear attention's short causal
+    conv): channels split stay split, each rank convolving its own with their filters."""
+    x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
+    p = ctx.of(x)
+    channels = ctx.shape(x)[1] if len(ctx.shape(x)) == 3 else None
+    depthwise = channels is not None and arg(node, "groups") == channels == ctx.shape(w)[0]
+    if not (isinstance(p, Shard) and p.dim == 1 and depthwise):
+        return replicate_all(node, ctx)
+    want = {n: Shard(0, p.blocks) for n in (w, b) if n is not None and ctx.of(n) != Shard(0, p.blocks)}
+    return Decision(p, want)
+
+
 @rule(aten.max.dim, aten.min.dim)
 def _reduce_with_indices(node: fx.Node, ctx: Context) -> Decision:
     """``x.max(dim)``: values and indices, both split as ``x`` when ``dim`` is not its split dim (attention sinks'

@@ -241,6 +241,11 @@ MATMUL_CASES = [
     pytest.param(aten.baddbmm.default, (rand(4, 5, 6), rand(4, 5, 3, seed=1), rand(4, 3, 6, seed=2)),
                  {0: Shard(2)}, R, id="baddbmm-bias-split-elsewhere"),
     # Llama 4's experts: tokens gathered per expert (experts, tokens, in) @ a stack of expert matrices
+    # a linear attention's short causal convolution, one filter per channel, channels split
+    pytest.param(aten.conv1d.default, (rand(2, 8, 6), rand(8, 1, 3, seed=1), rand(8, seed=2), [1], [2], [1], 8),
+                 {0: Shard(1)}, Shard(1), id="conv1d-depthwise"),
+    pytest.param(aten.conv1d.default, (rand(2, 8, 6), rand(4, 2, 3, seed=1), None, [1], [0], [1], 4),
+                 {0: Shard(1)}, R, id="conv1d-grouped-gathers"),
     pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 8, seed=1)), {1: Shard(2)}, Shard(2),
                  id="bmm-expert-columns"),
     pytest.param(aten.bmm.default, (rand(4, 6, 8), rand(4, 8, 3, seed=1)), {0: Shard(2), 1: Shard(1)}, P,

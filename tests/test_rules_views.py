@@ -72,6 +72,11 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.pad.default, (x3, [0, 2]), {}, {0: Shard(1)}, Shard(1)),
     (aten.pad.default, (x3, [0, 0, 1, 1]), {}, {0: Shard(1)}, R),
     (aten.constant_pad_nd.default, (x3, [1, 0], 0.5), {}, {0: Shard(0)}, Shard(0)),
+    (aten.cumsum.default, (x3, -1), {}, {0: Shard(1)}, Shard(1)),
+    (aten.cumsum.default, (x3, 1), {}, {0: Shard(1)}, R),
+    (aten.cumprod.default, (x3, 0), {}, {0: Shard(2)}, Shard(2)),
+    (aten.tril.default, (x3,), {}, {0: Shard(0)}, Shard(0)),
+    (aten.triu.default, (x3, 1), {}, {0: Shard(1)}, R),
     # gpt-oss's interleaved [gate0, up0, gate1, up1, ...]: x[..., ::2] and x[..., 1::2] of each rank's part
     (aten.slice.Tensor, (rand(4, 8), 1, 0, BIG, 2), {}, {0: Shard(1)}, Shard(1)),
     (aten.slice.Tensor, (rand(4, 8), -1, 1, BIG, 2), {}, {0: Shard(1)}, Shard(1)),
@@ -230,6 +235,7 @@ IN_PLACE_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.mul_.Tensor, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
     (aten.div_.Scalar, (x3, 4.0), {}, {0: Shard(0)}, Shard(0)),
     (aten.masked_fill_.Scalar, (x3, mask, -1.0), {}, {0: Shard(1)}, Shard(1)),
+    (aten.copy_.default, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
     # the written tensor whole, the other split: splitting it would write into a copy that the model's state
     # (here a parameter) never sees, so the split operand is gathered instead
     (aten.add_.Tensor, (x3, x3 * 2), {}, {1: Shard(1)}, R),
