@@ -344,6 +344,18 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
+    if p.blocks is not None and len(p.blocks) > 1 and len(set(p.blocks)) == 1 and ctx.pending_sums:
+        # equal blocks are an inner dim split whole: rows of (tokens x heads) with heads split, back to features
+        inner = [*in_shape[:p.dim], len(p.blocks), p.blocks[0], *in_shape[p.dim + 1:]]
+        group = _dim_group(inner, out_shape, p.dim + 1)
+        if group is not None:
+            ins, outs = group
+            if len(ins) == len(outs) == 1:
+                return Decision(Shard(outs[0]))
+            if len(ins) == 1:
+                return _split_dim(node, ctx, Shard(p.dim + 1), [out_shape[o] for o in outs], outs)
+            return _split_and_merge(node, ctx, Shard(p.dim + 1), [inner[d] for d in ins], ins,
+                                    [out_shape[d] for d in outs], outs)
     group = _dim_group(in_shape, out_shape, p.dim)
     if group is None:
         return replicate_all(node, ctx)
@@ -599,6 +611,12 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
     if not shards:
         return _pointwise(node, ctx)
+    if all(isinstance(ctx.of(t), Shard) and ctx.of(t).dim == dim for t in tensors) and len(tensors) > 1:
+        # the parts of q, k and v joined along their split features (a linear attention's mixed qkv): each rank
+        # holds its part of each, a blocked shard
+        blocks = tuple(b for t in tensors for b in (ctx.of(t).blocks or (ctx.shape(t)[dim],)))
+        if all(b % ctx.size == 0 for b in blocks):
+            return Decision(Shard(dim, blocks))
     (p,) = shards if len(shards) == 1 else (None,)
     if p is None or p.dim == dim:
         return replicate_all(node, ctx)

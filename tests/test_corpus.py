@@ -41,6 +41,7 @@ SAMPLE = {
     "xlm": "a mask expanded to the scores and filled in place, a key/value cache's empty start",
     "apertus": "xIELU activation (min, expm1) with learned scalars",
     "gpt_oss": "attention sinks, experts with interleaved gate/up, biases and a clamped GLU",
+    "qwen3_next": "gated delta rule linear attention (causal conv, chunked recurrence) beside full attention",
 }
 
 CELLS = [(name, "tp2") for name in SAMPLE] + [

@@ -99,7 +99,9 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], 1), {}, {0: Shard(0), 1: Shard(0)}, Shard(0)),
     (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], -1), {}, {0: Shard(0)}, Shard(0)),
     (aten.cat.default, ([rand(2, 4), rand(6, 4, seed=1)],), {}, {0: Shard(1)}, Shard(1)),
-    (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0), 1: Shard(0)}, R),
+    # joined along their split dim: each rank holds its part of each, a blocked shard
+    (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0), 1: Shard(0)}, Shard(0, (4, 6))),
+    (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0)}, R),
     # an empty 1-D start (a key/value cache before its first update) takes no part, whatever its placement
     (aten.cat.default, ([torch.zeros(0), rand(2, 4, 6, seed=1)], 2), {}, {1: Shard(1)}, Shard(1)),
     (aten.unflatten.int, (x3, -1, [2, 3]), {}, {0: Shard(2)}, Shard(2)),
@@ -110,6 +112,10 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     # (tokens, batch, width) -> (tokens, batch * heads, head dim): heads split, every batch row holds its heads
     (aten.view.default, (rand(3, 2, 8), [3, 8, 2]), {}, {0: Shard(2)}, Shard(1, (4, 4))),
     (aten.view.default, (rand(3, 2, 6), [3, 6, 2]), {}, {0: Shard(2)}, R),  # 3 heads over 2 ranks
+    # rows of (batch, tokens, heads) with heads split, back to (batch, tokens, features) (a linear attention's output)
+    (aten.reshape.default, (rand(12, 4), [2, 3, 8]), {}, {0: Shard(0, (2,) * 6)}, Shard(2)),
+    (aten.reshape.default, (rand(12, 4), [2, 3, 2, 4]), {}, {0: Shard(0, (2,) * 6)}, Shard(2)),
+    (aten.reshape.default, (rand(24, 4), [2, 3, 16]), {}, {0: Shard(0, (4,) * 6)}, Shard(2)),
     (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)], -1), {}, {0: Shard(1), 1: Shard(1)}, Shard(1)),
     (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)],), {}, {0: Shard(1)}, Shard(2)),
     (aten.stack.default, ([rand(2, 4), rand(2, 4, seed=1)], 1), {}, {0: Shard(0), 1: Shard(1)}, R),
