@@ -611,7 +611,8 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
     if not shards:
         return _pointwise(node, ctx)
-    if all(isinstance(ctx.of(t), Shard) and ctx.of(t).dim == dim for t in tensors) and len(tensors) > 1:
+    if (ctx.pending_sums and len(tensors) > 1  # tp only: a cp sequence split is contiguous chunks, never blocks
+            and all(isinstance(ctx.of(t), Shard) and ctx.of(t).dim == dim for t in tensors)):
         # the parts of q, k and v joined along their split features (a linear attention's mixed qkv): each rank
         # holds its part of each, a blocked shard
         blocks = tuple(b for t in tensors for b in (ctx.of(t).blocks or (ctx.shape(t)[dim],)))
