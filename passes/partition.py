@@ -100,6 +100,7 @@ def partition(
             cuts = _balanced_cuts(scores, cheap, nbytes, num_stages, weights)
         if cuts is None:
             cuts = _balanced_cuts(scores, candidates, nbytes, num_stages, weights)
+        sendable = [i for i in sendable if i not in _splitting_params(gm, order, candidates)]
         cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap,
                                  memory_bound={"both": 1.0, "memory": BALANCED / num_stages}.get(balance))
         if cuts is None:
@@ -153,6 +154,33 @@ def _contiguous(node: fx.Node) -> bool:
 def _largest(cuts: list[int], scores, length: int) -> float:
     bounds = [-1, *cuts, length - 1]
     return max(scores(bounds[k] + 1, bounds[k + 1] + 1) for k in range(len(bounds) - 1))
+
+
+def _splitting_params(gm: fx.GraphModule, order: list[fx.Node], candidates: list[int]) -> set[int]:
+    """Cuts that would leave a parameter read on both sides (directly or through a value computed from it alone)
+    which no cut of the fewest values splits. Weights read at both ends (an embedding tied to its LM head) are
+    split by every cut and stay allowed; a weight a layer reads twice (a sparse-attention indexer's, read to pick
+    positions and to score them) is not split: its gradient summed over two stages' copies came out missing."""
+    params = {name for name, _ in gm.named_parameters()}
+    position = {node: i for i, node in enumerate(order)}
+    read: dict[fx.Node, set[str]] = {}  # a node off the activation path: the parameters it is computed from
+    readers: dict[str, list[int]] = {}
+    for node in gm.graph.nodes:
+        names = set().union(*(read.get(n, set()) for n in node.all_input_nodes)) if node.all_input_nodes else set()
+        if node.op == "get_attr" and node.target in params:
+            names = {node.target}
+        if node in position:
+            for name in names:
+                readers.setdefault(name, []).append(position[node])
+        elif names:
+            read[node] = names  # a weight transposed or cast: its readers read the weight
+    lo, hi = min(candidates, default=0), max(candidates, default=0)
+    refused: set[int] = set()
+    for where in readers.values():
+        first, last = min(where), max(where)
+        if last > first and not (first <= lo and last > hi):
+            refused.update(range(first, last))
+    return refused
 
 
 def _param_bytes(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:

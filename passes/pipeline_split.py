@@ -108,9 +108,10 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
         source = by_name[name]
         env[source] = graph.placeholder(f"recv_{name}")
         env[source].meta = {**source.meta, meta.RECEIVED: name}
-        if any(_writes_first_argument(user) and user.args[0] is source for user in source.users):
-            # the model updates it in place (``hidden *= scale``), which a received leaf that requires grad
-            # refuses: the stage works on a copy, whose gradient still reaches the received value
+        if _written_in_place(source):
+            # the model updates it, or a view of it, in place (``hidden *= scale``, ``x[..., :k].copy_(y)``),
+            # which a received leaf that requires grad refuses: the stage works on a copy, whose gradient still
+            # reaches the received value
             received = env[source]
             env[source] = graph.call_function(torch.ops.aten.clone.default, (received,))
             env[source].meta = {**source.meta}
@@ -128,6 +129,25 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
     stage = fx.GraphModule(gm, graph)
     stage.graph.lint()
     return stage
+
+
+def _written_in_place(value: fx.Node) -> bool:
+    """Whether an op writes in place into ``value`` or into a view of it."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for user in v.users:
+            if user.op == "call_function" and user.args and user.args[0] is v:
+                if _writes_first_argument(user):
+                    return True
+                schema = getattr(user.target, "_schema", None)
+                returns = schema.returns if schema is not None else []
+                if returns and returns[0].alias_info is not None:  # a view: a write into it writes ``value``
+                    todo.append(user)
+    return False
 
 
 def _writes_first_argument(node: fx.Node) -> bool:
