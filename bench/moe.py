@@ -1,6 +1,6 @@
 """A mixture of experts at tp=2: autoshard against the unsharded model and against a DTensor plan written by hand.
 
-    GLOO_SOCKET_IFNAME=lo .venv/bin/torchrun --standalone --nproc-per-node 2 bench/moe.py   # or: make bench-moe
+    GLOO_SOCKET_IFNAME=lo .venv/bin/torchrun --standalone --nproc-per-node 2 bench/moe.py
 
 The model is transformers' Mixtral (its experts stored as two 3-D weights per layer, multiplied by the grouped
 matmul transformers exports to), built from a small config with no download. Three runners train the same
