@@ -159,8 +159,8 @@ MUTANTS = (
            (f"{CLIPPING}[tp2xpp2]",)),
     # ------------------------------------------------------------------------ found running the corpus at pp
     Mutant("pp-in-place-received", "passes/pipeline_split.py",
-           "if any(_writes_first_argument(user) and user.args[0] is source for user in source.users):",
-           "if False:",
+           "        if _written_in_place(source):",
+           "        if False:",
            "a stage updates its received activation (a leaf that requires grad) in place: one rank fails",
            (f"{LOOP}test_a_stage_that_updates_a_received_activation_in_place_is_exact[m1]",)),
     Mutant("no-grad-region-trains", "passes/propagate.py",
@@ -189,8 +189,8 @@ MUTANTS = (
            "ring attention's causal mask of global positions leaves out the diagonal",
            (f"{CP}test_golden_context_parallel_ring[gpt-2-contiguous]",)),
     Mutant("expert-row-dim", "passes/tensor_parallel.py",
-           "    return 3 - out if is_grouped_mm(node) else 1 - out",
-           "    return out if is_grouped_mm(node) else 1 - out",
+           "    return 3 - out if _stacked(node) else 1 - out",
+           "    return out if _stacked(node) else 1 - out",
            "an expert's row weight is seeded split along its output features (the experts then stay replicated)",
            ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
             "[mixtral]",)),
