@@ -133,6 +133,8 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
 
 def _written_in_place(value: fx.Node) -> bool:
     """Whether an op writes in place into ``value`` or into a view of it."""
+    from autoshard.passes.rules import is_view
+
     todo, seen = [value], set()
     while todo:
         v = todo.pop()
@@ -143,9 +145,7 @@ def _written_in_place(value: fx.Node) -> bool:
             if user.op == "call_function" and user.args and user.args[0] is v:
                 if _writes_first_argument(user):
                     return True
-                schema = getattr(user.target, "_schema", None)
-                returns = schema.returns if schema is not None else []
-                if returns and returns[0].alias_info is not None:  # a view: a write into it writes ``value``
+                if is_view(user):  # a write into it writes ``value``
                     todo.append(user)
     return False
 

@@ -132,7 +132,7 @@ def read_after(value: fx.Node, writer: fx.Node) -> bool:
     """Whether the write of ``writer`` into ``value`` matters: ``value`` views model state (a parameter, a
     buffer, an input) or a later node reads it. An intermediate nothing reads again may take the write on a copy."""
     base = value
-    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) and _is_view(base):
+    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) and is_view(base):
         base = base.args[0]
     if base.op in ("get_attr", "placeholder"):
         return True
@@ -144,7 +144,8 @@ def read_after(value: fx.Node, writer: fx.Node) -> bool:
     return False
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` returns a view of its first argument (an alias it does not write)."""
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else []
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
