@@ -14,6 +14,7 @@ the model's outputs. Both are captures of their own, at fixed shapes (export bak
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sysconfig
 import time
@@ -110,6 +111,7 @@ def capture(
             raise CaptureError(_explain_failure(model, e)) from e
     gm = exported.module()
     _canonical_parameter_names(gm)
+    _inline_no_grad(gm)
     seconds = time.perf_counter() - start
     return Captured(
         gm=gm,
@@ -147,6 +149,58 @@ def _canonical_parameter_names(gm: fx.GraphModule) -> None:
             node.target = name
     gm.graph.lint()
     gm.recompile()
+
+
+def _inline_no_grad(gm: fx.GraphModule) -> None:
+    """Put the ops of every ``torch.no_grad()`` region (captured as a call of a submodule,
+    ``wrap_with_set_grad_enabled(False, ...)``) into the graph itself, each input detached.
+
+    Detached inputs keep what the region meant: no gradient flows into it, and a parameter it alone reads gets
+    none. Inline, its ops are planned as any others: a sparse-attention indexer's projections, a recurrent
+    model's cycles run without gradients, are split instead of held whole on every rank.
+    """
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
+                and node.args[:1] == (False,) and isinstance(node.args[1], fx.Node)):
+            continue
+        body = getattr(gm, node.args[1].target)
+        if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes):
+            continue  # nested regions or constants of its own: left as the region it is
+        places = [n for n in body.graph.nodes if n.op == "placeholder"]
+        env: dict[fx.Node, object] = {}
+        with gm.graph.inserting_before(node):
+            for place, value in zip(places, node.args[2:], strict=True):
+                if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
+                    detached.meta.update(value.meta)
+                    value = detached
+                env[place] = value
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    results = inner.args[0]
+                    break
+                env[inner] = gm.graph.node_copy(inner, env.__getitem__)
+        if isinstance(results, (tuple, list)):
+            for user in list(node.users):
+                if user.target is operator.getitem:
+                    user.replace_all_uses_with(_mapped(env, results[user.args[1]]))
+                    gm.graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(_mapped(env, results))
+        if not node.users:
+            owner = node.args[1]
+            gm.graph.erase_node(node)
+            if not owner.users:
+                gm.graph.erase_node(owner)
+                delattr(gm, owner.target)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _mapped(env: dict, result):
+    return env[result] if isinstance(result, fx.Node) else result
 
 
 def _original_names(gm: fx.GraphModule, model: nn.Module) -> dict[str, list[str]]:

@@ -128,6 +128,12 @@ def _sizes(node: fx.Node, rw: Rewriter) -> None:
         node.args = (node.args[0], list(rw.local_shape(node)), *node.args[2:])
 
 
+@localizer(aten.reshape_as.default)
+def _reshape_as(node: fx.Node, rw: Rewriter) -> None:
+    """A reshape to the local shape: the tensor that lent its shape may be split another way (or not at all)."""
+    node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], list(rw.local_shape(node))), {}
+
+
 @localizer(aten.unflatten.int, aten.flatten.using_ints)
 def _unflatten(node: fx.Node, rw: Rewriter) -> None:
     """Dims unflattened or flattened (a packed q/k/v projection into (3, width), RoPE's pairs back into features):

@@ -100,7 +100,8 @@ def partition(
             cuts = _balanced_cuts(scores, cheap, nbytes, num_stages, weights)
         if cuts is None:
             cuts = _balanced_cuts(scores, candidates, nbytes, num_stages, weights)
-        sendable = [i for i in sendable if i not in _splitting_params(gm, order, candidates)]
+        splitting = _splitting_params(gm, order, candidates)
+        sendable = [i for i in sendable if i not in splitting]
         cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap,
                                  memory_bound={"both": 1.0, "memory": BALANCED / num_stages}.get(balance))
         if cuts is None:

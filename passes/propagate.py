@@ -169,7 +169,7 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     A pipeline stage's inputs received from the previous stage count as such: their gradient is sent back, so a
     collective's backward twin on them (the all-reduce behind Megatron's f) must not be left out. A value the
     model computes with gradients off (``torch.no_grad()``, captured as ``wrap_with_set_grad_enabled(False,
-    ...)``) does not.
+    ...)``, or inlined with its inputs detached) does not.
     """
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     found: set[fx.Node] = set()
@@ -177,7 +177,7 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
         parameter = node.op == "get_attr" and node.target in params
         if parameter or (node.op == "placeholder" and meta.RECEIVED in node.meta):
             found.add(node)
-        elif node.op == "call_function" and _grad_disabled(node):
+        elif node.op == "call_function" and (_grad_disabled(node) or node.target is torch.ops.aten.detach.default):
             continue
         elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
             val = node.meta.get("val")

@@ -377,6 +377,21 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
     return replicate_all(node, ctx)
 
 
+@rule(aten.reshape_as.default)
+def _reshape_as(node: fx.Node, ctx: Context) -> Decision:
+    """``x.reshape_as(y)`` (RoFormer's rotary): a reshape to ``y``'s shape. ``y`` lends only its shape, so its
+    placement is never asked for (the rewrite reshapes to the local shape, without ``y``)."""
+    x, shape_of = node.args[0], node.args[1]
+    if _one_input_shard(node, ctx) is None:
+        return Decision(R, {x: R} if isinstance(ctx.of(x), Partial) else {})
+    decision = _reshape(node, ctx)
+    if shape_of in decision.want:
+        want = {n: p for n, p in decision.want.items() if n is not shape_of}
+        decision = Decision(decision.out, want, decision.conflict, decision.blocks_hint,
+                            decision.fallback and bool(want), decision.reason)
+    return decision
+
+
 def _split_and_merge(node: fx.Node, ctx: Context, p: Shard, in_sizes, ins, out_sizes, outs) -> Decision:
     """Several dims reshaped into several others ((tokens, batch, width) to (tokens, batch * heads, head dim), as
     torch's MultiheadAttention views q): as the split of the sharded dim into pieces, then a merge of pieces.

@@ -176,11 +176,16 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     if dim is None:
         if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
             return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
+        if na == 2 and ctx.pending_sums and pa == Shard(1) and pb in (R, Shard(nb - 2)):
+            # W @ x with W's input features split: a row, x taken split alike, each rank's product a summand
+            return Decision(Partial(), {b: Shard(nb - 2)} if pb == R else {})
         if nb == 2 and pa == R and pb == Shard(1, pb.blocks if isinstance(pb, Shard) else None):
             return Decision(Shard(nout - 1, pb.blocks))  # x @ W.T with W's output features split: a column
         if (nb == 2 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 0 and pa.blocks == pb.blocks):
             return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
+        if nb == 2 and ctx.pending_sums and pa == R and pb == Shard(0):
+            return Decision(Partial(), {a: Shard(na - 1)})  # ... a row alone: each rank takes its part of x
         if nb == 3 and pa == R and isinstance(pb, Shard) and pb.dim == 2:
             return Decision(Shard(nout - 1, pb.blocks))  # tokens per expert @ experts' columns (Llama 4's experts)
         if (nb == 3 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
@@ -226,6 +231,8 @@ def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
         return Decision(Shard(1, pw.blocks))
     if isinstance(px, Shard) and px.dim == 1 and isinstance(pw, Shard) and pw.dim == 1 and px.blocks == pw.blocks:
         return Decision(Partial())
+    if px == R and pw == Shard(1) and ctx.pending_sums:  # a row alone: each rank takes its part of x
+        return Decision(Partial(), {x: Shard(1)})
     if isinstance(px, Shard) and px.dim == 0 and pw == R:  # tokens split (another axis): rows stay rows
         return replicate_all(node, ctx)
     return _pointwise(node, ctx) if px == R and pw == R else replicate_all(node, ctx)
@@ -289,6 +296,8 @@ def _embedding(node: fx.Node, ctx: Context) -> Decision:
         return Decision(R, {ids: R} if pids != R else {})
     if pw == R and isinstance(pids, Shard):
         return Decision(Shard(pids.dim))
+    if pw == Shard(1) and pids == R:  # each rank looks up its columns of every row
+        return Decision(Shard(len(ctx.shape(node)) - 1))
     return replicate_all(node, ctx)
 
 

@@ -15,7 +15,11 @@ all-gather of a sharded value. The same propagation discovers what the pattern n
 
 Then the token embedding (fed by a graph input) is tried vocab-parallel, which also makes a tied LM
 head column-parallel, and any remaining linear is tried alone as a column (an LM head whose logits
-go to a vocab-parallel cross-entropy). Everything else stays replicated.
+go to a vocab-parallel cross-entropy), then alone as a row (its replicated input sliced, its output
+all-reduced: an MLM head's transform, a projection between embedding and layers). Tables no input
+id indexes (positions, relative position buckets) are split by columns where their lookups feed
+split heads, else by rows. Everything else stays replicated; so do the blocks whose heads the degree
+does not divide, when the user asks for that rather than an error.
 
 ``tensor_parallel_pass`` applies a plan for one rank: it inserts the collectives the placements
 need (Megatron's f before column regions, one per value; all-reduces closing row linears), rewrites
@@ -45,6 +49,7 @@ from autoshard.plan import ParamPlan, TensorParallelPlan
 aten = torch.ops.aten
 _LINEARS = {aten.linear.default: (1, 2, 0), aten.addmm.default: (2, 0, 1)}  # op -> (weight arg, bias arg, out dim)
 _CONE_LIMIT = 300
+_IDS_PER_TOKEN = 4  # a table split by rows may look up this many ids per input id
 # every tp rank back-propagates the same loss: a sum over a split dim (a norm over a split width) may stay pending
 propagate = functools.partial(_propagate_any_axis, pending_sums=True)
 
@@ -81,10 +86,16 @@ def plan_tensor_parallel(gm: fx.GraphModule, size: int, *, indivisible: str = "e
             continue
         columns = sorted((c for c in _cone(_input(row), grad) if _is_free(c, plan, state)), key=order.__getitem__)
         if columns and _is_free(row, plan, None):
+            columns, row = _enclosing(gm, plan, state, columns, row, grad, order) or (columns, row)
             state = _try_region(gm, plan, state, columns, row, indivisible, blockers)
     for lone in _linears(gm, params):
         if _is_free(lone, plan, state):
             state = _try_region(gm, plan, state, [lone], None, "replicate")
+    for lone in _linears(gm, params):
+        if _is_free(lone, plan, state):
+            state = _try_lone_row(plan, state, lone)
+    state = _plan_tables(gm, plan, state, params)
+    state = _plan_sliced(gm, plan, state, params)
     return _finish(gm, plan, params, blockers)
 
 
@@ -110,8 +121,16 @@ def _is_linear(node: fx.Node) -> bool:
     of expert matrices (a grouped matmul, or ``bmm`` of tokens gathered per expert, as Llama 4's experts)."""
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
-        return isinstance(w, fx.Node) and w.op == "get_attr" and len(node.args[1].meta["val"].shape) == 2
+        return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 2
     return node.target in _LINEARS or _stacked(node)
+
+
+def _is_left(node: fx.Node) -> bool:
+    """``W @ x`` of a 2-D parameter stored (out, in): Mamba's ``dt_proj.weight @ dt.transpose(1, 2)``."""
+    w = node.args[0]
+    return (node.target in _MATMULS and isinstance(w, fx.Node) and w.op == "get_attr"
+            and len(w.meta["val"].shape) == 2 and not (isinstance(node.args[1], fx.Node)
+                                                       and node.args[1].op == "get_attr"))
 
 
 def _stacked(node: fx.Node) -> bool:
@@ -126,9 +145,23 @@ def _stacked(node: fx.Node) -> bool:
 
 def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
     """The parameter node a linear multiplies by, and the dim of that parameter holding its output features."""
+    w, dim = _weight_use(node)
+    return _undetached(w), dim
+
+
+def _undetached(value):
+    """The parameter behind ``value.detach()`` (a weight read inside a ``torch.no_grad()`` region)."""
+    while isinstance(value, fx.Node) and value.target is aten.detach.default:
+        value = value.args[0]
+    return value
+
+
+def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         return w, _LINEARS[node.target][2]
+    if _is_left(node):
+        return node.args[0], 0
     if node.target in _MATMULS:  # x @ W.T (W stored (out, in), as nn.Linear) or x @ W (stored (in, out))
         w = node.args[1]
         if isinstance(w, fx.Node) and (w.target in _TRANSPOSES or (
@@ -158,8 +191,43 @@ def _in_dim(node: fx.Node) -> int:
 def _bias(node: fx.Node) -> str | None:
     if node.target not in _LINEARS:
         return None
-    b = arg(node, "bias" if node.target is aten.linear.default else "self")  # by position or keyword
+    b = _undetached(arg(node, "bias" if node.target is aten.linear.default else "self"))  # by position or keyword
     return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
+
+
+def _enclosing(gm, plan, state, columns, row, grad, order):
+    """A region that holds ``columns`` and ``row`` and ends at a later linear, with ``row`` inside it: a state-space
+    mixer (in_proj -> x_proj -> dt_proj -> out_proj), where x_proj reads the channels in_proj splits and sums them
+    back whole (a row inside), dt_proj splits them again (a column) and out_proj ends the block. Taken when it
+    shards on a scratch plan, so that the nearer, smaller region (x_proj -> dt_proj alone) does not claim it."""
+    for later in sorted(_forward_cone(row, grad), key=order.__getitem__):
+        cone = sorted((c for c in _cone(_input(later), grad) if _is_free(c, plan, state)), key=order.__getitem__)
+        if row not in cone or not set(columns) <= set(cone) or not _is_free(later, plan, None):
+            continue
+        scratch = TensorParallelPlan(size=plan.size, params=dict(plan.params))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _try_region(gm, scratch, state, cone, later, "replicate")
+        if _weight(later) in scratch.params and all(_weight(c) in scratch.params for c in cone):
+            return cone, later
+    return None
+
+
+def _forward_cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
+    """The linears that read ``x`` through values that carry gradients: the first linear on every path."""
+    found, seen, todo = [], set(), list(x.users)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _CONE_LIMIT:
+            return []
+        if _is_linear(node) and _weight(node) is not None:
+            found.append(node)
+        elif node in grad and node.op == "call_function":
+            todo.extend(node.users)
+    return found
 
 
 def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None) -> bool:
@@ -171,7 +239,7 @@ def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None)
 def _input(node: fx.Node) -> fx.Node:
     """The activation a linear multiplies: linear(x, w, b), addmm(b, x, w) and grouped(x, w, offsets)."""
     if node.target not in _LINEARS:
-        return node.args[0]
+        return node.args[1] if _is_left(node) else node.args[0]
     return arg(node, "input" if node.target is aten.linear.default else "mat1")
 
 
@@ -210,6 +278,7 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
     """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
     blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
     dropped: dict[fx.Node, str] = {}
+    inner: set[fx.Node] = set()  # candidates fed by the region's split values: rows inside it
     hinted: set[fx.Node] = set()
     baseline: dict[fx.Node, str] = {}
     prop = None
@@ -219,16 +288,20 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
             break
         seeds = dict(state.seeds)
         for c in live:
-            seeds.update(_column_seeds(c, blocks[c]))
+            seeds.update(_row_seeds(c) if c in inner else _column_seeds(c, blocks[c]))
         if row is not None:
             seeds.update(_row_seeds(row))
-        problem = _width_problem(gm, live, blocks, plan.size, lone=row is None)
+        problem = _width_problem(gm, [c for c in live if c not in inner], blocks, plan.size, lone=row is None)
         prop = propagate(gm, seeds, plan.size, base=state)
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
-            _record(gm, plan, prop, live, row, blocks, dropped)
+            _record(gm, plan, prop, live, row, blocks, dropped, inner)
             return prop
+        fed = [c for c in live if c not in inner and blocks[c] is None and _fed_split(prop, c)]
+        if fed and row is not None:  # Mamba's x_proj reads the split channels: a row, its small output summed
+            inner.update(fed)
+            continue
         culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
         hint = _hint(prop, live)
         if hint is not None and blocks[hint[0]] is None and hint[0] not in hinted:
@@ -249,6 +322,9 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
             reason = max(culprits.values(), key=lambda text: int(text.split()[0]))
             if _shards_when_divisible(gm, plan, state, columns, row):
                 _indivisible(gm, row, reason, plan.size, indivisible)
+                for node in (*columns, row):  # kept whole as asked, not split alone later
+                    for name in filter(None, (_weight(node), _bias(node))):
+                        plan.params[name] = ParamPlan(R, "replicated", f"kept whole: {reason}")
             # else no degree would shard it (falcon's one fused q/k/v of 4 + 2 heads, sliced apart): replicated
             break
         dropped.update(culprits)
@@ -260,6 +336,103 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
                 for name in filter(None, (_weight(node), _bias(node))):
                     blockers.setdefault(name, why)
     return state
+
+
+def _accepts(prop: Propagation, state: Propagation) -> bool:
+    """Whether ``prop`` gathers no split value and falls back no more than ``state`` did, without conflicts."""
+    gathers, fallbacks, conflicts = cost(prop, prop.changed)
+    old = cost(state, prop.changed)
+    return gathers <= old[0] and fallbacks <= old[1] and not conflicts
+
+
+def _try_lone_row(plan: TensorParallelPlan, state: Propagation, row: fx.Node) -> Propagation:
+    """A linear no region took, split alone over its input features: each rank multiplies its slice of the
+    (replicated) input and one all-reduce sums the products, so its weight is divided by the degree for the price
+    of that all-reduce (and an all-gather of the input's gradient). Kept when nothing downstream gathers."""
+    seeds = {**state.seeds, **_row_seeds(row)}
+    if any(name in plan.params for name in seeds if name not in state.seeds):
+        return state
+    prop = propagate(row.graph.owning_module, seeds, plan.size, base=state)
+    if not _accepts(prop, state):
+        return state
+    for name, placement in _row_seeds(row).items():
+        role = "row" if isinstance(placement, Shard) else "replicated"
+        plan.params[name] = ParamPlan(placement, role, "row alone: its input sliced, its output all-reduced"
+                                      if role == "row" else "bias added after the sum")
+    return prop
+
+
+def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[str]) -> Propagation:
+    """Tables no input id indexes (positions, relative position buckets, token types), split by columns where
+    their lookups flow into split values (a bias per head), else by rows as the token embedding is, where the
+    lookup takes a few ids per input id at most (prompt tokens prepended; positions): the all-reduce of a lookup
+    per pair of positions (a (T, T) bias) would cost more than the table saves."""
+    tokens = max((n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and
+                  isinstance(n.meta.get("val"), torch.Tensor) and not n.meta["val"].is_floating_point()), default=0)
+    for node in gm.graph.nodes:
+        if node.target is not aten.embedding.default:
+            continue
+        w, ids = node.args[0], node.args[1]
+        if w.op != "get_attr" or w.target not in params or w.target in plan.params:
+            continue
+        columns = propagate(gm, {**state.seeds, w.target: Shard(1)}, plan.size, base=state)
+        if _accepts(columns, state):
+            plan.params[w.target] = ParamPlan(Shard(1), "column", "table split by columns: each rank looks up "
+                                              "the columns its split consumers take")
+            state = columns
+            continue
+        if ids.meta["val"].numel() > _IDS_PER_TOKEN * tokens:
+            continue
+        rows = propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
+        if _accepts(rows, state):
+            plan.params[w.target] = ParamPlan(Shard(0), "vocab", "table split by rows: a vocab-parallel lookup")
+            state = rows
+    return state
+
+
+def _plan_sliced(gm, plan: TensorParallelPlan, state: Propagation, params: set[str]) -> Propagation:
+    """Weights every reader takes the same part of (a depthwise convolution's kernels over split channels, a
+    state-space model's decay per channel, a norm over split heads): each rank holds that part only."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in params or node.target in plan.params:
+            continue
+        wants = {_wanted(state, user, node) for user in node.users}
+        if len(wants) == 1 and isinstance(want := next(iter(wants)), Shard):
+            candidates = [want]
+        elif reads := _split_reads(state, node):  # read through views or casts: any dim may be the one
+            candidates = list(dict.fromkeys(Shard(d, r.blocks) for r in reads for d in range(node.meta["val"].dim())))
+        else:
+            continue
+        for want in candidates:
+            prop = propagate(gm, {**state.seeds, node.target: want}, plan.size, base=state)
+            if _accepts(prop, state) and not _moves_split(prop):
+                plan.params[node.target] = ParamPlan(want, "sliced", "each reader takes this part: held split")
+                state = prop
+                break
+    return state
+
+
+def _wanted(state: Propagation, user: fx.Node, value: fx.Node) -> Placement:
+    decision = state.decisions.get(user)
+    return decision.want.get(value, R) if decision is not None else R
+
+
+def _split_reads(state: Propagation, value: fx.Node, depth: int = 6) -> list[Shard]:
+    """The parts that readers of ``value``, or of what is computed from it alone (views, casts, ``-exp(A_log)``),
+    take."""
+    found = []
+    for user in value.users:
+        if isinstance(want := _wanted(state, user, value), Shard):
+            found.append(want)
+        elif depth and user.op == "call_function" and user.all_input_nodes == [value]:
+            found += _split_reads(state, user, depth - 1)
+    return found
+
+
+def _moves_split(prop: Propagation) -> bool:
+    """Whether some value split one way is wanted split another (an all-to-all the cost does not count)."""
+    return any(isinstance(prop.of(v), Shard) and dst != prop.of(v)
+               for node in prop.changed if (d := prop.decisions.get(node)) is not None for v, dst in d.want.items())
 
 
 def _shards_when_divisible(gm, plan, state, columns, row) -> bool:
@@ -359,10 +532,23 @@ def _indivisible(gm, row: fx.Node, reason: str, size: int, mode: str) -> None:
     warnings.warn(message + "; the layer stays replicated", stacklevel=3)
 
 
-def _record(gm, plan, prop, columns, row, blocks, dropped) -> None:
+def _fed_split(prop: Propagation, c: fx.Node) -> bool:
+    """Whether the region splits the features ``c`` reads, which ``c`` as a column would gather."""
+    x, decision = _input(c), prop.decisions.get(c)
+    feature = len(x.meta["val"].shape) - (2 if _is_left(c) else 1)
+    return prop.of(x) == Shard(feature) and decision is not None and decision.want.get(x) == R
+
+
+def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset()) -> None:
     kind = "attention" if any(_is_attention(n) for n in prop.changed) else "MLP" if row is not None else "output"
     closed = f"{kind} block closed by {meta.module_path(row) or row.name}" if row is not None else ""
     for c in columns:
+        if c in inner:
+            for name, placement in _row_seeds(c).items():
+                role = "row" if isinstance(placement, Shard) else "replicated"
+                plan.params[name] = ParamPlan(placement, role, f"row inside {closed}" if role == "row"
+                                              else "bias added after the sum")
+            continue
         layout = f", blocked {blocks[c]}" if blocks[c] else ""
         reason = f"column of {closed}{layout}" if row is not None else "column-parallel output (vocab-parallel loss)"
         for name, placement in _column_seeds(c, blocks[c]).items():

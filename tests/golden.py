@@ -132,7 +132,20 @@ def state_dict_round_trip(name: str, mesh_kwargs: dict) -> tuple[bool, bool]:
 
 
 class _NoBlocks(torch.nn.Module):
-    """Norm -> linear -> norm: no column feeds a row."""
+    """Norm -> convolution -> norm: nothing tp has a rule to split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(12)
+        self.conv = torch.nn.Conv1d(1, 1, 3, padding=1)
+        self.out = torch.nn.LayerNorm(12)
+
+    def forward(self, x):
+        return self.out(self.conv(self.norm(x).unsqueeze(1)).squeeze(1))
+
+
+class _LoneLinear(torch.nn.Module):
+    """Norm -> linear -> norm: no column feeds a row, so the linear is split alone, by rows."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,12 +161,13 @@ def _mse(y, t):
     return (y - t).square().mean()
 
 
-def no_blocks(tp: int) -> tuple[list[str], bool]:
-    """A model with nothing to split still trains exactly at tp > 1, with a warning saying so."""
+def no_blocks(tp: int, lone: bool = False) -> tuple[list[str], bool]:
+    """A model with nothing to split (or only a linear split alone) still trains exactly at tp > 1; a warning says
+    when nothing is split."""
     import warnings
 
     torch.manual_seed(0)
-    model = _NoBlocks()
+    model = _LoneLinear() if lone else _NoBlocks()
     x, t = torch.randn(4, 12), torch.randn(4, 12)
     mesh = autoshard.Mesh(tp=tp)
     with warnings.catch_warnings(record=True) as caught:

@@ -40,6 +40,38 @@ def test_parameters_keep_their_names_and_ties():
     assert tied == [["transformer.wte.weight", "lm_head.weight"]]
 
 
+class _ScoredUnderNoGrad(nn.Module):
+    """A scorer run under ``torch.no_grad()`` (a sparse-attention indexer's shape): its weights get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scorer = nn.Linear(8, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scores = self.scorer(x).softmax(-1)
+        return self.proj(x) * scores
+
+
+def test_a_no_grad_region_is_inlined_with_its_inputs_detached():
+    torch.manual_seed(0)
+    model, x, t = _ScoredUnderNoGrad(), torch.randn(3, 8), torch.randn(3, 8)
+    loss_fn = nn.functional.mse_loss
+    captured = autoshard.capture(model, (x,), loss_fn=loss_fn, example_target=t)
+    targets = [getattr(n.target, "__name__", "") for n in captured.gm.graph.nodes]
+    assert "wrap_with_set_grad_enabled" not in targets, "the region's ops are in the graph itself"
+    captured.gm(x, t).backward()
+    loss_fn(model(x), t).backward()
+    got = dict(captured.gm.named_parameters())
+    for name, p in model.named_parameters():
+        mine = got["model." + name]
+        if name.startswith("scorer"):
+            assert p.grad is None and mine.grad is None, name
+        else:
+            torch.testing.assert_close(mine.grad, p.grad, rtol=0, atol=0)
+
+
 def test_huggingface_cache_is_turned_off_only_during_capture():
     case = build("hf_gpt2")
     assert case.model.config.use_cache

@@ -65,6 +65,16 @@ def test_token_split_embedding_keeps_the_split():
     out.assert_exact()
 
 
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+def test_a_table_split_by_columns_looks_up_its_columns_of_every_row(size, padding_idx):
+    """A relative position table (buckets x heads) with the heads split: each rank's lookup is its heads' bias."""
+    out = simulate(aten.embedding.default, (_weight(hidden=6), _ids(2, 5), padding_idx), shard={0: Shard(1)},
+                   size=size)
+    assert out.placement == Shard(2)
+    out.assert_exact()
+
+
 @pytest.mark.parametrize("argument,args", [("scale_grad_by_freq", (-1, True)), ("sparse", (-1, False, True))])
 def test_embedding_arguments_the_lookup_cannot_carry_are_refused_with_a_warning(argument, args):
     out = simulate(aten.embedding.default, (_weight(), _ids(2, 5), *args), shard={0: Shard(0)}, size=2)

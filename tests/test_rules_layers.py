@@ -232,6 +232,17 @@ MATMUL_CASES = [
                  id="matmul-weight-column"),
     pytest.param(aten.matmul.default, (rand(2, 5, 4), rand(4, 6, seed=1)), {0: Shard(2), 1: Shard(0)}, P,
                  id="matmul-weight-row"),
+    # ... a row alone: x whole, each rank takes its features of it
+    pytest.param(aten.matmul.default, (rand(2, 5, 4), rand(4, 6, seed=1)), {1: Shard(0)}, P,
+                 id="matmul-weight-row-alone"),
+    # Mamba's ``dt_proj.weight @ dt.transpose(1, 2)``: the weight on the left, (out, in); a column splits its rows,
+    # a row its input features (x split along its rows alike, or taken split when whole)
+    pytest.param(aten.matmul.default, (rand(6, 4), rand(2, 4, 5, seed=1)), {0: Shard(0)}, Shard(1),
+                 id="matmul-left-column"),
+    pytest.param(aten.matmul.default, (rand(6, 4), rand(2, 4, 5, seed=1)), {0: Shard(1), 1: Shard(1)}, P,
+                 id="matmul-left-row"),
+    pytest.param(aten.matmul.default, (rand(6, 4), rand(2, 4, 5, seed=1)), {0: Shard(1)}, P,
+                 id="matmul-left-row-alone"),
     pytest.param(aten.bmm.default, (rand(4, 5, 3), rand(4, 3, 6, seed=1)), {1: Shard(0)}, Shard(0), id="bmm-batch"),
     # BLOOM's scores: ALiBi (built whole, one row per (batch, head)) + q @ k: each rank takes its heads' rows
     pytest.param(aten.baddbmm.default, (rand(4, 1, 6), rand(4, 5, 3, seed=1), rand(4, 3, 6, seed=2)),
@@ -362,8 +373,9 @@ def test_the_planner_reads_a_linear_by_argument_name(op, args, kwargs):
     ({1: Shard(2)}, Shard(1)),  # column: each expert's output features split
     ({1: Shard(2, (4, 4))}, Shard(1, (4, 4))),  # a fused gate/up of every expert
     ({0: Shard(1), 1: Shard(1)}, P),  # row: input features split, each rank's product a summand
+    ({1: Shard(1)}, P),  # a row alone: the tokens' features taken split
     ({0: Shard(0)}, R),  # rows split (another axis): the offsets index all of them
-], ids=["column", "column-blocked", "row", "rows-gathered"])
+], ids=["column", "column-blocked", "row", "row-alone", "rows-gathered"])
 def test_grouped_matmul_of_experts(shard, placement, size):
     """transformers' grouped matmul op (what its MoE layers export to; torch's ``_grouped_mm`` has the same signature
     and takes only bf16 on the CPU)."""

@@ -43,6 +43,9 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.squeeze.dims, (rand(1, 4, 1, 6), [0, -2]), {}, {0: Shard(3)}, Shard(1)),
     (aten.squeeze.default, (rand(1, 4, 1, 6),), {}, {0: Shard(3)}, Shard(1)),
     (aten.view.default, (x3, [2, 4, 2, 3]), {}, {0: Shard(2)}, Shard(2)),
+    (aten.reshape_as.default, (x3, rand(2, 4, 2, 3)), {}, {0: Shard(2)}, Shard(2)),
+    (aten.reshape_as.default, (x3, rand(2, 4, 2, 3)), {}, {0: Shard(2), 1: Shard(1)}, Shard(2)),  # shape only
+    (aten.reshape_as.default, (rand(2, 4, 2, 3), x3), {}, {1: Shard(1)}, R),
     (aten.view.default, (x3, [2, 4, -1, 3]), {}, {0: Shard(2)}, Shard(2)),
     (aten.view.default, (rand(2, 4, 2, 3), [2, 4, 6]), {}, {0: Shard(2)}, Shard(2)),
     (aten.reshape.default, (x3, [8, 6]), {}, {0: Shard(1)}, Shard(0, (4, 4))),

@@ -32,6 +32,12 @@ def test_a_model_without_blocks_runs_replicated_with_a_warning(pools):
     assert not quiet, "a warning is said once per job, by rank 0"
 
 
+def test_a_linear_outside_any_block_is_split_alone_and_stays_exact(pools):
+    (said, ok0), (_, ok1) = pools.get(2).run(golden.no_blocks, 2, True)
+    assert ok0 and ok1
+    assert not any("no block to split" in m for m in said), said
+
+
 def test_an_op_without_a_rule_is_gathered_with_a_warning_and_stays_exact(pools):
     (ok0, said, report0), (ok1, quiet, report1) = pools.get(2).run(golden.forced_tp_plan, 2)
     assert ok0 and ok1, report0 + report1

@@ -37,7 +37,8 @@ def test_gpt_fused_qkv_gets_whole_heads_and_megatron_roles():
     assert roles["transformer.h.0.mlp.c_proj.weight"] == "row"
     assert roles["transformer.h.0.attn.c_proj.bias"] == "replicated"
     assert roles["transformer.wte.weight"] == "vocab", "the tied embedding and LM head share one vocab shard"
-    assert roles["transformer.wpe.weight"] == roles["transformer.ln_f.weight"] == "replicated"
+    assert roles["transformer.wpe.weight"] == "vocab", "the position table is split by rows too"
+    assert roles["transformer.ln_f.weight"] == "replicated"
 
 
 def test_hf_gpt2_conv1d_weights_stored_in_out_are_sharded_on_the_right_dim():
@@ -80,8 +81,8 @@ def test_plan_round_trips_through_json():
     assert "S(0, blocks=(48, 48, 48))" in str(again)
 
 
-class _NoBlocks(nn.Module):
-    """Norm -> linear -> norm: no column feeds a row, so nothing is sharded."""
+class _LoneLinear(nn.Module):
+    """Norm -> linear -> norm: no column feeds a row."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,12 +94,14 @@ class _NoBlocks(nn.Module):
         return self.out(self.proj(self.norm(x)))
 
 
-def test_a_model_without_blocks_stays_replicated():
-    model = _NoBlocks()
-    captured = capture(model, (torch.randn(3, 12),), loss_fn=lambda y, t: (y - t).square().mean(),
+def test_a_linear_outside_any_block_is_split_alone_by_rows():
+    captured = capture(_LoneLinear(), (torch.randn(3, 12),), loss_fn=lambda y, t: (y - t).square().mean(),
                        example_target=torch.randn(3, 12))
-    plan = plan_tensor_parallel(captured.gm, 2)
-    assert {p.placement for p in plan.params.values()} == {R}
+    params = {name.removeprefix("model."): p for name, p in plan_tensor_parallel(captured.gm, 2).params.items()}
+    assert params["proj.weight"].placement == Shard(1), params
+    assert "row alone" in params["proj.weight"].reason
+    assert params["proj.bias"].placement == R, "the bias is added once, after the all-reduce"
+    assert {params[n].placement for n in ("norm.weight", "out.weight")} == {R}
 
 
 def _per_rank_counts(name: str, tp: int) -> dict:
@@ -116,9 +119,10 @@ def _per_rank_counts(name: str, tp: int) -> dict:
 def test_collectives_per_layer_are_megatrons_minimum(name):
     counts = _per_rank_counts(name, 2)
     layers = 2
-    # Forward: one all-reduce after attention and one after the MLP per layer, one for the vocab-parallel
-    # embedding. Backward: one all-reduce of the input gradient of each block, and one for the LM head.
-    assert counts[("forward", "ReduceFromParallel")] == 2 * layers + 1
+    tables = 1 + ("gpt" in name)  # the token embedding; gpt's learned position table is split by rows too
+    # Forward: one all-reduce after attention and one after the MLP per layer, one per vocab-parallel lookup.
+    # Backward: one all-reduce of the input gradient of each block, and one for the LM head.
+    assert counts[("forward", "ReduceFromParallel")] == 2 * layers + tables
     assert counts[("backward", "CopyToParallel")] == 2 * layers + 1
     assert counts[("forward", "VocabParallelCrossEntropy")] == 2  # the row maxima, then the stacked sums
     assert set(counts) == {("forward", "ReduceFromParallel"), ("backward", "CopyToParallel"),
@@ -249,6 +253,11 @@ SHARDED_NOW = {
     "llama4_text": "rotary as complex numbers (view_as_complex), experts as bmm over gathered tokens",
     "qwen3_next": "gated delta rule linear attention: q/k/v joined, a depthwise conv, rows of (tokens x heads)",
     "olmo_hybrid": "linear attention from separate q/k/v projections joined by cat",
+    "bert": "an MLM head's transform (a row alone) and a learned position table (split by rows)",
+    "roformer": "rotary applied with reshape_as",
+    "falcon": "x @ W.T linears round a fused q/k/v of 4 query and 2 kv heads (each a row alone)",
+    "mamba": "a state-space mixer: x_proj a row inside the block, dt_proj as W @ x, the decay per channel sliced",
+    "deepseek_v32": "a sparse-attention indexer computed under torch.no_grad()",
 }
 
 
@@ -277,3 +286,19 @@ def test_attention_and_experts_of_current_architectures_are_sharded(name):
     assert share <= 0.55, f"{name} ({SHARDED_NOW[name]}): rank 0 holds {share:.2f} of the parameters"
     experts = [n for n, p in full.items() if p.dim() == 3 and p.shape[1] != 1]  # not a depthwise conv's filters
     assert all(isinstance(built.tp_plan.params[n].placement, Shard) for n in experts), experts
+
+
+def test_a_state_space_mixer_is_split_as_megatron_splits_it():
+    """Mamba's mixer: in_proj's channels split (x and the gate z, each blocked), x_proj reading them as a row inside
+    the block (its small output summed), dt_proj splitting them again as ``W @ dt``, out_proj closing the block;
+    the per-channel decay, skip, kernels and bias held split, as every reader takes its channels."""
+    from corpus.architectures import build as build_corpus
+
+    case = build_corpus("mamba")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    plan = plan_tensor_parallel(captured.gm, 2)
+    mixer = {name.split("mixer.")[1]: p for name, p in plan.params.items() if "layers.0.mixer." in name}
+    assert {k: p.role for k, p in mixer.items()} == {
+        "in_proj.weight": "column", "x_proj.weight": "row", "dt_proj.weight": "column", "out_proj.weight": "row",
+        "A_log": "sliced", "D": "sliced", "conv1d.weight": "sliced", "conv1d.bias": "sliced", "dt_proj.bias": "sliced",
+    }, mixer
