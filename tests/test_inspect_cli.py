@@ -37,9 +37,11 @@ def test_tensor_parallel_of_a_bare_model_shows_roles_local_code_and_collectives(
     assert row.split()[1:5] == ["column", "S(0)", "192x48", "96x48"], row  # ffn 4 x 48 cut in two
     assert re.search(r"transformer\.h\.0\.attn\.c_proj\.weight\s+row\s+S\(1\)\s+48x48\s+48x24", out)
     assert "transformer.wte.weight, lm_head.weight  replicated" in out, "vocab-parallel needs the loss"
-    assert "def forward(self, inputs_0):" in out and "self.tp_reducefromparallel_1 = ReduceFromParallel(size=2)" in out
+    assert "def forward(self, inputs_0):" in out
+    assert re.search(r"self\.tp_reducefromparallel_1\s+= ReduceFromParallel\(size=2\)", out)
     assert "[8, 16, 2, 12]" in out, "the code views attention at 2 of the 4 heads"
-    assert re.search(r"-\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+4\s+96\.0 KiB", out)
+    # 4 x 8x16x48 and the position table's lookup, 16x48 (split by rows)
+    assert re.search(r"-\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+5\s+99\.0 KiB", out)
     assert "backward" not in out.split("collectives of rank 0")[1], "an inference graph has no backward"
     assert "lint: no finding" in out
 
@@ -87,9 +89,11 @@ def test_tensor_and_pipeline_parallel_for_two_ranks(capsys, rank):
     assert f"rank {rank} at pp=0, dp=0, cp=0, tp={rank}" in out and "groups of rank" in out
     assert "runs stage 0" in out and "sends 4x16x48 float32 to pp rank 1" in out
     assert "self.tp_vocabparallelembedding_0(args_0, " in out and "[4, 16, 2, 12]" in out
+    assert "self.tp_vocabparallelembedding_2(arange, " in out, "the position table is split by rows too"
     vocab = f"vocab_start={40 * rank}, vocab_end={40 * rank + 40}, num_embeddings=80, size=2"
     assert re.search(rf"self\.tp_vocabparallelembedding_0\s+= VocabParallelEmbedding\({vocab}\)", out)
-    assert re.search(r"0\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+3\s+36\.0 KiB", out)  # 3 x 4x16x48
+    # 3 x 4x16x48 and the position lookup, 16x48
+    assert re.search(r"0\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+4\s+39\.0 KiB", out)
     assert re.search(r"0\s+tp\s+backward\s+all_reduce\s+CopyToParallel\s+2\s+24\.0 KiB", out)
 
 
@@ -104,7 +108,7 @@ def test_the_entry_point_prints_tp2_pp2_rank1():
                      r"72x48", out)
     assert re.search(r"transformer\.h\.1\.mlp\.c_fc\.weight\s+column\s+S\(0\)\s+128x48\s+\(stage 1\)", out)
     assert "rank 0: F0 F1 .  B0 F2 B1 F3 B2 .  B3   <- rank 1" in out
-    assert re.search(r"0\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+3\s+18\.0 KiB", out)
+    assert re.search(r"0\s+tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+4\s+21\.0 KiB", out)
 
 
 def check_dot(text: str, *, collectives: int, receives: int) -> None:
