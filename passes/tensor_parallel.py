@@ -215,19 +215,7 @@ def _enclosing(gm, plan, state, columns, row, grad, order):
 
 def _forward_cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
     """The linears that read ``x`` through values that carry gradients: the first linear on every path."""
-    found, seen, todo = [], set(), list(x.users)
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if len(seen) > _CONE_LIMIT:
-            return []
-        if _is_linear(node) and _weight(node) is not None:
-            found.append(node)
-        elif node in grad and node.op == "call_function":
-            todo.extend(node.users)
-    return found
+    return _walk(list(x.users), grad, lambda node: node.users)
 
 
 def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None) -> bool:
@@ -245,7 +233,13 @@ def _input(node: fx.Node) -> fx.Node:
 
 def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
     """The linears that feed ``x`` through values that carry gradients (not masks, not positions)."""
-    found, seen, todo = [], set(), [x]
+    return _walk([x], grad, lambda node: node.all_input_nodes)  # a linear of a computed weight (a cast) is any op
+
+
+def _walk(start: list[fx.Node], grad: set[fx.Node], step) -> list[fx.Node]:
+    """The first linears met going from ``start`` by ``step`` (inputs or users) through values carrying gradients;
+    none past ``_CONE_LIMIT`` nodes."""
+    found, seen, todo = [], set(), list(start)
     while todo:
         node = todo.pop()
         if node in seen:
@@ -255,8 +249,8 @@ def _cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:
             return []
         if _is_linear(node) and _weight(node) is not None:
             found.append(node)
-        elif node in grad and node.op == "call_function":  # a linear of a computed weight (a cast) is any op
-            todo.extend(node.all_input_nodes)
+        elif node in grad and node.op == "call_function":
+            todo.extend(step(node))
     return found
 
 
