@@ -167,8 +167,8 @@ MUTANTS = (
            "elif node.op == \"call_function\" and (_grad_disabled(node) or node.target is "
            "torch.ops.aten.detach.default):",
            """elif node.op == "call_function" and False:""",
-           "a region computed under no_grad counts as carrying gradients: a hidden loss is not refused",
-           (f"{LOOP}test_a_model_that_hides_its_computation_from_the_capture_is_refused_on_every_rank[dp2]",)),
+           "a region computed under no_grad counts as carrying gradients: its ops get backward collectives",
+           ("tests/test_capture.py::test_a_no_grad_region_is_inlined_with_its_inputs_detached",)),
     Mutant("router-picks-read-by-loss", "passes/partition.py",
            "for reader in activation_readers(node, lambda n: n in position):",
            "for reader in node.users:",

@@ -70,6 +70,11 @@ def test_a_no_grad_region_is_inlined_with_its_inputs_detached():
             assert p.grad is None and mine.grad is None, name
         else:
             torch.testing.assert_close(mine.grad, p.grad, rtol=0, atol=0)
+    from autoshard.passes.propagate import requires_grad
+
+    grad = requires_grad(captured.gm)
+    scored = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.softmax.int]
+    assert scored and not any(n in grad for n in scored), "no gradient flows through the region"
 
 
 def test_huggingface_cache_is_turned_off_only_during_capture():
