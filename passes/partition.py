@@ -159,17 +159,22 @@ def _largest(cuts: list[int], scores, length: int) -> float:
 
 def _splitting_params(gm: fx.GraphModule, order: list[fx.Node], candidates: list[int]) -> set[int]:
     """Cuts that would leave a parameter read on both sides (directly or through a value computed from it alone)
-    which no cut of the fewest values splits. Weights read at both ends (an embedding tied to its LM head) are
-    split by every cut and stay allowed; a weight a layer reads twice (a sparse-attention indexer's, read to pick
-    positions and to score them) is not split: its gradient summed over two stages' copies came out missing."""
+    which no cut of the fewest values splits, among the parameters also read with gradients off (detached: a
+    sparse-attention indexer's weights, read to pick positions without gradients and to score them with): their
+    gradient summed over two stages' copies came out missing. Weights read at both ends (an embedding tied to its
+    LM head) are split by every cut and stay allowed, and so is any weight read only with gradients (per-layer
+    embeddings, ALBERT's shared layer): its copies' gradients are summed exactly."""
     params = {name for name, _ in gm.named_parameters()}
     position = {node: i for i, node in enumerate(order)}
     read: dict[fx.Node, set[str]] = {}  # a node off the activation path: the parameters it is computed from
     readers: dict[str, list[int]] = {}
+    detached: set[str] = set()  # parameters read with gradients off somewhere
     for node in gm.graph.nodes:
         names = set().union(*(read.get(n, set()) for n in node.all_input_nodes)) if node.all_input_nodes else set()
         if node.op == "get_attr" and node.target in params:
             names = {node.target}
+        if node.target is torch.ops.aten.detach.default:
+            detached |= names
         if node in position:
             for name in names:
                 readers.setdefault(name, []).append(position[node])
@@ -177,7 +182,9 @@ def _splitting_params(gm: fx.GraphModule, order: list[fx.Node], candidates: list
             read[node] = names  # a weight transposed or cast: its readers read the weight
     lo, hi = min(candidates, default=0), max(candidates, default=0)
     refused: set[int] = set()
-    for where in readers.values():
+    for name, where in readers.items():
+        if name not in detached:
+            continue
         first, last = min(where), max(where)
         if last > first and not (first <= lo and last > hi):
             refused.update(range(first, last))

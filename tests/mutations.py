@@ -257,6 +257,10 @@ MUTANTS = (
            "    _inline_no_grad(gm)\n", "\n",
            "a torch.no_grad() region stays a call of a submodule that no rule sees into",
            ("tests/test_capture.py::test_a_no_grad_region_is_inlined_with_its_inputs_detached",)),
+    Mutant("pp-refuses-every-shared-weight", "passes/partition.py",
+           "        if name not in detached:\n            continue\n", "",
+           "a cut that leaves any weight on two stages is refused: MPNet's stages stay unbalanced",
+           ("tests/test_partition.py::test_a_weight_read_on_both_sides_of_a_cut_is_held_by_both_stages",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",

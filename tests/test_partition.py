@@ -134,10 +134,10 @@ def test_a_router_s_integer_picks_do_not_pin_every_later_cut():
         assert stage.parameters, "every stage holds experts"
 
 
-def test_a_weight_read_on_both_sides_of_a_cut_is_not_split():
+def test_a_weight_read_on_both_sides_of_a_cut_is_held_by_both_stages():
     """MPNet hands every layer a relative position bias computed from one weight, so only cuts near the ends leave
-    that weight on one side; a cut between layers would have two stages hold it. Each stage's parameter bytes and
-    the largest share are reported."""
+    that weight on one side; a cut between layers has two stages hold it (their gradients summed), which balances
+    the parameters. Each stage's parameter bytes and the largest share are reported."""
     import warnings
 
     from corpus.architectures import build as build_corpus
@@ -157,9 +157,9 @@ def test_a_weight_read_on_both_sides_of_a_cut_is_not_split():
         part = built.partition
         assert len(part.param_bytes) == 2 and sum(part.param_bytes) > 0
         shares[balance] = part.largest_param_share
-    # the cuts that balance it would leave the bias's weight read on both sides of a cut (a weight two stages
-    # hold, which no cut of the residual stream splits): refused, so memory balance gains nothing here
-    assert shares["both"] == shares["time"] == shares["memory"] and shares["both"] > 0.7, shares
+    # the cuts that balance it leave the bias's weight read on both sides (two stages hold it): allowed, as the
+    # weight is read only with gradients (one read without them is what stays refused: HY-v4's indexer)
+    assert shares["memory"] <= shares["both"] <= 0.6 and shares["both"] <= shares["time"], shares
 
 
 @pytest.mark.parametrize("name", ["kimi_linear", "roc_bert"])
