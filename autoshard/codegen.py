@@ -141,7 +141,7 @@ def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Shard
     if not stage.receives:
         return sharding
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
-    prop = propagate(whole, seeds, plan.size, partial_outputs=True)
+    prop = propagate(whole, seeds, plan.size, partial_outputs=True, sequence=plan.seq_len)
     by_name = {n.name: n for n in whole.graph.nodes}
     received = {n.target: prop.of(by_name[n.meta[meta.RECEIVED]]) for n in stage.gm.graph.nodes
                 if n.op == "placeholder" and meta.RECEIVED in n.meta}

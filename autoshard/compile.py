@@ -172,6 +172,8 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
     build = RankBuild(captured, mesh, coords, options, programs={})
     build.tp_plan = _tp_plan(captured, mesh, options, like, build.notes)
     build.cp_plan = _cp_plan(captured, mesh, options, like)
+    if build.cp_plan is not None and build.cp_plan.note and like is None:
+        build.notes.append(build.cp_plan.note)
     sharding = codegen.Sharding(
         tp_plan=build.tp_plan, tp_rank=coords["tp"], cp_plan=build.cp_plan, cp_rank=coords["cp"],
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,

@@ -47,6 +47,7 @@ class ContextParallelPlan:
     seq_len: int = 0
     load_balance: bool = False
     attention: str = "gather"  # or "ring"
+    note: str = ""  # what the split leaves whole, when no attention takes it (said as a warning)
 
     def positions(self, rank: int) -> torch.Tensor:
         """The global token positions ``rank`` holds, in the order it holds them."""
@@ -72,34 +73,35 @@ def plan_context_parallel(
     found: dict[str, int] = {}
     for node in placeholders:
         for dim in range(1, _ndim(node)):
-            if _splits_attention(gm, {node.target: Shard(dim)}, size):
+            if _splits_attention(gm, {node.target: Shard(dim)}, size, _shape(gm, node.target)[dim]):
                 found[node.target] = dim
                 break
+    note = ""
     if not found:
-        raise ContextParallelError(
-            "context parallelism found no input whose split reaches attention as a split of the queries: the "
-            "model's sequence dim could not be found (inputs of shape (batch, sequence, ...) are expected)"
-        )
+        found, note = _token_split(gm, placeholders, size)
     seeds = {name: Shard(dim) for name, dim in found.items()}
-    base = propagate(gm, seeds, size, partial_outputs=True)
+    sequence = _shape(gm, next(iter(found)))[next(iter(found.values()))]
+    base = propagate(gm, seeds, size, partial_outputs=True, sequence=sequence)
     for node in placeholders:
         if node.target in found:
             continue
         for dim in range(1, _ndim(node)):
-            trial = propagate(gm, {**seeds, node.target: Shard(dim)}, size, partial_outputs=True)
+            if _shape(gm, node.target)[dim] != sequence:
+                continue
+            trial = propagate(gm, {**seeds, node.target: Shard(dim)}, size, partial_outputs=True, sequence=sequence)
             if cost(trial)[:2] < cost(base)[:2]:
                 found[node.target], base = dim, trial
                 break
     lengths = {_shape(gm, name)[dim] for name, dim in found.items()}
     if len(lengths) != 1:
         raise ContextParallelError(f"inputs {found} have different sequence lengths {sorted(lengths)}")
-    plan = ContextParallelPlan(size, found, lengths.pop(), load_balance, attention)
+    plan = ContextParallelPlan(size, found, lengths.pop(), load_balance, attention, note)
     check_divisible(plan)
     return plan
 
 
-def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int) -> bool:
-    prop = propagate(gm, seeds, size, partial_outputs=True)
+def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, sequence: int) -> bool:
+    prop = propagate(gm, seeds, size, partial_outputs=True, sequence=sequence)
     for node in gm.graph.nodes:
         if node.target is aten.scaled_dot_product_attention.default:
             q = node.args[0]
@@ -110,6 +112,35 @@ def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int
             if prop.of(x) == Shard(_ndim(x) - 2) and node.args[1] in (-1, _ndim(x) - 1):
                 return True
     return False
+
+
+def _token_split(gm: fx.GraphModule, placeholders: list[fx.Node], size: int) -> tuple[dict[str, int], str]:
+    """No attention takes a split sequence (a recurrent or convolutional mixer, or attention the split cannot
+    reach): split the token ids' sequence dim when the split reaches the graph's output (a loss summed per rank,
+    or per-token outputs). Token-wise layers run on each rank's tokens; every op that mixes tokens runs on the
+    whole, gathered sequence on every rank: exact, and the note says what stays whole."""
+    stops = ""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in placeholders:
+        if node.meta["val"].is_floating_point():
+            continue
+        prop = propagate(gm, {node.target: Shard(1)}, size, partial_outputs=True, sequence=node.meta["val"].shape[1])
+        whole = [n for n, d in prop.decisions.items() if d.fallback and n.op == "call_function"
+                 and not n.name.startswith("_guards")]
+        named = "; ".join(f"{n.target} ({(meta.source_line(n) or n.name).strip()})" for n in whole[:3])
+        named += f" and {len(whole) - 3} more" if len(whole) > 3 else ""
+        if not any(isinstance(prop.of(n), (Partial, Shard)) for n in output.all_input_nodes):
+            stops = stops or f"; the split of {node.target}'s dim 1 stops at: {named}"
+            continue
+        return {node.target: 1}, (
+            f"context parallelism found no attention over the split sequence of {node.target}: it splits the "
+            f"token-wise layers over the cp ranks, and the {len(whole)} op(s) that mix tokens run on the whole "
+            f"sequence on every rank ({named}), which saves less memory and time than split attention")
+    raise ContextParallelError(
+        "context parallelism found no input whose split reaches attention as a split of the queries, nor token "
+        "ids whose split reaches the loss: the model's sequence dim could not be found (inputs of shape (batch, "
+        f"sequence, ...) are expected){stops}; train it without cp (with tp, pp or dp)"
+    )
 
 
 def check_divisible(plan: ContextParallelPlan) -> None:
@@ -152,6 +183,7 @@ def context_parallel_pass(
         return gm
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
     prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring",
+                     sequence=plan.seq_len,
                      keep_outputs=keep_outputs)
     rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp",
                            localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, plan)})
@@ -214,18 +246,19 @@ def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causa
 
 
 def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: Shard) -> None:
-    """A value gathered or scattered on the cp axis holds whole sequences along its split dim; else the split is
-    refused here, at compile time, naming the model's line (at run time it would fail inside the collective)."""
+    """A value gathered or scattered on the cp axis holds whole sequences along its split dim (in each block, the
+    sequence outermost: a reshape of (tokens, heads) into one dim); else the split is refused here, at compile
+    time, naming the model's line (at run time it would fail inside the collective)."""
     val = node.meta.get("val")
-    count = 1 if placement.blocks is None else len(placement.blocks)
-    size = val.shape[placement.dim] if isinstance(val, torch.Tensor) else count * plan.seq_len
-    if size != count * plan.seq_len:
+    sizes = list(placement.blocks) if placement.blocks is not None else (
+        [val.shape[placement.dim]] if isinstance(val, torch.Tensor) else [plan.seq_len])
+    if any(size % plan.seq_len for size in sizes):
         where = meta.source_line(node) or meta.module_path(node) or node.name
         raise ContextParallelError(
             f"context parallelism cannot split the sequence through {node.name} ({where}): its dim {placement.dim} "
-            f"of size {size} would have to hold {count} sequence(s) of length {plan.seq_len}; the model merges the "
-            "sequence with an inner dim there (a reshape of (tokens, heads) into one dim), which the split cannot "
-            "follow yet: train it without cp (with tp, pp or dp)"
+            f"in parts of {sizes} would have to hold whole sequences of length {plan.seq_len}; the model merges "
+            "part of the sequence with another dim there, which the split cannot follow yet: train it without cp "
+            "(with tp, pp or dp)"
         )
 
 
@@ -233,12 +266,18 @@ def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: 
 
 
 def _rank_index(layout: list[torch.Tensor], rank: int, n: int, blocks) -> torch.Tensor:
-    """Indices along a dim of ``n`` that ``rank`` holds: its positions within every block of one sequence."""
+    """Indices along a dim of ``n`` that ``rank`` holds: in every block, its positions of the sequence, each with the
+    inner elements a block merges with it (a block of ``k * seq`` holds ``(seq, k)``, the sequence outermost)."""
     seq = len(layout) * len(layout[0])
-    count = 1 if blocks is None else len(blocks)
-    if count * seq != n:
-        raise ValueError(f"a sequence-split dim of {n} is not {count} block(s) of the sequence length {seq}")
-    return torch.cat([b * seq + layout[rank] for b in range(count)])
+    sizes = [n] if blocks is None else list(blocks)
+    if sum(sizes) != n or any(size % seq for size in sizes):
+        raise ValueError(f"a sequence-split dim of {n} in blocks {sizes} is not whole sequences of length {seq}")
+    parts, start = [], 0
+    for size in sizes:
+        inner = size // seq
+        parts.append(start + (layout[rank][:, None] * inner + torch.arange(inner)).flatten())
+        start += size
+    return torch.cat(parts)
 
 
 class _Scatter(torch.autograd.Function):

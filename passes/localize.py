@@ -180,9 +180,13 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
 
     source = rw.placement(node.args[0])
     shape = rw.original(node.args[0]).meta["val"].shape
-    if not isinstance(source, Shard) or source.blocks is None or arg(node, "dim") % len(shape) != source.dim:
+    if (not isinstance(source, Shard) or not isinstance(rw.placement(node), Shard)
+            or arg(node, "dim") % len(shape) != source.dim or slice_bounds(node, shape[source.dim]) is None):
         return
     start, end = slice_bounds(node, shape[source.dim])
+    if source.blocks is None:  # the whole dim (x[:, -n:] of a dim of n): the whole local part, not its last n
+        node.args, node.kwargs = (node.args[0], source.dim, 0, None, 1), {}
+        return
     node.args = (node.args[0], source.dim, start // rw.size, end // rw.size, 1)
     node.kwargs = {}
 

@@ -21,7 +21,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
-from autoshard.passes.rules import Context, Decision, decide
+from autoshard.passes.rules import Context, Decision, decide, replicate_all
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Propagation:
     ring_attention: bool = False  # attention over a split sequence passes keys around instead of gathering
     keep_outputs: bool = False  # outputs stay as placed (a pipeline stage hands split activations on)
     pending_sums: bool = False  # a sum over the split dim stays Partial until a consumer needs it (tp; see Context)
+    sequence: int = 0  # cp: the sequence length; a split dim must hold whole sequences (see _decide)
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
@@ -66,10 +67,11 @@ def propagate(
     ring_attention: bool = False,
     keep_outputs: bool = False,
     pending_sums: bool = False,
+    sequence: int = 0,
 ) -> Propagation:
     """Placements of every node of ``gm`` given the placements ``seeds`` of parameters and inputs."""
     result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention,
-                         keep_outputs=keep_outputs, pending_sums=pending_sums)
+                         keep_outputs=keep_outputs, pending_sums=pending_sums, sequence=sequence)
     nodes = list(gm.graph.nodes)
     if base is None:
         todo = nodes
@@ -134,7 +136,18 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
     if node.op not in ("call_function", "call_module"):
         return R, None
     decision = decide(node, ctx)
+    if result.sequence and not _whole_sequences(decision.out, node, result.sequence):
+        # The sequence split would move into a dim that holds no whole sequences (a reshape of tokens into chunks
+        # of a linear attention): no gather could put such a value back in order, so gather before it instead.
+        decision = replicate_all(node, ctx, reason=f"{node.target}: would split the sequence into parts of a dim")
     return decision.out, decision
+
+
+def _whole_sequences(out, node: fx.Node, sequence: int) -> bool:
+    val = node.meta.get("val")
+    if not isinstance(out, Shard) or not isinstance(val, torch.Tensor) or out.dim >= val.dim():
+        return True
+    return val.shape[out.dim] % sequence == 0
 
 
 def redistributions(prop: Propagation) -> list[Redistribution]:

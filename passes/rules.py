@@ -268,6 +268,21 @@ for _name in _IN_PLACE:
     RULES[getattr(aten, _name)] = _pointwise_in_place
 
 
+@rule(aten.index_put.default, aten.index_put_.default)
+def _masked_put(node: fx.Node, ctx: Context) -> Decision:
+    """``x[mask] = value`` with a boolean mask of ``x``'s shape and one value for every masked element: element-wise
+    (a ``masked_fill``), so each rank writes its own part. Any other indexing replicates."""
+    x, indices, values = node.args[0], arg(node, "indices"), arg(node, "values")
+    mask = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
+    if (mask is None or mask.meta["val"].dtype != torch.bool or ctx.shape(mask) != ctx.shape(x)
+            or not isinstance(values, fx.Node) or values.meta["val"].numel() != 1 or arg(node, "accumulate")):
+        return replicate_all(node, ctx)
+    p = ctx.of(x)
+    if not isinstance(p, Shard) or ctx.of(mask) not in (p, R) or ctx.of(values) != R:
+        return replicate_all(node, ctx)
+    return Decision(p, {mask: p} if ctx.of(mask) == R else {})  # x keeps its split: a write in place stays local
+
+
 # --------------------------------------------------------------------------------------- dims and views
 
 
@@ -548,8 +563,7 @@ def slice_bounds(node: fx.Node, size: int) -> tuple[int, int] | None:
 def _whole_slice(node: fx.Node, size: int) -> bool:
     if node.target is not aten.slice.Tensor:
         return False
-    start, end, step = arg(node, "start"), arg(node, "end"), arg(node, "step")
-    return start in (None, 0) and (end is None or end >= size) and step == 1
+    return slice_bounds(node, size) == (0, size)  # x[:, :], x[:, -n:] of a dim of n
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
@@ -635,6 +649,9 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
         if all(b % ctx.size == 0 for b in blocks):
             return Decision(Shard(dim, blocks))
     (p,) = shards if len(shards) == 1 else (None,)
+    joined = [t for t in tensors if ctx.shape(t)[dim] != 0]
+    if p is not None and p.dim == dim and joined == [t for t in tensors if ctx.of(t) == p] and len(joined) == 1:
+        return Decision(p)  # an empty cache joined to the split sequence along it: the split, unchanged
     if p is None or p.dim == dim:
         return replicate_all(node, ctx)
     return Decision(p, {t: p for t in tensors if ctx.of(t) != p})

@@ -298,6 +298,46 @@ def token_mixing_op(cp: int) -> tuple[bool, list[str]]:
     return report.ok, [str(w.message) for w in caught if "cp sharding rule" in str(w.message)]
 
 
+class _ConvLM(torch.nn.Module):
+    """A language model with no attention: a causal depthwise convolution mixes the tokens (a recurrent mixer's
+    stand-in), MLPs and the head work token by token."""
+
+    def __init__(self, vocab: int = 64, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.conv = torch.nn.Conv1d(width, width, 3, padding=2, groups=width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        h = h + self.conv(h.transpose(1, 2))[..., :idx.shape[1]].transpose(1, 2)
+        h = h + self.mlp(self.norm(h))
+        return self.head(h)
+
+
+def attention_free_model(cp: int, load_balance: bool) -> tuple[bool, list[str]]:
+    """No attention takes the split: token-wise layers split, the convolution run whole, said once, exact."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _ConvLM()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(logits, t):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+    mesh = autoshard.Mesh(cp=cp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = autoshard.verify(model, mesh, (ids,), loss_fn, target=target, groups=groups_for(mesh),
+                                  cp_load_balance=load_balance)
+    return report.ok, [str(w.message) for w in caught if "no attention" in str(w.message)]
+
+
 class _OddMLP(torch.nn.Module):
     """column -> an op no rule knows (cumsum over the hidden features) -> row."""
 

@@ -50,6 +50,15 @@ def test_an_op_that_mixes_tokens_is_gathered_with_a_warning(pools):
     assert not quiet, "a warning is said once per job, by rank 0"
 
 
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
+def test_a_model_without_attention_splits_its_token_wise_layers(pools, load_balance):
+    """A mixer no cp rule splits (a causal convolution, a recurrence) runs on the whole sequence; the rest splits."""
+    (ok0, said), (ok1, quiet) = pools.get(2).run(golden.attention_free_model, 2, load_balance)
+    assert ok0 and ok1
+    assert any("aten.conv1d" in m and "token-wise layers" in m for m in said), said
+    assert not quiet, "a warning is said once per job, by rank 0"
+
+
 def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
     from autoshard.capture import capture
     from autoshard.passes.context_parallel import ContextParallelError, plan_context_parallel
@@ -97,14 +106,31 @@ def test_every_layer_shares_one_causal_mask_of_global_positions():
 
 
 def test_a_split_value_that_is_not_whole_sequences_is_refused_at_compile_time():
-    """(batch, seq, heads) merged into one dim (Qwen3.5's ``z.reshape(-1, head_dim)``): the tokens are not whole
-    sequences along it, so no gather or scatter can move it; refused while building, before any collective."""
+    """A split dim whose blocks are not whole sequences (a reshape cut the sequence into chunks) cannot be gathered
+    or scattered: refused while building, before any collective. (batch, seq, heads) merged into one dim, the
+    sequence outermost in each block (Qwen3.5's ``z.reshape(-1, head_dim)``), moves."""
     value = fx.Graph().placeholder("z")
     value.meta["val"] = torch.empty(2 * 12 * 4, 8, device="meta")
     plan = ContextParallelPlan(size=2, seq_len=12)
-    with pytest.raises(ContextParallelError, match=r"size 96 would have to hold 2 sequence\(s\) of length 12"):
-        _check_whole_sequences(plan, value, Shard(0, blocks=(48, 48)))
-    _check_whole_sequences(plan, value, Shard(0, blocks=(12,) * 8))  # eight whole sequences: moves
+    with pytest.raises(ContextParallelError, match=r"in parts of \[18, 78\] would have to hold whole sequences"):
+        _check_whole_sequences(plan, value, Shard(0, blocks=(18, 78)))
+    _check_whole_sequences(plan, value, Shard(0, blocks=(48, 48)))  # two sequences of (12 tokens x 4 heads)
+    _check_whole_sequences(plan, value, Shard(0, blocks=(12,) * 8))  # eight whole sequences
+
+
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_a_sequence_merged_with_heads_is_indexed_by_its_tokens(load_balance):
+    """A rank's part of ``x.reshape(B * T * H)`` is its tokens' rows of ``x``, flattened: each block holds
+    (T, H), the sequence outermost, and every position carries its H inner elements."""
+    from autoshard.passes.context_parallel import _rank_index
+
+    plan = ContextParallelPlan(size=2, seq_len=8, load_balance=load_balance)
+    layout = [plan.positions(r) for r in range(2)]
+    x = torch.arange(3 * 8 * 4).reshape(3, 8, 4)
+    for rank in range(2):
+        mine = x.index_select(1, layout[rank]).reshape(-1)
+        assert torch.equal(x.reshape(-1)[_rank_index(layout, rank, 96, (32,) * 3)], mine)
+        assert torch.equal(x[0].reshape(-1)[_rank_index(layout, rank, 32, None)], x[0, layout[rank]].reshape(-1))
 
 
 @pytest.mark.parametrize("attention", ["gather", "ring"])

@@ -59,6 +59,7 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.slice.Tensor, (rand(4, 6), 1, 0, 3), {}, {0: Shard(1)}, R),
     (aten.slice.Tensor, (rand(4, 6), 1, 0, BIG), {}, {0: Shard(1)}, Shard(1)),
     (aten.slice.Tensor, (rand(4, 6), -1, None, None), {}, {0: Shard(1)}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 6), 1, -6, BIG), {}, {0: Shard(1)}, Shard(1)),  # x[:, -n:] of a dim of n
     (aten.slice.Tensor, (rand(4, 6), 1, 0, None, 2), {}, {0: Shard(1)}, R),
     (aten.slice.Tensor, (rand(4, 6),), {"dim": 1, "start": 2}, {0: Shard(1)}, R),
     # whole blocks of a fused projection (phi3's qkv[..., :q], qkv[..., q:q + k], qkv[..., q + k:])
@@ -107,6 +108,14 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.cat.default, ([rand(4, 2), rand(6, 2, seed=1)], 0), {}, {0: Shard(0)}, R),
     # an empty 1-D start (a key/value cache before its first update) takes no part, whatever its placement
     (aten.cat.default, ([torch.zeros(0), rand(2, 4, 6, seed=1)], 2), {}, {1: Shard(1)}, Shard(1)),
+    # an empty cache joined along the split sequence (XLM's): the split, unchanged
+    (aten.cat.default, ([torch.zeros(2, 0, 6), rand(2, 4, 6, seed=1)], 1), {}, {1: Shard(1)}, Shard(1)),
+    # x[mask] = value, one value for every masked element: element-wise
+    (aten.index_put.default, (x3, [rand(2, 4, 6, seed=3) > 0], torch.tensor(0.5)), {}, {0: Shard(1), 1: Shard(1)},
+     Shard(1)),
+    (aten.index_put.default, (x3, [rand(2, 4, 6, seed=3) > 0], torch.tensor(0.5)), {}, {0: Shard(2)}, Shard(2)),
+    (aten.index_put.default, (x3, [rand(2, 4, 6, seed=3) > 0], rand(1)), {}, {1: Shard(1)}, R),
+    (aten.index_put.default, (x3, [torch.tensor([1, 0])], rand(4, 6)), {}, {0: Shard(1)}, R),  # rows: replicated
     (aten.unflatten.int, (x3, -1, [2, 3]), {}, {0: Shard(2)}, Shard(2)),
     (aten.unflatten.int, (rand(4, 12), 1, [3, 4]), {}, {0: QKV}, Shard(2)),  # torch's packed in_proj as (3, width)
     (aten.unflatten.int, (rand(4, 12), 0, [2, 2]), {}, {0: Shard(1)}, Shard(2)),
@@ -244,6 +253,7 @@ IN_PLACE_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.mul_.Tensor, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
     (aten.div_.Scalar, (x3, 4.0), {}, {0: Shard(0)}, Shard(0)),
     (aten.masked_fill_.Scalar, (x3, mask, -1.0), {}, {0: Shard(1)}, Shard(1)),
+    (aten.index_put_.default, (x3, [mask], torch.tensor(-1.0)), {}, {0: Shard(1)}, Shard(1)),
     (aten.copy_.default, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
     # the written tensor whole, the other split: splitting it would write into a copy that the model's state
     # (here a parameter) never sees, so the split operand is gathered instead
