@@ -251,7 +251,7 @@ def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
         if all(captured.input_shapes[names.index(name)][dim] == plan.seq_len for name, dim in present):
             return plan  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
     return plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
-                                 attention=options.cp_attention)
+                                 attention=options.cp_attention, tp=mesh.tp)
 
 
 def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | None,

@@ -19,14 +19,15 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 CHOICES = {
     "schedule": ("gpipe", "1f1b", "interleaved"),
     "tp_indivisible": ("error", "replicate"),
-    "cp_attention": ("gather", "ring"),
+    "cp_attention": ("gather", "ring", "alltoall"),
     "mixed_precision": (None, "bf16"),
     "data_parallel": ("ddp", "fsdp"),
     "pipeline_balance": ("both", "time", "memory"),
 }
 _MEANINGS = {
     "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
-    "cp_attention": "'gather' (all-gather keys and values) or 'ring' (pass key/value blocks around the cp ranks)",
+    "cp_attention": "'gather' (all-gather keys and values), 'ring' (pass key/value blocks around the cp ranks) or "
+                    "'alltoall' (all-to-all the sequence split into a head split for attention)",
     "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
@@ -53,7 +54,9 @@ class CompileOptions:
         share of the training time and its share of the parameters, whose gradients and optimizer state
         scale with them), ``"time"`` or ``"memory"``.
     cp_attention: how attention sees the keys of a split sequence: ``"gather"`` (all-gather keys and
-        values) or ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them).
+        values), ``"ring"`` (pass key/value blocks around the cp ranks; no rank holds all of them) or
+        ``"alltoall"`` (Ulysses: an all-to-all turns the sequence split into a split of the heads for
+        attention, and back; the heads each rank holds must divide by cp).
     cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
     mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
     activation_checkpointing: recompute each stage's activations in backward instead of keeping them.

@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from autoshard import meta
 from autoshard.passes import localize
+from autoshard.passes.collectives import _ParallelOp
 from autoshard.passes.placements import Partial, Placement, Shard
 from autoshard.passes.propagate import cost, propagate, requires_grad
 from autoshard.passes.rules import arg
@@ -46,7 +47,7 @@ class ContextParallelPlan:
     inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> sequence dim
     seq_len: int = 0
     load_balance: bool = False
-    attention: str = "gather"  # or "ring"
+    attention: str = "gather"  # or "ring", "alltoall"
     note: str = ""  # what the split leaves whole, when no attention takes it (said as a warning)
 
     def positions(self, rank: int) -> torch.Tensor:
@@ -64,11 +65,12 @@ class ContextParallelPlan:
 
 
 def plan_context_parallel(
-    gm: fx.GraphModule, size: int, *, load_balance: bool = False, attention: str = "gather"
+    gm: fx.GraphModule, size: int, *, load_balance: bool = False, attention: str = "gather", tp: int = 1
 ) -> ContextParallelPlan:
-    """Find the sequence dims of ``gm``'s inputs by propagation."""
-    if attention not in ("gather", "ring"):
-        raise ValueError(f"attention={attention!r}: choose 'gather' (all-gather keys and values) or 'ring'")
+    """Find the sequence dims of ``gm``'s inputs by propagation (``tp``: the degree that divides the heads first)."""
+    if attention not in ("gather", "ring", "alltoall"):
+        raise ValueError(f"attention={attention!r}: choose 'gather' (all-gather keys and values), 'ring' (pass them "
+                         "around the cp ranks) or 'alltoall' (split heads instead of the sequence for attention)")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and _ndim(n) >= 2]
     found: dict[str, int] = {}
     for node in placeholders:
@@ -97,7 +99,27 @@ def plan_context_parallel(
         raise ContextParallelError(f"inputs {found} have different sequence lengths {sorted(lengths)}")
     plan = ContextParallelPlan(size, found, lengths.pop(), load_balance, attention, note)
     check_divisible(plan)
+    if attention == "alltoall":
+        _check_heads(gm, size, tp)
     return plan
+
+
+def _check_heads(gm: fx.GraphModule, size: int, tp: int) -> None:
+    """All-to-all attention gives each cp rank ``1/cp`` of the heads a tp rank holds: refuse, before any collective,
+    a head count ``tp x cp`` does not divide, naming the degrees that work."""
+    for node in gm.graph.nodes:
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        counts = {t.meta["val"].shape[-3] for t in node.args[:3] if t.meta["val"].dim() >= 3}
+        bad = [c for c in counts if c % (tp * size)]
+        if bad:
+            works = [c for c in range(1, min(counts) + 1) if all(h % (tp * c) == 0 for h in counts)]
+            where = meta.source_line(node) or node.name
+            held = f" (each of tp={tp} ranks holds 1/{tp} of them)" if tp > 1 else ""
+            raise ContextParallelError(
+                f"cp attention 'alltoall' splits the heads of attention over the cp ranks, but attention at {where} "
+                f"has {sorted(counts)} query/key/value heads{held}, which cp={size} does not divide: use cp in "
+                f"{works}, or cp attention 'gather' or 'ring'")
 
 
 def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, sequence: int) -> bool:
@@ -182,7 +204,7 @@ def context_parallel_pass(
     if plan.size == 1:
         return gm
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
-    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention == "ring",
+    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention != "gather",
                      sequence=plan.seq_len,
                      keep_outputs=keep_outputs)
     rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp",
@@ -220,6 +242,9 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     if plan.attention == "ring":
         _ring(node, rw, plan, causal)
         return
+    if plan.attention == "alltoall":
+        _all_to_all(node, rw, plan)
+        return
     if not causal:
         return
     name = f"cp_causal_mask_{plan.seq_len}"  # one (T/c x T) mask of this rank's positions, shared by every layer
@@ -243,6 +268,49 @@ def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causa
                            **rw.collective_args)
     inputs = (q, k, v) if mask is None else (q, k, v, mask)
     rw.replace(node, rw.module(module, inputs, before=node, like=node))
+
+
+def _all_to_all(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan) -> None:
+    """Ulysses: all-to-all q, k and v from this rank's positions of every head to this rank's heads over the whole
+    sequence, attend as the model wrote it (its causal flag and scale hold: the sequence is whole and in order),
+    and all-to-all the output back. A mask's query rows are gathered and its heads (if it has its own) cut to this
+    rank's."""
+    q, k, v = node.args[:3]
+    seq = q.meta["val"].dim() - 2
+    layout = [plan.positions(r) for r in range(plan.size)]
+    exchange = {"heads": seq - 1, "seq": seq, "layout": layout, **rw.collective_args}
+    args = list(node.args)
+    for i, t in enumerate((q, k, v)):
+        args[i] = rw.module(SequenceToHeads(**exchange), (t,), before=node, like=t)
+    mask = arg(node, "attn_mask")
+    if isinstance(mask, fx.Node):
+        shift = seq + 2 - mask.meta["val"].dim()  # broadcast: the mask lines up with q's trailing dims
+        if seq - shift >= 0 and mask.meta["val"].shape[seq - shift] != 1:
+            # the attention rule gave it this rank's query rows (see _mask_rows): the whole sequence's, in order
+            mask = rw.module(SequenceGather(dim=seq - shift, blocks=None, layout=layout, **rw.collective_args),
+                             (mask,), before=node, like=mask)
+        if seq - 1 - shift >= 0 and mask.meta["val"].shape[seq - 1 - shift] != 1:
+            mask = rw.module(_HeadPart(dim=seq - 1 - shift, **rw.collective_args), (mask,), before=node, like=mask)
+        if len(args) > 3:
+            args[3] = mask
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": mask}
+    node.args = tuple(args)
+    out = rw.module(HeadsToSequence(**exchange), (node,), before=node.next, like=node)
+    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    if node in rw.grad:
+        rw.grad.add(out)
+
+
+class _HeadPart(nn.Module):
+    """This cp rank's heads of a mask that has its own per head (ALiBi's biases): its chunk along ``dim``."""
+
+    def __init__(self, *, dim: int, group, size: int, rank: int) -> None:
+        super().__init__()
+        self.dim, self.size, self.rank = dim, size, rank
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.chunk(self.size, dim=self.dim)[self.rank]
 
 
 def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: Shard) -> None:
@@ -371,3 +439,93 @@ class SequenceGather(_SequenceOp):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Gather.apply(x, self.dim, x.shape[self.dim] * self.size, self)
+
+
+# ------------------------------------------------------------------------------- all-to-all (Ulysses) attention
+
+
+class _AllToAll(torch.autograd.Function):
+    """Sequence split <-> head split over the cp ranks; the backward is the other direction."""
+
+    @staticmethod
+    def forward(ctx, x, op, to_heads: bool):
+        ctx.op, ctx.to_heads = op, to_heads
+        return op.to_heads(x) if to_heads else op.to_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = ctx.op
+        return (op.to_sequence(grad) if ctx.to_heads else op.to_heads(grad)), None, None
+
+
+class _HeadExchange(_ParallelOp):
+    """All-to-all between a split sequence (this rank's positions ``layout[rank]`` of dim ``seq``, every head of
+    dim ``heads``) and split heads (this rank's ``1/c`` of the heads, the whole sequence in natural order)."""
+
+    calls = (1, 1)
+
+    def __init__(self, *, heads: int, seq: int, layout: list[torch.Tensor], group, size: int, rank: int) -> None:
+        super().__init__(group=group, size=size, rank=rank)
+        self.heads, self.seq = heads, seq
+        self.order = torch.cat([torch.as_tensor(p, dtype=torch.long) for p in layout])  # positions as received
+        self.natural = torch.argsort(self.order)
+
+    def _exchange(self, parts: torch.Tensor) -> torch.Tensor:
+        """``parts[j]`` goes to rank ``j``; returns what every rank sent this one, in rank order."""
+        group = self._run_group()
+        if group is None:
+            return parts
+        out = torch.empty_like(parts)
+        dist.all_to_all_single(out, parts.contiguous(), group=group)
+        return out
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[self.heads] % self.size:
+            works = [c for c in range(1, x.shape[self.heads] + 1) if x.shape[self.heads] % c == 0]
+            raise ValueError(f"{type(self).__name__}: {x.shape[self.heads]} heads (dim {self.heads} of "
+                             f"{tuple(x.shape)}) do not split over cp={self.size}: all-to-all attention needs the "
+                             f"heads each rank holds to divide by cp; use cp in {works}, or cp attention 'gather' "
+                             "or 'ring'")
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(.., H, T/c, ..) of this rank's positions -> (.., H/c, T, ..) of this rank's heads, positions in order."""
+        self._check(x)
+        parts = torch.stack(x.chunk(self.size, dim=self.heads))  # part j: the heads rank j will hold
+        got = self._exchange(parts)  # got[r]: rank r's positions of this rank's heads
+        whole = torch.cat(got.unbind(0), dim=self.seq)
+        return whole.index_select(self.seq, self.natural.to(x.device))
+
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse: (.., H/c, T, ..) of this rank's heads -> (.., H, T/c, ..) of this rank's positions."""
+        ordered = x.index_select(self.seq, self.order.to(x.device))
+        parts = torch.stack(ordered.chunk(self.size, dim=self.seq))  # part j: rank j's positions
+        got = self._exchange(parts)  # got[r]: this rank's positions of rank r's heads
+        return torch.cat(got.unbind(0), dim=self.heads)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, seq={self.seq}, size={self.size}, rank={self.rank}"
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        moved = int(torch.Size(input_shape).numel()) * elem_size * (self.size - 1) // self.size
+        return moved, moved
+
+
+class SequenceToHeads(_HeadExchange):
+    """Before attention: every head's queries (keys, values) of this rank's positions become this rank's heads
+    over the whole sequence (Ulysses); backward, the inverse all-to-all."""
+
+    kind, backward_kind = "all_to_all", "all_to_all"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _AllToAll.apply(x, self, True)
+
+
+class HeadsToSequence(_HeadExchange):
+    """After attention: this rank's heads over the whole sequence become every head of this rank's positions."""
+
+    kind, backward_kind = "all_to_all", "all_to_all"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _AllToAll.apply(x, self, False)
+        # laid out like attention's output, heads inside the sequence in memory, which models view after a transpose
+        return out.transpose(self.heads, self.seq).contiguous().transpose(self.heads, self.seq)

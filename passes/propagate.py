@@ -21,7 +21,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
-from autoshard.passes.rules import Context, Decision, decide, replicate_all
+from autoshard.passes.rules import Context, Decision, decide, is_view, read_after, replicate_all, written_inputs
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Propagation:
     keep_outputs: bool = False  # outputs stay as placed (a pipeline stage hands split activations on)
     pending_sums: bool = False  # a sum over the split dim stays Partial until a consumer needs it (tp; see Context)
     sequence: int = 0  # cp: the sequence length; a split dim must hold whole sequences (see _decide)
+    whole: set[fx.Node] = field(default_factory=set)  # values kept replicated: a later write needs them whole
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
@@ -80,8 +81,31 @@ def propagate(
         result.decisions = dict(base.decisions)
         changed = {t for t in set(seeds) | set(base.seeds) if seeds.get(t, R) != base.seeds.get(t, R)}
         todo = [n for n in nodes if n.op in ("get_attr", "placeholder") and n.target in changed]
+        result.whole = set(base.whole)
     _run(result, nodes, todo)
+    while lost := _lost_writes(result, nodes) - result.whole:
+        result.whole |= lost
+        _run(result, nodes, list(lost))
     return result
+
+
+def _lost_writes(result: Propagation, nodes: list[fx.Node]) -> set[fx.Node]:
+    """Values the model writes in place through a view that reads a redistributed copy of them (``out[:, t] = x``
+    with ``out`` split along ``t``): the write would land in the copy while later readers see the original. Such a
+    value must be computed replicated, so the view and the write are local (see ``propagate``)."""
+    lost = set()
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        for written in written_inputs(node):
+            base, copied = written, False
+            while base.op == "call_function" and is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+                decision = result.decisions.get(base)
+                copied = copied or (decision is not None and base.args[0] in decision.want)
+                base = base.args[0]
+            if copied and base.op == "call_function" and read_after(written, node):
+                lost.add(base)
+    return lost
 
 
 def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
@@ -135,6 +159,10 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
         return (parent[node.args[1]] if isinstance(parent, tuple) else parent), None
     if node.op not in ("call_function", "call_module"):
         return R, None
+    if node in result.whole:
+        decision = replicate_all(node, ctx, reason=f"{node.target}: written in place later through a view that "
+                                                   "needs it whole")
+        return decision.out, decision
     decision = decide(node, ctx)
     if result.sequence and not _whole_sequences(decision.out, node, result.sequence):
         # The sequence split would move into a dim that holds no whole sequences (a reshape of tokens into chunks

@@ -248,7 +248,8 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     heads, seq = ndim - 3, ndim - 2
     if ctx.of(q) == Shard(seq):  # queries split by position: every key is needed (gathered, or passed around a ring)
         if ctx.ring_attention and arg(node, "dropout_p"):
-            return refuse(node, ctx, "dropout_p", "is not applied by ring attention (use cp attention='gather')")
+            return refuse(node, ctx, "dropout_p", "is not applied by ring or all-to-all attention (use cp "
+                          "attention='gather')")
         kv = Shard(seq) if ctx.ring_attention else R
         want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
         _mask_rows(node, ctx, want, seq, ndim)

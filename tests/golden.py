@@ -299,8 +299,8 @@ def token_mixing_op(cp: int) -> tuple[bool, list[str]]:
 
 
 class _ConvLM(torch.nn.Module):
-    """A language model with no attention: a causal depthwise convolution mixes the tokens (a recurrent mixer's
-    stand-in), MLPs and the head work token by token."""
+    """A language model with no attention: a causal depthwise convolution and a recurrence written as RWKV writes
+    its own (``out[:, t] = state`` into ``zeros_like``) mix the tokens; MLPs and the head work token by token."""
 
     def __init__(self, vocab: int = 64, width: int = 16) -> None:
         super().__init__()
@@ -314,6 +314,11 @@ class _ConvLM(torch.nn.Module):
     def forward(self, idx):
         h = self.embed(idx)
         h = h + self.conv(h.transpose(1, 2))[..., :idx.shape[1]].transpose(1, 2)
+        state, out = torch.zeros_like(h[:, 0]), torch.zeros_like(h)
+        for t in range(idx.shape[1]):
+            state = 0.5 * state + h[:, t]
+            out[:, t] = state
+        h = h + out
         h = h + self.mlp(self.norm(h))
         return self.head(h)
 

@@ -32,6 +32,37 @@ def test_golden_context_parallel_ring(pools, name, cp, load_balance):
     golden.check(results)
 
 
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", CP_MODELS)
+def test_golden_context_parallel_all_to_all(pools, name, cp, load_balance):
+    results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_attention="alltoall",
+                                cp_load_balance=load_balance)
+    golden.check(results)
+
+
+def test_cp_with_tp_and_all_to_all(pools):
+    results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="alltoall",
+                               cp_load_balance=True)
+    golden.check(results, {"tp": 2, "cp": 2})
+
+
+def test_all_to_all_names_the_cp_degrees_its_heads_allow():
+    from autoshard.capture import capture
+    from autoshard.passes.context_parallel import plan_context_parallel
+
+    from models import build
+
+    case = build("gpt")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    heads = next(n for n in captured.gm.graph.nodes
+                 if n.target is torch.ops.aten.scaled_dot_product_attention.default).args[0].meta["val"].shape[1]
+    with pytest.raises(ContextParallelError, match=rf"\[{heads}\] query/key/value heads.*cp={heads * 2} does not"):
+        plan_context_parallel(captured.gm, heads * 2, attention="alltoall")
+    with pytest.raises(ContextParallelError, match=r"each of tp=2 ranks holds 1/2"):
+        plan_context_parallel(captured.gm, heads, attention="alltoall", tp=2)
+
+
 def test_cp_with_tp_and_ring(pools):
     results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="ring", cp_load_balance=True)
     golden.check(results, {"tp": 2, "cp": 2})
@@ -133,7 +164,7 @@ def test_a_sequence_merged_with_heads_is_indexed_by_its_tokens(load_balance):
         assert torch.equal(x[0].reshape(-1)[_rank_index(layout, rank, 32, None)], x[0, layout[rank]].reshape(-1))
 
 
-@pytest.mark.parametrize("attention", ["gather", "ring"])
+@pytest.mark.parametrize("attention", ["gather", "ring", "alltoall"])
 def test_every_collective_says_its_axis_and_tp_keeps_the_shared_localizers(attention):
     """The axis of a collective is data (its node's ``meta.AXIS``, its module's ``axis``), whatever its name says;
     cp's attention localizer is cp's own: the shared table tp uses does not hold it."""
@@ -160,6 +191,8 @@ def test_every_collective_says_its_axis_and_tp_keeps_the_shared_localizers(atten
             assert node.meta[meta.AXIS] == module.axis == axis_of(node), node.name
             found.setdefault(module.axis, set()).add(type(module).__name__)
     assert "ReduceFromParallel" in found["tp"], found
-    assert {"RingAttention" if attention == "ring" else "SequenceGather"} <= found["cp"], found
+    expected = {"gather": {"SequenceGather"}, "ring": {"RingAttention"},
+                "alltoall": {"SequenceToHeads", "HeadsToSequence"}}
+    assert expected[attention] <= found["cp"], found
     attention_op = torch.ops.aten.scaled_dot_product_attention
     assert attention_op.default not in LOCALIZERS and attention_op not in LOCALIZERS
