@@ -74,7 +74,7 @@ class RingAttention(_ParallelOp):
         self.causal, self.scale = bool(causal), scale
         self.layout = [torch.as_tensor(p, dtype=torch.long).cpu() for p in layout]
         self.seq_len = sum(len(p) for p in self.layout)
-        self._pairs: dict[int, list[tuple[slice, list[slice]]]] = {}
+        self._pairs: dict = {}  # host-side piece lists per source rank (``pairs``, ``blocks``)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +84,9 @@ class RingAttention(_ParallelOp):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
             mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
-        out = _RingAttentionFn.apply(q, k, v, mask, self)
+        fused = (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+                 and not (mask is not None and mask.requires_grad and torch.is_grad_enabled()))
+        out = (_FusedRingFn if fused else _RingAttentionFn).apply(q, k, v, mask, self)
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out
@@ -128,6 +130,29 @@ class RingAttention(_ParallelOp):
                     out.append((rows, cols))
             self._pairs[src] = out
         return self._pairs[src]
+
+    def blocks(self, src: int) -> list[tuple[slice, slice, str]]:
+        """The pieces of rank ``src``'s block that this rank's queries attend, as (query rows, key rows, kind): runs
+        of consecutive positions paired, each ``"full"`` (every key attended), ``"diagonal"`` (the same positions:
+        causal from the top left), or ``"masked"`` (causal by positions, runs that overlap otherwise); a piece whose
+        keys all lie after its queries is left out (host check, cached)."""
+        key = ("blocks", src)
+        if key not in self._pairs:
+            mine, theirs = self.layout[self.rank], self.layout[src]
+            if not self.causal:
+                self._pairs[key] = [(slice(0, len(mine)), slice(0, len(theirs)), "full")]
+            else:
+                out = []
+                for rows in _runs(mine):
+                    for cols in _runs(theirs):
+                        qp, kp = mine[rows], theirs[cols]
+                        if bool(kp.min() > qp.max()):
+                            continue
+                        kind = ("diagonal" if torch.equal(qp, kp) else "full" if bool(kp.max() <= qp.min())
+                                else "masked")
+                        out.append((rows, cols, kind))
+                self._pairs[key] = out
+        return self._pairs[key]
 
     def extra_repr(self) -> str:
         return (f"causal={self.causal}, scale={self.scale}, tokens={len(self.layout[self.rank])}/{self.seq_len}, "
@@ -334,3 +359,112 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, kpos: torch.Tensor) ->
         dmask += ds.sum_to_size(dmask.shape)
     else:
         dmask.index_add_(-1, kpos, ds.sum_to_size(*dmask.shape[:-1], ds.shape[-1]))
+
+
+# ------------------------------------------------------------------------------------- fused block kernel
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _piece_mask(op: RingAttention, mask, rows: slice, cols: slice, src: int, kind: str, like: torch.Tensor):
+    """The additive mask of one piece (None when it has none), and whether the piece attends anything at all.
+
+    An explicit mask's rows and key columns (a bool mask as ``0 / -inf``); a ``"masked"`` piece's causal rule by
+    positions folded in. A piece the mask empties is skipped by the caller, whatever the mask's kind."""
+    qpos, kpos = op.layout[op.rank][rows], op.layout[src][cols]
+    block = None
+    if mask is not None:
+        block = _rows(mask, rows)
+        if block.shape[-1] != 1:
+            block = block.index_select(-1, kpos.to(block.device))
+        if block.dtype == torch.bool:
+            if not bool(block.any()):
+                return None, False
+            block = torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill(~block, float("-inf"))
+        else:
+            block = block.to(like.dtype)
+    if kind == "masked":
+        causal = torch.zeros(len(qpos), len(kpos), dtype=like.dtype, device=like.device)
+        causal = causal.masked_fill(qpos[:, None].to(like.device) < kpos[None, :].to(like.device), float("-inf"))
+        block = causal if block is None else block + causal
+    return block, True
+
+
+class _FusedRingFn(torch.autograd.Function):
+    """Ring attention whose pieces run torch's fused CPU attention kernel, merged by their log-sum-exp.
+
+    Forward: each piece gives its output and log-sum-exp; pieces merge as ``out = sum_i exp(lse_i - lse) out_i``
+    with ``lse = logsumexp_i lse_i`` (rows no key reaches keep ``lse = -inf`` and a zero output). Backward: the
+    kernel's backward of each piece, given the *merged* output and log-sum-exp, is that piece's exact share of
+    the gradients (its probabilities are ``exp(score - lse)``, and ``rowsum(dO * O)`` is the whole row's). The
+    ring, the travelling key/value gradient accumulators and the skipped pieces are those of ``_RingAttentionFn``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, op: RingAttention):
+        size, rank = op.size, op.rank
+        scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        ring = _Ring(op.ring_group(), size, rank) if size > 1 else None
+        acc = _acc(q)
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full((*q.shape[:-1],), float("-inf"), dtype=acc)
+        block = (k, v)
+        for step in range(size):
+            src = (rank - step) % size
+            works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
+            for rows, cols, kind in op.blocks(src):
+                piece, attends = _piece_mask(op, mask, rows, cols, src, kind, q)
+                if not attends:
+                    continue
+                o, m = _FLASH(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :], 0.0,
+                              kind == "diagonal", attn_mask=piece, scale=scale)
+                m = m.to(acc)
+                if piece is not None:  # rows the piece's mask empties: the kernel says lse 0, they hold nothing
+                    m = m.masked_fill(~torch.isfinite(piece).any(-1).expand(m.shape), float("-inf"))
+                _merge(out[..., rows, :], lse[..., rows], o.to(acc), m)
+            _wait(works)
+            block = tuple(incoming)
+        ctx.save_for_backward(q, k, v, mask, out.to(q.dtype), lse)
+        ctx.op, ctx.scale = op, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        op, scale = ctx.op, ctx.scale
+        size, rank = op.size, op.rank
+        ring = _Ring(op.ring_group(), size, rank) if size > 1 else None
+        acc = _acc(q)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf")).to(torch.float32 if q.dtype != torch.float64
+                                                                      else q.dtype)  # no key: probabilities 0
+        dout = dout.contiguous()
+        dq = q.new_zeros(q.shape, dtype=acc)
+        block, grads = (k, v), (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
+        for step in range(size):
+            src = (rank - step) % size
+            works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
+            for rows, cols, kind in op.blocks(src):
+                piece, attends = _piece_mask(op, mask, rows, cols, src, kind, q)
+                if not attends:
+                    continue
+                gq, gk, gv = _FLASH_BACKWARD(dout[..., rows, :], q[..., rows, :], block[0][..., cols, :],
+                                             block[1][..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
+                                             0.0, kind == "diagonal", attn_mask=piece, scale=scale)
+                dq[..., rows, :] += gq
+                grads[0][..., cols, :] += gk
+                grads[1][..., cols, :] += gv
+            grad_works, grad_incoming = ring.shift(list(grads), _GRAD_TAG) if ring else ([], grads)
+            _wait(works)
+            _wait(grad_works)
+            block, grads = tuple(incoming), tuple(grad_incoming)
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, piece_out: torch.Tensor, piece_lse: torch.Tensor) -> None:
+    """Merge one piece's attention into the running (``out``, ``lse``) of the same rows, in place."""
+    new = torch.logaddexp(lse, piece_lse)
+    safe = new.masked_fill(new == float("-inf"), 0.0)  # rows nothing reached yet: both weights 0, no NaN
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(piece_out * torch.exp(piece_lse - safe)[..., None])
+    lse.copy_(new)

@@ -22,9 +22,9 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 B, H, T, D = 2, 4, 16, 8
 
 
-def _case(causal=True, load_balance=False, mask=None, kv_heads=H, scale=None, seed=0) -> dict:
+def _case(causal=True, load_balance=False, mask=None, kv_heads=H, scale=None, seed=0, frozen=False) -> dict:
     return {"causal": causal, "load_balance": load_balance, "mask": mask, "kv_heads": kv_heads, "scale": scale,
-            "seed": seed}
+            "seed": seed, "frozen": frozen}
 
 
 def _layout(size: int, load_balance: bool) -> list[torch.Tensor]:
@@ -46,6 +46,11 @@ def _inputs(case: dict) -> dict[str, torch.Tensor | None]:
         mask[0, 1, 5] = False
     elif case["mask"] == "float":  # (B, 1, T, T) additive bias
         mask = torch.randn(B, 1, T, T, generator=g)
+    elif case["mask"] == "window":  # (T, T) local attention: keys within 3 positions
+        mask = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).abs() < 4
+    elif case["mask"] == "documents":  # (B, 1, T, T) packed documents of uneven lengths: attend inside one's own
+        doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+        mask = (doc[:, :, None] == doc[:, None, :])[:, None]
     return {"q": q, "k": k, "v": v, "dout": dout, "mask": mask}
 
 
@@ -54,7 +59,7 @@ def _reference(case: dict) -> dict[str, torch.Tensor]:
     x = _inputs(case)
     leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v")}
     mask = x["mask"]
-    if mask is not None and mask.is_floating_point():
+    if mask is not None and mask.is_floating_point() and not case["frozen"]:
         leaves["mask"] = mask = mask.clone().requires_grad_()
     if case["causal"]:
         tril = torch.ones(T, T, dtype=torch.bool).tril()
@@ -80,7 +85,7 @@ def run_ring_rank(case: dict) -> dict[str, torch.Tensor]:
     x = _inputs(case)
     leaves = {n: x[n][..., pos, :].clone().requires_grad_() for n in ("q", "k", "v")}
     mask = _rank_rows(x["mask"], pos)
-    if mask is not None and mask.is_floating_point():
+    if mask is not None and mask.is_floating_point() and not case["frozen"]:
         leaves["mask"] = mask = mask.clone().requires_grad_()
     module = RingAttention(causal=case["causal"], scale=case["scale"], layout=layout, group=dist.group.WORLD,
                            size=size, rank=rank)
@@ -108,6 +113,11 @@ CASES = {
     "bool-mask-masked-row": _case(causal=False, mask="bool", load_balance=True, seed=4),
     "gqa-causal-balanced-scale": _case(load_balance=True, kv_heads=2, scale=0.3, seed=5),
     "float-mask-causal-balanced": _case(mask="float", load_balance=True, seed=6),
+    "float-bias-frozen-causal": _case(mask="float", frozen=True, seed=7),  # the fused kernel's path
+    "window-causal-balanced": _case(mask="window", load_balance=True, seed=8),
+    "documents-causal": _case(mask="documents", seed=9),
+    "documents-causal-balanced": _case(mask="documents", load_balance=True, seed=10),
+    "documents-full": _case(causal=False, mask="documents", seed=11),
 }
 
 
@@ -208,6 +218,24 @@ def run_wrong_rank() -> str:
 def test_refuses_a_group_it_was_not_built_for(pools):
     messages = pools.get(2).run(run_wrong_rank)
     assert all("was built for rank" in m for m in messages), messages
+
+
+def test_the_fused_pieces_are_diagonal_full_or_left_out_and_a_mask_that_empties_one_skips_it():
+    """The fused kernel's pieces under load balance at cp=2 (rank 0 holds 0-3 and 12-15, rank 1 holds 4-11): each
+    pair of runs is causal from the top left (the same positions), full (keys all before), or left out; a piece an
+    explicit mask empties (another document's keys) is skipped at run time."""
+    from autoshard.passes.ring_attention import _piece_mask
+
+    layout = _layout(2, True)
+    zero = RingAttention(causal=True, scale=None, layout=layout, group=None, size=2, rank=0)
+    assert zero.blocks(0) == [(slice(0, 4), slice(0, 4), "diagonal"), (slice(4, 8), slice(0, 4), "full"),
+                              (slice(4, 8), slice(4, 8), "diagonal")]
+    assert zero.blocks(1) == [(slice(4, 8), slice(0, 8), "full")]
+    documents = torch.tensor([0] * 8 + [1] * 8)
+    mask = (documents[:, None] == documents[None, :])[layout[0]]  # rank 0's rows
+    like = torch.zeros(1)
+    assert _piece_mask(zero, mask, slice(0, 4), slice(0, 4), 0, "diagonal", like)[1]
+    assert not _piece_mask(zero, mask, slice(4, 8), slice(0, 4), 0, "full", like)[1], "keys of another document"
 
 
 def test_wholly_masked_parts_of_a_block_are_not_computed():
