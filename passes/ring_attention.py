@@ -134,24 +134,23 @@ class RingAttention(_ParallelOp):
     def blocks(self, src: int) -> list[tuple[slice, slice, str]]:
         """The pieces of rank ``src``'s block that this rank's queries attend, as (query rows, key rows, kind): runs
         of consecutive positions paired, each ``"full"`` (every key attended), ``"diagonal"`` (the same positions:
-        causal from the top left), or ``"masked"`` (causal by positions, runs that overlap otherwise); a piece whose
-        keys all lie after its queries is left out (host check, cached)."""
+        causal from the top left), or ``"masked"`` (causal by positions, runs that overlap otherwise); under a
+        causal mask a piece whose keys all lie after its queries is left out (host check, cached). Without one,
+        every piece is ``"full"`` unless an explicit mask says otherwise (``_piece_mask``)."""
         key = ("blocks", src)
         if key not in self._pairs:
             mine, theirs = self.layout[self.rank], self.layout[src]
-            if not self.causal:
-                self._pairs[key] = [(slice(0, len(mine)), slice(0, len(theirs)), "full")]
-            else:
-                out = []
-                for rows in _runs(mine):
-                    for cols in _runs(theirs):
-                        qp, kp = mine[rows], theirs[cols]
-                        if bool(kp.min() > qp.max()):
-                            continue
+            out = []
+            for rows in _runs(mine):
+                for cols in _runs(theirs):
+                    qp, kp = mine[rows], theirs[cols]
+                    if not self.causal:
+                        out.append((rows, cols, "full"))
+                    elif not bool(kp.min() > qp.max()):
                         kind = ("diagonal" if torch.equal(qp, kp) else "full" if bool(kp.max() <= qp.min())
                                 else "masked")
                         out.append((rows, cols, kind))
-                self._pairs[key] = out
+            self._pairs[key] = out
         return self._pairs[key]
 
     def extra_repr(self) -> str:
@@ -368,10 +367,13 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def _piece_mask(op: RingAttention, mask, rows: slice, cols: slice, src: int, kind: str, like: torch.Tensor):
-    """The additive mask of one piece (None when it has none), and whether the piece attends anything at all.
+    """How one piece runs: (its additive mask or None, causal from the top left), or None when nothing in it is
+    attended (the caller skips it, whatever the mask's kind).
 
-    An explicit mask's rows and key columns (a bool mask as ``0 / -inf``); a ``"masked"`` piece's causal rule by
-    positions folded in. A piece the mask empties is skipped by the caller, whatever the mask's kind."""
+    An explicit mask's rows and key columns are looked at first: a bool piece all false is skipped, all true needs
+    no mask, and the lower triangle on the same positions (a causal mask the model built itself) runs as causal;
+    any other piece carries its mask (a bool one as ``0 / -inf``), with a ``"masked"`` piece's causal rule by
+    positions folded in."""
     qpos, kpos = op.layout[op.rank][rows], op.layout[src][cols]
     block = None
     if mask is not None:
@@ -380,15 +382,21 @@ def _piece_mask(op: RingAttention, mask, rows: slice, cols: slice, src: int, kin
             block = block.index_select(-1, kpos.to(block.device))
         if block.dtype == torch.bool:
             if not bool(block.any()):
-                return None, False
-            block = torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill(~block, float("-inf"))
-        else:
-            block = block.to(like.dtype)
+                return None
+            if bool(block.all()):
+                block = None
+            elif kind != "masked" and torch.equal(qpos, kpos) and block.shape[-1] == block.shape[-2] == len(qpos):
+                tril = torch.ones(len(qpos), len(qpos), dtype=torch.bool, device=block.device).tril()
+                if torch.equal(block, tril.expand(block.shape)):
+                    return None, True
+        if block is not None:
+            block = (torch.zeros(block.shape, dtype=like.dtype, device=like.device).masked_fill(~block, float("-inf"))
+                     if block.dtype == torch.bool else block.to(like.dtype))
     if kind == "masked":
         causal = torch.zeros(len(qpos), len(kpos), dtype=like.dtype, device=like.device)
         causal = causal.masked_fill(qpos[:, None].to(like.device) < kpos[None, :].to(like.device), float("-inf"))
         block = causal if block is None else block + causal
-    return block, True
+    return block, kind == "diagonal"
 
 
 class _FusedRingFn(torch.autograd.Function):
@@ -414,11 +422,12 @@ class _FusedRingFn(torch.autograd.Function):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
             for rows, cols, kind in op.blocks(src):
-                piece, attends = _piece_mask(op, mask, rows, cols, src, kind, q)
-                if not attends:
+                how = _piece_mask(op, mask, rows, cols, src, kind, q)
+                if how is None:
                     continue
-                o, m = _FLASH(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :], 0.0,
-                              kind == "diagonal", attn_mask=piece, scale=scale)
+                piece, causal = how
+                o, m = _FLASH(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :], 0.0, causal,
+                              attn_mask=piece, scale=scale)
                 m = m.to(acc)
                 if piece is not None:  # rows the piece's mask empties: the kernel says lse 0, they hold nothing
                     m = m.masked_fill(~torch.isfinite(piece).any(-1).expand(m.shape), float("-inf"))
@@ -446,12 +455,13 @@ class _FusedRingFn(torch.autograd.Function):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
             for rows, cols, kind in op.blocks(src):
-                piece, attends = _piece_mask(op, mask, rows, cols, src, kind, q)
-                if not attends:
+                how = _piece_mask(op, mask, rows, cols, src, kind, q)
+                if how is None:
                     continue
+                piece, causal = how
                 gq, gk, gv = _FLASH_BACKWARD(dout[..., rows, :], q[..., rows, :], block[0][..., cols, :],
                                              block[1][..., cols, :], out[..., rows, :], lse[..., rows].contiguous(),
-                                             0.0, kind == "diagonal", attn_mask=piece, scale=scale)
+                                             0.0, causal, attn_mask=piece, scale=scale)
                 dq[..., rows, :] += gq
                 grads[0][..., cols, :] += gk
                 grads[1][..., cols, :] += gv

@@ -46,6 +46,8 @@ def _inputs(case: dict) -> dict[str, torch.Tensor | None]:
         mask[0, 1, 5] = False
     elif case["mask"] == "float":  # (B, 1, T, T) additive bias
         mask = torch.randn(B, 1, T, T, generator=g)
+    elif case["mask"] == "tril":  # (B, 1, T, T) causal, built by the model (HF's), the causal flag off
+        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
     elif case["mask"] == "window":  # (T, T) local attention: keys within 3 positions
         mask = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).abs() < 4
     elif case["mask"] == "documents":  # (B, 1, T, T) packed documents of uneven lengths: attend inside one's own
@@ -118,6 +120,8 @@ CASES = {
     "documents-causal": _case(mask="documents", seed=9),
     "documents-causal-balanced": _case(mask="documents", load_balance=True, seed=10),
     "documents-full": _case(causal=False, mask="documents", seed=11),
+    "built-causal-balanced": _case(causal=False, mask="tril", load_balance=True, seed=12),
+    "built-causal-contiguous": _case(causal=False, mask="tril", seed=13),
 }
 
 
@@ -234,8 +238,15 @@ def test_the_fused_pieces_are_diagonal_full_or_left_out_and_a_mask_that_empties_
     documents = torch.tensor([0] * 8 + [1] * 8)
     mask = (documents[:, None] == documents[None, :])[layout[0]]  # rank 0's rows
     like = torch.zeros(1)
-    assert _piece_mask(zero, mask, slice(0, 4), slice(0, 4), 0, "diagonal", like)[1]
-    assert not _piece_mask(zero, mask, slice(4, 8), slice(0, 4), 0, "full", like)[1], "keys of another document"
+    assert _piece_mask(zero, mask, slice(0, 4), slice(0, 4), 0, "diagonal", like) == (None, True)
+    assert _piece_mask(zero, mask, slice(4, 8), slice(0, 4), 0, "full", like) is None, "keys of another document"
+    # a causal mask the model built itself, no causal flag: read from the mask, piece by piece
+    plain = RingAttention(causal=False, scale=None, layout=layout, group=None, size=2, rank=0)
+    built = torch.ones(16, 16, dtype=torch.bool).tril()[layout[0]][None, None]
+    assert len(plain.blocks(1)) == 2, "runs x runs: rank 0's two runs against rank 1's one"
+    assert _piece_mask(plain, built, slice(0, 4), slice(0, 8), 1, "full", like) is None, "keys after the queries"
+    assert _piece_mask(plain, built, slice(4, 8), slice(0, 8), 1, "full", like) == (None, False), "all attended"
+    assert _piece_mask(plain, built, slice(4, 8), slice(4, 8), 0, "full", like) == (None, True), "the diagonal"
 
 
 def test_wholly_masked_parts_of_a_block_are_not_computed():
