@@ -343,6 +343,82 @@ def attention_free_model(cp: int, load_balance: bool) -> tuple[bool, list[str]]:
     return report.ok, [str(w.message) for w in caught if "no attention" in str(w.message)]
 
 
+class MaskedDecoder(torch.nn.Module):
+    """A decoder whose attention mask is one of the kinds real training uses, built in its graph from its inputs:
+    ``causal`` (the flag), ``full`` (no mask), ``padding`` (an ``attention_mask`` input of 1s and 0s, with the
+    causal rule), ``window`` (causal within ``WINDOW`` positions) and ``documents`` (a document-id input: causal
+    inside one's own document; packed sequences of uneven lengths)."""
+
+    WINDOW = 5
+    KINDS = ("causal", "full", "padding", "window", "documents")
+
+    def __init__(self, kind: str, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(layers))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.mlp = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                                           torch.nn.Linear(2 * width, width)) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def mask(self, extra: torch.Tensor, t: int):
+        positions = torch.arange(t, device=extra.device)
+        causal = positions[:, None] >= positions[None, :]
+        if self.kind == "padding":
+            return causal[None, None] & extra.bool()[:, None, None, :]
+        if self.kind == "window":
+            return causal & (positions[:, None] - positions[None, :] < self.WINDOW)
+        if self.kind == "documents":
+            return causal[None, None] & (extra[:, :, None] == extra[:, None, :])[:, None]
+        return None
+
+    def forward(self, idx, extra):
+        b, t = idx.shape
+        h = self.embed(idx)
+        mask = self.mask(extra, t)
+        for qkv, out, mlp in zip(self.qkv, self.out, self.mlp, strict=True):
+            q, k, v = (x.view(b, t, self.heads, -1).transpose(1, 2) for x in qkv(h).chunk(3, dim=-1))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.kind == "causal")
+            h = h + out(a.transpose(1, 2).reshape(b, t, -1))
+            h = h + mlp(h)
+        return self.head(h)
+
+
+def masked_data(kind: str, batch: int = 4, seq: int = 16):
+    """Token ids, the mask input of ``kind`` (padding: the last tokens of each sample; documents: ids of uneven
+    runs), and targets that ignore padded positions."""
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 64, (batch, seq), generator=g)
+    target = torch.randint(0, 64, (batch, seq), generator=g)
+    extra = torch.ones(batch, seq, dtype=torch.long)
+    if kind == "padding":
+        for row, pad in enumerate((0, 3, 6, 1)[:batch]):
+            extra[row, seq - pad:] = 0
+            target[row, seq - pad:] = IGNORE_INDEX
+    if kind == "documents":
+        for row, lengths in enumerate(((5, 7, 4), (16,), (3, 3, 10), (9, 7))[:batch]):
+            extra[row] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return idx, extra, target
+
+
+def masked_golden(kind: str, mesh_kwargs: dict, **options) -> dict:
+    """``autoshard.verify`` of ``MaskedDecoder(kind)`` on ``mesh_kwargs``."""
+    torch.manual_seed(0)
+    model = MaskedDecoder(kind)
+    idx, extra, target = masked_data(kind)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (idx, extra), _cross_entropy(ignore_index=IGNORE_INDEX), target=target,
+                              groups=groups_for(mesh), **options)
+    names = len(list(model.named_parameters()))
+    pm = autoshard.parallelize(MaskedDecoder(kind), mesh, example_inputs=(idx, extra),
+                               loss_fn=_cross_entropy(ignore_index=IGNORE_INDEX), target=target,
+                               groups=groups_for(mesh), **options)
+    modules = sorted({type(m).__name__ for build in pm.builds for m in build.program.gm.modules()})
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": names, "steps": 3, "share": report.share, "modules": modules}
+
+
 class _OddMLP(torch.nn.Module):
     """column -> an op no rule knows (cumsum over the hidden features) -> row."""
 

@@ -41,6 +41,21 @@ def test_golden_context_parallel_all_to_all(pools, name, cp, load_balance):
     golden.check(results)
 
 
+STRATEGY_MODULE = {"gather": "SequenceGather", "ring": "RingAttention", "alltoall": "SequenceToHeads"}
+
+
+@pytest.mark.parametrize("cp,load_balance", [(2, False), (2, True), (4, True)], ids=["2", "2-balanced", "4-balanced"])
+@pytest.mark.parametrize("attention", list(STRATEGY_MODULE))
+@pytest.mark.parametrize("kind", golden.MaskedDecoder.KINDS)
+def test_every_mask_kind_is_exact_under_every_strategy(pools, kind, attention, cp, load_balance):
+    """Masks built in the graph from the inputs (padding, a window, packed documents of uneven lengths), the causal
+    flag and none: exact under every strategy, the attention split as asked (not gathered around)."""
+    results = pools.get(cp).run(golden.masked_golden, kind, {"cp": cp}, cp_attention=attention,
+                                cp_load_balance=load_balance)
+    golden.check(results)
+    assert STRATEGY_MODULE[attention] in results[0]["modules"], results[0]["modules"]
+
+
 def test_cp_with_tp_and_all_to_all(pools):
     results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="alltoall",
                                cp_load_balance=True)
