@@ -31,6 +31,7 @@ from autoshard.passes.context_parallel import (
     PARTIAL_OUTPUT,
     ContextParallelPlan,
     check_divisible,
+    insert_splits,
     plan_context_parallel,
 )
 from autoshard.passes.input_checks import InputChecks, input_checks
@@ -89,8 +90,12 @@ class RankBuild:
     @property
     def cp_copies(self) -> int:
         """How many cp ranks hold the whole loss (1 when each holds a partial sum of it)."""
-        whole = self.mesh.cp > 1 and self.mesh.pp == 1 and not self.program.gm.meta.get(PARTIAL_OUTPUT, False)
-        return self.mesh.cp if whole else 1
+        if self.mesh.cp == 1:
+            return 1
+        last = self.programs.get(self.num_stages - 1) if self.mesh.pp > 1 else self.program
+        if last is None:  # a pipeline rank without the last stage computes no loss
+            return 1
+        return 1 if last.gm.meta.get(PARTIAL_OUTPUT, False) else self.mesh.cp
 
     def placeholder_names(self) -> list[str]:
         return [n.target for n in self.captured.gm.graph.nodes if n.op == "placeholder"]
@@ -249,9 +254,12 @@ def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
         names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
         present = [(name, dim) for name, dim in plan.inputs.items() if name in names]
         if all(captured.input_shapes[names.index(name)][dim] == plan.seq_len for name, dim in present):
+            insert_splits(captured.gm, plan.values)
             return plan  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
-    return plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
+    plan = plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
                                  attention=options.cp_attention, tp=mesh.tp)
+    insert_splits(captured.gm, plan.values)  # a split that starts inside the graph (an image's patch tokens)
+    return plan
 
 
 def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | None,

@@ -26,9 +26,9 @@ from torch import fx, nn
 from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.collectives import _ParallelOp
-from autoshard.passes.placements import Partial, Placement, Shard
+from autoshard.passes.placements import Partial, Placement, Replicate, Shard
 from autoshard.passes.propagate import cost, propagate, requires_grad
-from autoshard.passes.rules import arg
+from autoshard.passes.rules import Decision, arg, rule
 from autoshard.passes.sharding import AxisStyle, apply_placements
 
 aten = torch.ops.aten
@@ -49,6 +49,7 @@ class ContextParallelPlan:
     load_balance: bool = False
     attention: str = "gather"  # or "ring", "alltoall"
     note: str = ""  # what the split leaves whole, when no attention takes it (said as a warning)
+    values: dict[str, int] = field(default_factory=dict)  # node name -> dim: a split that starts inside the graph
 
     def positions(self, rank: int) -> torch.Tensor:
         """The global token positions ``rank`` holds, in the order it holds them."""
@@ -80,6 +81,13 @@ def plan_context_parallel(
                 break
     note = ""
     if not found:
+        values = _inner_split(gm, size)
+        if values:
+            plan = ContextParallelPlan(size, {}, _sequence_of(gm, values), load_balance, attention, values=values)
+            check_divisible(plan)
+            if attention == "alltoall":
+                _check_heads(gm, size, tp)
+            return plan
         found, note = _token_split(gm, placeholders, size)
     seeds = {name: Shard(dim) for name, dim in found.items()}
     sequence = _shape(gm, next(iter(found)))[next(iter(found.values()))]
@@ -102,6 +110,81 @@ def plan_context_parallel(
     if attention == "alltoall":
         _check_heads(gm, size, tp)
     return plan
+
+
+def split_sequence(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Where context parallelism starts splitting a sequence that no input carries (the patch tokens of an image):
+    the identity, whose rule on the cp axis asks for ``x`` split along ``dim`` (a scatter of this rank's
+    positions). Inserted by ``insert_splits``; on every other axis it is only the identity."""
+    return x
+
+
+@rule(split_sequence)
+def _split_sequence_rule(node: fx.Node, ctx) -> Decision:
+    x, dim = node.args
+    if not ctx.sequence or not isinstance(ctx.of(x), Replicate):
+        return Decision(ctx.of(x), {})
+    return Decision(Shard(dim), {x: Shard(dim)})
+
+
+def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> None:
+    """Put a ``split_sequence`` after each node of ``values`` that ``gm`` has (once)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    changed = False
+    for name, dim in values.items():
+        node = nodes.get(name)
+        if node is None or any(u.target is split_sequence for u in node.users):
+            continue
+        with gm.graph.inserting_after(node):
+            marker = gm.graph.call_function(split_sequence, (node, dim))
+        marker.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.STACK_TRACE, meta.MODULE_STACK)})
+        node.replace_all_uses_with(marker, delete_user_cb=lambda user, marker=marker: user is not marker)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _remove_splits(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.target is split_sequence:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
+def _sequence_of(gm: fx.GraphModule, values: dict[str, int]) -> int:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    name, dim = next(iter(values.items()))
+    return nodes[name].meta["val"].shape[dim]
+
+
+def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, int]:
+    """No input carries the sequence attention sees (an image's patches): the earliest value before the first
+    attention's queries whose split reaches that attention as a split of the queries, or {}."""
+    attention = next((n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default), None)
+    if attention is None:
+        return {}
+    q = attention.args[0]
+    length = q.meta["val"].shape[-2]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen, todo, found = set(), [q], []
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 3:
+            found += [(order[node], node, d) for d in range(1, val.dim()) if val.shape[d] == length]
+    for _, node, dim in sorted(found, key=lambda item: item[0])[:tries]:
+        insert_splits(gm, {node.name: dim})
+        try:
+            if _splits_attention(gm, {}, size, length):
+                return {node.name: dim}
+        finally:
+            _remove_splits(gm)
+    return {}
 
 
 def _check_heads(gm: fx.GraphModule, size: int, tp: int) -> None:
@@ -171,7 +254,7 @@ def check_divisible(plan: ContextParallelPlan) -> None:
     if plan.seq_len % parts:
         works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]
         what = f"2 x cp = {parts} chunks (load balance)" if plan.load_balance else f"cp = {parts} ranks"
-        names = ", ".join(f"{n} (dim {d})" for n, d in plan.inputs.items())
+        names = ", ".join(f"{n} (dim {d})" for n, d in {**plan.inputs, **plan.values}.items())
         use = (f"use cp in {works}{' or turn load balance off' if plan.load_balance else ''}" if works
                else "turn load balance off (its 2 x cp chunks need an even length)")
         raise ContextParallelError(

@@ -109,7 +109,7 @@ def _lost_writes(result: Propagation, nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
-    ctx = Context(result.size, result.placements, result.ring_attention, result.pending_sums)
+    ctx = Context(result.size, result.placements, result.ring_attention, result.pending_sums, result.sequence)
     if len(todo) == len(nodes):
         for node in nodes:
             _store(result, node, ctx)

@@ -41,8 +41,9 @@ class Context:
     """What a rule may read: the degree, the placement of each value, and each value's global shape."""
 
     def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple], ring_attention: bool = False,
-                 pending_sums: bool = False) -> None:
+                 pending_sums: bool = False, sequence: int = 0) -> None:
         self.size = size
+        self.sequence = sequence  # cp only: the length of the sequence the axis splits
         self.placements = placements
         self.ring_attention = ring_attention
         # A sum over the split dim may stay pending (Partial), reduced where a consumer needs it whole by an

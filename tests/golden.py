@@ -419,6 +419,41 @@ def masked_golden(kind: str, mesh_kwargs: dict, **options) -> dict:
             "parameters": names, "steps": 3, "share": report.share, "modules": modules}
 
 
+class PatchViT(torch.nn.Module):
+    """A vision transformer: no input carries a sequence; the tokens are an image's patches (a strided conv),
+    torch's ``nn.TransformerEncoder`` attends over them, a mean over the tokens feeds the classifier."""
+
+    def __init__(self, width: int = 32, heads: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, width, 4, stride=4)
+        self.positions = torch.nn.Parameter(torch.randn(1, 16, width) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, pixels):
+        tokens = self.patches(pixels).flatten(2).transpose(1, 2) + self.positions  # (B, 16, width)
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+
+def vision_golden(mesh_kwargs: dict, **options) -> dict:
+    """``autoshard.verify`` of ``PatchViT`` on 16x16 images: the sequence starts at the patch projection."""
+    torch.manual_seed(0)
+    model = PatchViT()
+    g = torch.Generator().manual_seed(4)
+    pixels, target = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (pixels,), F.cross_entropy, target=target, groups=groups_for(mesh),
+                              **options)
+    pm = autoshard.parallelize(PatchViT(), mesh, example_inputs=(pixels,), loss_fn=F.cross_entropy, target=target,
+                               groups=groups_for(mesh), **options)
+    modules = sorted({type(m).__name__ for build in pm.builds for m in build.program.gm.modules()})
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(model.named_parameters())), "steps": 3, "share": report.share,
+            "modules": modules}
+
+
 class _OddMLP(torch.nn.Module):
     """column -> an op no rule knows (cumsum over the hidden features) -> row."""
 

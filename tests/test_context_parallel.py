@@ -56,6 +56,46 @@ def test_every_mask_kind_is_exact_under_every_strategy(pools, kind, attention, c
     assert STRATEGY_MODULE[attention] in results[0]["modules"], results[0]["modules"]
 
 
+@pytest.mark.parametrize("cp,load_balance", [(2, False), (4, True)], ids=["2", "4-balanced"])
+@pytest.mark.parametrize("attention", list(STRATEGY_MODULE))
+def test_a_vision_transformer_splits_its_patch_tokens(pools, attention, cp, load_balance):
+    """No input carries the sequence: the split starts after the patch projection (a scatter of each rank's
+    patches) and the mean over all tokens before the classifier gathers them; exact under every strategy."""
+    results = pools.get(cp).run(golden.vision_golden, {"cp": cp}, cp_attention=attention,
+                                cp_load_balance=load_balance)
+    golden.check(results)
+    assert {"SequenceScatter", STRATEGY_MODULE[attention]} <= set(results[0]["modules"]), results[0]["modules"]
+
+
+@pytest.mark.parametrize("mesh,options", [({"pp": 2, "cp": 2}, {"microbatches": 2}), ({"tp": 2, "cp": 2}, {})],
+                         ids=["pp2xcp2", "tp2xcp2"])
+def test_a_vision_transformer_composes(pools, mesh, options):
+    """Its loss is whole on every cp rank (a mean over the gathered tokens): counted once, on the pipeline's last
+    stage too."""
+    golden.check(pools.get(4).run(golden.vision_golden, mesh, cp_attention="alltoall", **options), mesh)
+
+
+def test_the_patch_split_starts_at_the_projection_and_a_class_token_says_why_it_cannot():
+    import torch.nn.functional as F
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from autoshard.capture import capture
+    from autoshard.passes.context_parallel import plan_context_parallel
+
+    pixels, target = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    captured = capture(golden.PatchViT(), (pixels,), loss_fn=F.cross_entropy, example_target=target)
+    plan = plan_context_parallel(captured.gm, 2)
+    ((name, dim),) = plan.values.items()
+    node = next(n for n in captured.gm.graph.nodes if n.name == name)
+    assert (node.target, dim, plan.seq_len, plan.inputs) == (torch.ops.aten.flatten.using_ints, 2, 16, {})
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, num_labels=5)
+    captured = capture(ViTForImageClassification(config), (pixels,), loss_fn=lambda o, t: F.cross_entropy(o.logits, t),
+                       example_target=target)
+    with pytest.raises(ContextParallelError, match=r"length 17, which does not split into cp = 2"):
+        plan_context_parallel(captured.gm, 2)  # 16 patches and a class token
+
+
 def test_cp_with_tp_and_all_to_all(pools):
     results = pools.get(4).run(golden.golden, "llama", {"tp": 2, "cp": 2}, cp_attention="alltoall",
                                cp_load_balance=True)

@@ -157,7 +157,7 @@ class ParallelModel(nn.Module):
         call = (lambda gm, *args: self.call(self.replica, gm, *args)) if sharded else self.call
         try:
             total = self.pipeline.run_step(self._runners[build.captured.key], [(a[:-1], a[-1]) for a in local],
-                                           divisor, self._steps, call=call, reducer=self.sync.reducer,
+                                           divisor * build.cp_copies, self._steps, call=call, reducer=self.sync.reducer,
                                            device=self.device)
         except Exception:
             self.sync.abort()
