@@ -41,7 +41,9 @@ from corpus.architectures import check_eager, names  # noqa: E402
 from launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
-EXTRA = ("tp4",)  # meshes run only when asked (--meshes tp4 --only ...), in a table of their own
+EXTRA = ("tp4", "cp2ring", "cp2alltoall")  # run only when asked (--meshes tp4 --only ...), each its own table
+WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balanced",
+        "cp2alltoall": "all-to-all attention, load balanced"}
 PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)
 SLACK = 0.02  # above 1/tp and what is replicated on purpose
 TIMEOUT = {2: 480.0, 4: 600.0, 8: 900.0}  # seconds before a cell counts as stalled, by world size
@@ -234,7 +236,7 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
         ran = [n for n in buildable if mesh in rows.get(n, {})]
         if ran:
             statuses = [rows[n][mesh]["status"] for n in ran]
-            lines += ["", f"## {mesh}, run on {len(ran)} architectures (the mixtures of experts): "
+            lines += ["", f"## {mesh}, run on {len(ran)} architectures ({WHAT[mesh]}): "
                       + ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES if statuses.count(s)), "",
                       f"| architecture | {mesh} | {mesh} share |", "|---|---|---|"]
             lines += [f"| {n} | {_cell_text(rows[n][mesh])} | {rows[n][mesh]['share'] or 0:.2f} |" for n in ran]

@@ -42,6 +42,8 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "cp2": ({"cp": 2}, {}),
     "dp2xtp2xpp2": ({"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
     "tp4": ({"tp": 4}, {}),  # run for the mixture-of-experts architectures (experts split four ways)
+    "cp2ring": ({"cp": 2}, {"cp_attention": "ring", "cp_load_balance": True}),
+    "cp2alltoall": ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True}),
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
@@ -73,7 +75,7 @@ def world_size(label: str) -> int:
     return size
 
 
-def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3) -> dict:
+def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3, **options) -> dict:
     """This rank's part of the golden run of ``name`` at ``mesh_kwargs``; plain data, never raises.
 
     A cell that differs in float32 is run again in float64: where the parallel program is right, its
@@ -82,13 +84,13 @@ def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int 
     and its text says by how much float32 drifted.
     """
     try:
-        report, share = _golden(name, mesh_kwargs, microbatches, steps, torch.float32)
+        report, share = _golden(name, mesh_kwargs, microbatches, steps, torch.float32, options)
         retry = not report.ok and bool(report.differences)
         if dist.is_initialized():  # every rank takes the same path, or the float64 run would wait forever
             flag = torch.tensor([int(retry)])
             dist.all_reduce(flag)
             retry = bool(flag.item())
-        fp64 = _golden(name, mesh_kwargs, microbatches, steps, torch.float64)[0] if retry else None
+        fp64 = _golden(name, mesh_kwargs, microbatches, steps, torch.float64, options)[0] if retry else None
     except Exception as e:  # noqa: BLE001 - classified, not raised: the next cell needs the pool
         return {"status": _classify(e), "message": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
     if not report.differences:
@@ -110,10 +112,12 @@ def run_cell(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int 
             "report": str(report)[:3000], "share": share}
 
 
-def _golden(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype):
-    """verify of ``name`` at the mesh, with the model (and its float inputs) in ``dtype``; and this rank's share."""
+def _golden(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype,
+            options: dict | None = None):
+    """verify of ``name`` at the mesh (with ``parallelize`` ``options``), with the model (and its float inputs) in
+    ``dtype``; and this rank's share."""
     with _float64_everywhere() if dtype == torch.float64 else contextlib.nullcontext():
-        return _golden_in(name, mesh_kwargs, microbatches, steps, dtype)
+        return _golden_in(name, mesh_kwargs, microbatches, steps, dtype, options or {})
 
 
 @contextlib.contextmanager
@@ -159,7 +163,7 @@ def _float64_everywhere():
         torch.set_default_dtype(default)
 
 
-def _golden_in(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype):
+def _golden_in(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtype: torch.dtype, options: dict):
     case = build(name)
     case.model.to(dtype)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in case.inputs)
@@ -169,7 +173,7 @@ def _golden_in(name: str, mesh_kwargs: dict, microbatches: int, steps: int, dtyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autoshard.parallelize(case.model, mesh, example_inputs=inputs, loss_fn=case.loss_fn, target=target,
-                                   microbatches=microbatches, groups=groups_for(mesh))
+                                   microbatches=microbatches, groups=groups_for(mesh), **options)
         share = parameter_share(pm, reference)
         return compare(reference, pm, inputs, target, loss_fn=case.loss_fn, steps=steps), share
 
