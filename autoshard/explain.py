@@ -107,6 +107,11 @@ def _context_parallel(build) -> list[str]:
              + (", load-balanced chunks" if plan.load_balance else "")]
     for name, dim in plan.inputs.items():
         lines.append(f"  {name}: sequence dim {dim}, {plan.seq_len} tokens -> {plan.seq_len // plan.size} per rank")
+    for name, dim in plan.values.items():
+        lines.append(f"  {name} (no input carries the sequence; the split starts there): dim {dim}, {plan.seq_len} "
+                     f"tokens -> {plan.seq_len // plan.size} per rank")
+    if plan.note:
+        lines.append(f"  note: {plan.note}")
     positions = _ranges(plan.positions(build.coords["cp"]).tolist())
     lines.append(f"  cp rank {build.coords['cp']} holds token positions {positions}")
     return lines
