@@ -4,12 +4,12 @@
 
 One job per cp degree (``bench/cp_worker.py``, one thread per rank): cp=1 in one plain process (``Mesh()``),
 cp=2 and cp=4 under ``torchrun --standalone``. Each job runs the 4-layer GPT of ``tests/models.py`` (hidden
-128, 4 heads, vocab 256, global batch 4) at sequence lengths 128, 256 and 512 with both attention strategies
-(``cp_attention="gather"`` and ``"ring"``, load-balanced causal layout), and at the longest sequence also
-without load balance. Per configuration: the bytes autograd saves for backward (rank 0, and the largest over
-ranks), the bytes each rank sends per step for attention and for the gradient sum (counted at the
-``torch.distributed`` calls) against ``explain.communication`` and the analytic amount, and the median step
-time.
+128, 4 heads, vocab 256, global batch 4) at sequence lengths 128, 256 and 512 (``--seqs``) with the three
+attention strategies (``cp_attention="gather"``, ``"ring"`` and ``"alltoall"``, load-balanced causal layout), and
+at the sequences of ``--unbalanced`` also without load balance. Per configuration: the bytes autograd saves for
+backward (rank 0, and the largest over ranks), the bytes each rank sends per step for attention and for the
+gradient sum (counted at the ``torch.distributed`` calls) against ``explain.communication`` and the analytic
+amount, and the median step time.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def extras(cfg: dict) -> dict[str, int]:
     if cfg["attention"] == "gather":
         masks = LAYERS * (cfg["seq"] // cfg["c"]) * cfg["seq"] * 4
         return {"K/V": kv_full(cfg), "masks": masks}
+    # ring: its fp32 result; all-to-all: the output laid out for the model's transpose (attention itself saves
+    # heads/c x seq, what cp=1 saves over c)
     return {"output": LAYERS * cfg["batch"] * (cfg["seq"] // cfg["c"]) * HIDDEN * 4}
 
 
@@ -141,20 +143,23 @@ def notes(jobs: dict) -> list[str]:
         "attention converts it to an additive fp32 mask for every call and saves it for backward: this term grows "
         "with the square of the sequence. `ring` keeps only its own K/V block and adds one copy of the attention "
         "output per layer (layers · B · T/c · hidden · 4 bytes: its fp32 result, saved before it is laid out for "
-        "the model's transpose).",
+        "the model's transpose). `alltoall` holds q, k, v at (heads/c × T), as many bytes as cp=1's over c, and "
+        "adds the same one copy of the output per layer (the all-to-all's result laid out for the transpose).",
         "- *contiguous*: without load balance (rank r holds the r-th of c chunks). The ring computes a causal block "
         "in pieces (runs of consecutive query positions against runs of key positions) and skips every piece whose "
         "keys all lie after its queries: contiguous, rank r computes r + 1 of the c blocks (uneven work); "
         "load-balanced (chunks r and 2c-1-r), every rank computes the same amount, about half the c blocks, so the "
-        "slowest rank finishes sooner. `gather` computes the full (T/c) × T scores under the mask either way.",
+        "slowest rank finishes sooner. `gather` computes the full (T/c) × T scores under the mask either way, and "
+        "`alltoall` the full T × T of its heads/c heads, with the causal flag.",
         "- *MiB sent* per rank per step, forward / backward. *measured*: every call of `torch.distributed` during "
         "one step, counted by `bench/cp_comm.py` and attributed to attention when it comes from the graph's "
         "context-parallel ops; bytes sent under gloo's ring algorithms (all-gather: (c-1) local blocks; "
         "all-reduce: 2 (c-1)/c of the tensor; reduce-scatter: (c-1)/c of its input; point-to-point: what is "
         "sent). *analytic*: `gather` all-gathers K and V of every layer forward ((c-1)/c of the full-length bytes) "
         "and reduce-scatters their full-length gradients backward ((c-1)/c); `ring` sends c-1 K/V blocks forward, "
-        "and c-1 K/V blocks plus c fp32 "
-        "dK/dV accumulators backward. *explain.communication* is autoshard's own count from the rank's graph "
+        "and c-1 K/V blocks plus c fp32 dK/dV accumulators backward; `alltoall` moves q, k, v and the output of "
+        "every layer (T/c tokens each) forward, keeping 1/c and sending the rest, and their gradients backward. "
+        "*explain.communication* is autoshard's own count from the rank's graph "
         "converted with the same factors (its byte column is the gathered output for an all-gather, the reduced "
         "tensor for an all-reduce or the input of a reduce-scatter, the bytes sent for ring attention).",
         "- *least bwd*: `gather`'s backward needs only each rank's slice of the summed dK/dV, a reduce-scatter "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 GRAPH_FILES = {"context_parallel.py", "ring_attention.py", "collectives.py"}
 WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-           "batch_isend_irecv", "send", "recv")
+           "batch_isend_irecv", "send", "recv", "all_to_all_single")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -56,7 +56,7 @@ def sent_bytes(name: str, args: tuple, kwargs: dict) -> tuple[int, float]:
     if name == "reduce_scatter_tensor":
         tensor = args[1] if len(args) > 1 else kwargs["input"]
         return _nbytes(tensor), (n - 1) / n * _nbytes(tensor)
-    return _nbytes(tensor), (n - 1) / n * _nbytes(tensor)  # broadcast, pipelined
+    return _nbytes(tensor), (n - 1) / n * _nbytes(tensor)  # broadcast, pipelined; all-to-all keeps 1/n
 
 
 def _caller_category() -> str:
@@ -119,7 +119,7 @@ def explain_sent(communication: dict, c: int) -> dict[str, float]:
     sent = {"forward": 0.0, "backward": 0.0}
     for (direction, kind, _op), (_calls, nbytes) in communication.items():
         factor = {"all_gather": (c - 1) / c, "reduce_scatter": (c - 1) / c, "all_reduce": 2 * (c - 1) / c,
-                  "ring": 1.0}.get(kind, 0.0)
+                  "ring": 1.0, "all_to_all": 1.0}.get(kind, 0.0)
         sent[direction] += factor * nbytes
     return sent
 
@@ -130,13 +130,17 @@ def analytic_sent(attention: str, c: int, layers: int, batch: int, seq: int, hid
     ``gather``: forward all-gathers K and V (``(c-1)/c`` of the full-length tensors sent); backward
     reduce-scatters their full-length gradients (``(c-1)/c``, the least a sum of them needs). ``ring``:
     forward ``c-1`` K/V blocks of ``seq/c`` tokens; backward the ``c-1`` K/V blocks
-    again plus ``c`` dK/dV accumulators (fp32).
+    again plus ``c`` dK/dV accumulators (fp32). ``alltoall``: forward q, k, v and the output of every layer,
+    ``seq/c`` tokens each, keep ``1/c`` and send the rest; backward their gradients the same way.
     """
     full = 2 * layers * batch * seq * hidden * elem  # K and V of every layer at full length
     if c == 1:
         return {"forward": 0.0, "backward": 0.0, "backward_min": 0.0}
     if attention == "gather":
         return {"forward": full * (c - 1) / c, "backward": full * (c - 1) / c, "backward_min": full * (c - 1) / c}
+    if attention == "alltoall":
+        moved = 2 * full / c * (c - 1) / c  # four (seq/c x hidden) tensors a layer; full counts two at seq
+        return {"forward": moved, "backward": moved, "backward_min": moved}
     block = full / c
     backward = block * (c - 1) + block * c * max(elem, 4) / elem
     return {"forward": block * (c - 1), "backward": backward, "backward_min": backward}

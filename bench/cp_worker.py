@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="128,256,512")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--attention", default="gather,ring", help="strategies to run (cp > 1)")
+    parser.add_argument("--attention", default="gather,ring,alltoall", help="strategies to run (cp > 1)")
     parser.add_argument("--unbalanced", default="", help="sequence lengths also run without load balance")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
