@@ -330,16 +330,12 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
         return
     if not causal:
         return
-    name = f"cp_causal_mask_{plan.seq_len}"  # one (T/c x T) mask of this rank's positions, shared by every layer
-    if not hasattr(rw.gm, name):
-        device = q.meta["val"].device
-        device = device if device.type != "meta" else torch.device("cpu")  # materialize() moves it later
-        positions, keys = plan.positions(rw.rank).to(device), torch.arange(plan.seq_len, device=device)
-        rw.gm.register_buffer(name, positions[:, None] >= keys[None, :], persistent=False)
-    with rw.gm.graph.inserting_before(node):
-        mask = rw.gm.graph.get_attr(name)
-    node.args = (*node.args[:3], mask, arg(node, "dropout_p"), False)  # scale and enable_gqa stay keywords
-    node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
+    from autoshard.passes.ring_attention import GatheredCausalAttention
+
+    # this rank's queries against the gathered keys, causal by global positions, piece by piece (no T/c x T mask)
+    module = GatheredCausalAttention(positions=plan.positions(rw.rank), seq_len=plan.seq_len, scale=arg(node, "scale"),
+                                     dropout_p=arg(node, "dropout_p"), enable_gqa=arg(node, "enable_gqa"))
+    rw.replace(node, rw.module(module, tuple(node.args[:3]), before=node, like=node))
 
 
 def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causal: bool) -> None:

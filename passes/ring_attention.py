@@ -47,6 +47,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autoshard.passes.collectives import _ParallelOp
@@ -478,3 +479,78 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, piece_out: torch.Tensor, piece_
     safe = new.masked_fill(new == float("-inf"), 0.0)  # rows nothing reached yet: both weights 0, no NaN
     out.mul_(torch.exp(lse - safe)[..., None]).add_(piece_out * torch.exp(piece_lse - safe)[..., None])
     lse.copy_(new)
+
+
+# ----------------------------------------------------------------------- causal attention over gathered keys
+
+
+class GatheredCausalAttention(nn.Module):
+    """Causal attention of this cp rank's queries (global positions ``positions``) over the gathered keys and values
+    (the whole sequence, in order), without a (T/c x T) mask: each run of consecutive query positions ``[a, b)``
+    attends keys ``[0, a)`` whole and keys ``[a, b)`` causally from the top left, both with the fused CPU kernel,
+    merged by log-sum-exp; keys after ``b`` are never computed. Off CPU, or with dropout, it is SDPA under the mask
+    of positions."""
+
+    def __init__(self, *, positions: torch.Tensor, seq_len: int, scale: float | None, dropout_p: float = 0.0,
+                 enable_gqa: bool = False) -> None:
+        super().__init__()
+        self.positions = torch.as_tensor(positions, dtype=torch.long).cpu()
+        self.seq_len, self.scale, self.dropout_p, self.enable_gqa = seq_len, scale, dropout_p, enable_gqa
+        self.runs = [(r, int(self.positions[r.start]), int(self.positions[r.stop - 1]) + 1)
+                     for r in _runs(self.positions)]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.device.type != "cpu" or self.dropout_p or not q.dtype == k.dtype == v.dtype or torch.is_autocast_enabled(
+                q.device.type):
+            mask = self.positions.to(q.device)[:, None] >= torch.arange(self.seq_len, device=q.device)[None, :]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale,
+                enable_gqa=self.enable_gqa)
+        out = _GatheredCausalFn.apply(q, k, v, self)
+        if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out
+
+    def pieces(self):
+        """(query rows, key slice, causal) of every piece computed."""
+        for rows, a, b in self.runs:
+            if a > 0:
+                yield rows, slice(0, a), False
+            yield rows, slice(a, b), True
+
+    def extra_repr(self) -> str:
+        return f"tokens={len(self.positions)}/{self.seq_len}, runs={len(self.runs)}, scale={self.scale}"
+
+
+class _GatheredCausalFn(torch.autograd.Function):
+    """The fused kernel on each piece (see ``GatheredCausalAttention``); backward, its backward per piece given the
+    merged output and log-sum-exp (as ``_FusedRingFn``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, op: GatheredCausalAttention):
+        scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        acc = _acc(q)
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full((*q.shape[:-1],), float("-inf"), dtype=acc)
+        for rows, keys, causal in op.pieces():
+            o, m = _FLASH(q[..., rows, :], k[..., keys, :], v[..., keys, :], 0.0, causal, scale=scale)
+            _merge(out[..., rows, :], lse[..., rows], o.to(acc), m.to(acc))
+        ctx.save_for_backward(q, k, v, out.to(q.dtype), lse)
+        ctx.op, ctx.scale = op, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        dout, acc = dout.contiguous(), _acc(q)
+        dq, dk, dv = (t.new_zeros(t.shape, dtype=acc) for t in (q, k, v))
+        for rows, keys, causal in ctx.op.pieces():
+            gq, gk, gv = _FLASH_BACKWARD(dout[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :],
+                                         out[..., rows, :], lse[..., rows].contiguous(), 0.0, causal,
+                                         scale=ctx.scale)
+            dq[..., rows, :] += gq
+            dk[..., keys, :] += gk
+            dv[..., keys, :] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

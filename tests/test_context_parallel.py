@@ -170,25 +170,38 @@ def test_a_model_without_a_sequence_says_so():
         plan_context_parallel(captured.gm, 2)
 
 
-def test_every_layer_shares_one_causal_mask_of_global_positions():
-    """The gathered keys' causal mask depends only on the rank's positions: one (T/c x T) buffer, not one a layer."""
+def test_gathered_causal_attention_needs_no_mask_and_computes_no_key_after_its_queries():
+    """Gathered keys under the causal flag: each run of the rank's query positions attends the keys before it whole
+    and its own run causally, with the fused kernel; no (T/c x T) mask, no key after the run computed."""
     from autoshard import codegen
     from autoshard.capture import capture
     from autoshard.passes.context_parallel import plan_context_parallel
     from autoshard.passes.loss import find_token_loss, sum_loss_pass
+    from autoshard.passes.ring_attention import GatheredCausalAttention
 
     from models import build
 
-    case = build("llama")
+    case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
     sum_loss_pass(captured.gm, find_token_loss(captured.gm))  # as parallelize does: a per-token sum
-    plan = plan_context_parallel(captured.gm, 2)
-    gm = codegen.build(captured, codegen.Sharding(cp_plan=plan, cp_rank=1)).gm
-    masks = {name: b for name, b in gm.named_buffers() if name.startswith("cp_causal_mask")}
-    readers = [n for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith("cp_causal_mask")]
-    assert len(masks) == 1 and len(readers) == 2, (list(masks), readers)  # two layers, one mask
-    (mask,) = masks.values()
-    assert mask.shape == (8, 16) and bool(mask[0, 8]) and not bool(mask[0, 9]), "rank 1 holds positions 8..15"
+    plan = plan_context_parallel(captured.gm, 2, load_balance=True)
+    gm = codegen.build(captured, codegen.Sharding(cp_plan=plan, cp_rank=0)).gm
+    modules = [m for m in gm.modules() if isinstance(m, GatheredCausalAttention)]
+    assert len(modules) == 2 and not list(gm.buffers()), "two layers, no mask buffer"
+    # rank 0 of 16 tokens, load balanced: positions 0-3 and 12-15
+    assert list(modules[0].pieces()) == [(slice(0, 4), slice(0, 4), True), (slice(4, 8), slice(0, 12), False),
+                                         (slice(4, 8), slice(12, 16), True)]
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mine = leaves[0][..., plan.positions(0), :]
+    out = modules[0](mine, leaves[1], leaves[2])
+    out.square().sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, is_causal=True)[..., plan.positions(0), :]
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
 
 
 def test_a_split_value_that_is_not_whole_sequences_is_refused_at_compile_time():
