@@ -52,8 +52,7 @@ def extras(cfg: dict) -> dict[str, int]:
     if cfg["c"] == 1:
         return {}
     if cfg["attention"] == "gather":
-        masks = LAYERS * (cfg["seq"] // cfg["c"]) * cfg["seq"] * 4
-        return {"K/V": kv_full(cfg), "masks": masks}
+        return {"K/V": kv_full(cfg)}
     # ring: its fp32 result; all-to-all: the output laid out for the model's transpose (attention itself saves
     # heads/c x seq, what cp=1 saves over c)
     return {"output": LAYERS * cfg["batch"] * (cfg["seq"] // cfg["c"]) * HIDDEN * 4}
@@ -131,17 +130,16 @@ def notes(jobs: dict) -> list[str]:
         "taking turns step by step.",
         "- *saved MiB*: one step under `torch.autograd.graph.saved_tensors_hooks` keeping a running sum of the "
         "bytes of the tensors autograd saves for backward (each storage once; parameters and the program's "
-        "buffers, such as the gather strategy's causal-mask table, excluded); its peak. With one microbatch "
+        "buffers excluded); its peak. With one microbatch "
         "everything saved in the forward lives until the backward, so the peak is the step's total. Tensors that "
         "are not saved (the gradients in flight, the ring's score blocks recomputed in the backward) are not "
         "counted.",
         "- *model*: cp=1's bytes / c plus what each strategy adds. `gather`: the full-length K and V of every layer "
         "(2 · layers · B · T · hidden · 4 bytes; the gathered copies are new tensors, while the rank's own K and "
         "V stay alive inside the fused qkv projection's output, which the query view that attention saves keeps "
-        "whole, as at cp=1), and *masks*: an fp32 (T/c) × T attention mask per layer (layers · T/c · T · 4 bytes). "
-        "autoshard replaces `is_causal` by a boolean mask of global positions, and CPU scaled-dot-product "
-        "attention converts it to an additive fp32 mask for every call and saves it for backward: this term grows "
-        "with the square of the sequence. `ring` keeps only its own K/V block and adds one copy of the attention "
+        "whole, as at cp=1); under the causal flag no mask: each run of the rank's query positions attends the keys "
+        "before it whole and its own run causally, with the fused kernel. `ring` keeps only its own K/V block "
+        "and adds one copy of the attention "
         "output per layer (layers · B · T/c · hidden · 4 bytes: its fp32 result, saved before it is laid out for "
         "the model's transpose). `alltoall` holds q, k, v at (heads/c × T), as many bytes as cp=1's over c, and "
         "adds the same one copy of the output per layer (the all-to-all's result laid out for the transpose).",
@@ -149,7 +147,7 @@ def notes(jobs: dict) -> list[str]:
         "in pieces (runs of consecutive query positions against runs of key positions) and skips every piece whose "
         "keys all lie after its queries: contiguous, rank r computes r + 1 of the c blocks (uneven work); "
         "load-balanced (chunks r and 2c-1-r), every rank computes the same amount, about half the c blocks, so the "
-        "slowest rank finishes sooner. `gather` computes the full (T/c) × T scores under the mask either way, and "
+        "slowest rank finishes sooner. `gather` computes the keys up to each query run's last position, and "
         "`alltoall` the full T × T of its heads/c heads, with the causal flag.",
         "- *MiB sent* per rank per step, forward / backward. *measured*: every call of `torch.distributed` during "
         "one step, counted by `bench/cp_comm.py` and attributed to attention when it comes from the graph's "
