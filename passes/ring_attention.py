@@ -85,7 +85,7 @@ class RingAttention(_ParallelOp):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
             mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
-        fused = (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+        fused = (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and _fusable(q, k, v)
                  and not (mask is not None and mask.requires_grad and torch.is_grad_enabled()))
         out = (_FusedRingFn if fused else _RingAttentionFn).apply(q, k, v, mask, self)
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
@@ -364,6 +364,12 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, kpos: torch.Tensor) ->
 # ------------------------------------------------------------------------------------- fused block kernel
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused CPU kernel takes these: one head size for q, k and v (not multi-head latent attention's
+    wider q/k), four dims."""
+    return q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] == k.shape[-1] == v.shape[-1]
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
@@ -500,8 +506,8 @@ class GatheredCausalAttention(nn.Module):
                      for r in _runs(self.positions)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if q.device.type != "cpu" or self.dropout_p or not q.dtype == k.dtype == v.dtype or torch.is_autocast_enabled(
-                q.device.type):
+        if (q.device.type != "cpu" or self.dropout_p or not q.dtype == k.dtype == v.dtype or not _fusable(q, k, v)
+                or torch.is_autocast_enabled(q.device.type)):
             mask = self.positions.to(q.device)[:, None] >= torch.arange(self.seq_len, device=q.device)[None, :]
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale,

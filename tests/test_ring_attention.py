@@ -22,9 +22,10 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 B, H, T, D = 2, 4, 16, 8
 
 
-def _case(causal=True, load_balance=False, mask=None, kv_heads=H, scale=None, seed=0, frozen=False) -> dict:
+def _case(causal=True, load_balance=False, mask=None, kv_heads=H, scale=None, seed=0, frozen=False,
+          v_dim=D) -> dict:
     return {"causal": causal, "load_balance": load_balance, "mask": mask, "kv_heads": kv_heads, "scale": scale,
-            "seed": seed, "frozen": frozen}
+            "seed": seed, "frozen": frozen, "v_dim": v_dim}
 
 
 def _layout(size: int, load_balance: bool) -> list[torch.Tensor]:
@@ -35,8 +36,9 @@ def _layout(size: int, load_balance: bool) -> list[torch.Tensor]:
 def _inputs(case: dict) -> dict[str, torch.Tensor | None]:
     """The whole sequence's tensors, the same on every rank."""
     g = torch.Generator().manual_seed(case["seed"])
-    q, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(B, case["kv_heads"], T, D, generator=g) for _ in range(2))
+    q, dout = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, case["v_dim"], generator=g)
+    k, v = torch.randn(B, case["kv_heads"], T, D, generator=g), torch.randn(B, case["kv_heads"], T, case["v_dim"],
+                                                                            generator=g)
     mask = None
     if case["mask"] == "padding":  # (B, 1, 1, T): the last tokens of each sample are padding
         mask = torch.arange(T)[None, :] < torch.tensor([T - 3, T - 5])[:, None]
@@ -122,6 +124,7 @@ CASES = {
     "documents-full": _case(causal=False, mask="documents", seed=11),
     "built-causal-balanced": _case(causal=False, mask="tril", load_balance=True, seed=12),
     "built-causal-contiguous": _case(causal=False, mask="tril", seed=13),
+    "values-narrower-than-keys": _case(load_balance=True, v_dim=6, seed=14),  # multi-head latent attention's
 }
 
 
