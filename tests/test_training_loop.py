@@ -92,8 +92,9 @@ def test_optimizer_groups_built_from_named_parameters_use_the_model_s_names(pool
 
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}),
-                                          ({"cp": 2}, {}), ({"cp": 2}, {"cp_attention": "ring"})],
-                         ids=["dp2", "tp2", "pp2", "cp2", "cp2-ring"])
+                                          ({"cp": 2}, {}), ({"cp": 2}, {"cp_attention": "ring"}),
+                                          ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True})],
+                         ids=["dp2", "tp2", "pp2", "cp2", "cp2-ring", "cp2-alltoall"])
 def test_a_padded_batch_with_its_attention_mask_is_exact(pools, mesh, options):
     for rank, result in enumerate(pools.get(2).run(golden_loop.padded_batch, "hf_llama", mesh, **options)):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
