@@ -44,11 +44,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-def bf16_against_eager_autocast(name: str, mesh_kwargs: dict) -> dict:
+def bf16_against_eager_autocast(name: str, mesh_kwargs: dict, **options) -> dict:
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
-                               target=case.target, groups=groups_for(mesh), mixed_precision="bf16")
+                               target=case.target, groups=groups_for(mesh), mixed_precision="bf16", **options)
     with _loss_dtypes() as dtypes:
         loss = pm.step(*case.inputs, target=case.target)
     grads = pm.gradients()

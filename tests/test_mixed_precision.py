@@ -27,15 +27,19 @@ CASES = [
     pytest.param("hf_llama", {"tp": 2}, id="hf_llama-tp2"),
     pytest.param("gpt", {"dp": 2}, id="gpt-dp2"),
     pytest.param("gpt", {"pp": 2}, id="gpt-pp2"),
+    *(pytest.param("hf_llama", {"cp": 2}, {"cp_attention": a, "cp_load_balance": True}, id=f"hf_llama-cp2-{a}")
+      for a in ("gather", "ring", "alltoall")),
+    pytest.param("gpt", {"cp": 2}, {"cp_attention": "gather"}, id="gpt-cp2-gather"),  # the causal flag
 ]
 
 
-@pytest.mark.parametrize("name,mesh", CASES)
-def test_bf16_matches_eager_autocast(pools, name, mesh):
+@pytest.mark.parametrize("name,mesh,options", [c if len(c.values) == 3 else pytest.param(*c.values, {}, id=c.id)
+                                               for c in CASES])
+def test_bf16_matches_eager_autocast(pools, name, mesh, options):
     world = 1
     for degree in mesh.values():
         world *= degree
-    for rank, r in enumerate(pools.get(world).run(golden_amp.bf16_against_eager_autocast, name, mesh)):
+    for rank, r in enumerate(pools.get(world).run(golden_amp.bf16_against_eager_autocast, name, mesh, **options)):
         where = f"rank {rank}: {r}"
         if "tp" in mesh:
             assert {"VocabParallelEmbedding", "VocabParallelCrossEntropy"} <= set(r["sharded"]), where
