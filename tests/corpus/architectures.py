@@ -1,13 +1,15 @@
-"""The corpus's architectures: every causal LM of the installed transformers, a few encoder-decoder and
-masked-LM families, and torch's own transformer modules; each built tiny, seeded, with its data.
+"""The corpus's architectures: every causal LM of the installed transformers, a few encoder-decoder, masked-LM
+and image-classifier families, and torch's own transformer modules; each built tiny, seeded, with its data.
 
 Names: a causal LM is named by its ``model_type`` (``llama``); a masked LM ``mlm/<type>``; an
-encoder-decoder ``s2s/<type>``; torch's modules ``torch/<name>``. ``build(name)`` returns a
-``ZooCase`` (tests/models.py) exactly as the zoo does, so the golden harness runs it unchanged.
+encoder-decoder ``s2s/<type>``; an image classifier ``vision/<type>``; torch's modules ``torch/<name>``.
+``build(name)`` returns a ``ZooCase`` (tests/models.py) exactly as the zoo does, so the golden harness runs it
+unchanged.
 
 Data as the zoo's: token ids and targets with ignored targets spread unevenly, batch 8, and a
 sequence of 24 (not the zoo's 16: a head dim of 64 / 4 = 16 would equal it). Encoder-decoders get
-decoder ids of their own. Constant parameters get seeded noise (``_perturb_constant_params``).
+decoder ids of their own. Image classifiers get 16 x 16 images (16 patches of 4 x 4) and one of 5 classes
+each. Constant parameters get seeded noise (``_perturb_constant_params``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ SEQ = 24
 
 MASKED_LM = ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "modernbert", "mpnet", "esm")
 SEQ2SEQ = ("t5", "bart", "mbart", "marian", "pegasus", "m2m_100", "switch_transformers", "umt5", "t5gemma")
+VISION = ("vit", "deit", "beit", "dinov2", "siglip", "ijepa", "data2vec-vision", "vit_msn", "clip")
+IMAGE, PATCH, CLASSES = 16, 4, 5
+VISION_SIZES = {"image_size": IMAGE, "patch_size": PATCH, "num_channels": 3}
 
 # Per-family config fixes the generic shrink cannot infer (field values, not code).
 FAMILY_FIXES: dict[str, dict] = {
@@ -52,6 +57,7 @@ def _mapping(kind: str) -> dict[str, str]:
         "clm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         "mlm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         "s2s": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "vision": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
     }[kind]
 
 
@@ -59,7 +65,8 @@ def names() -> list[str]:
     """Every architecture of the corpus, causal LMs first (sorted), then the other families."""
     causal = sorted(_mapping("clm"))
     return (causal + [f"mlm/{t}" for t in MASKED_LM if t in _mapping("mlm")]
-            + [f"s2s/{t}" for t in SEQ2SEQ if t in _mapping("s2s")] + [f"torch/{n}" for n in TORCH_MODELS])
+            + [f"s2s/{t}" for t in SEQ2SEQ if t in _mapping("s2s")]
+            + [f"vision/{t}" for t in VISION if t in _mapping("vision")] + [f"torch/{n}" for n in TORCH_MODELS])
 
 
 def _kind_and_type(name: str) -> tuple[str, str]:
@@ -76,6 +83,13 @@ def tiny_config(name: str):
     tiny = shrink.shrink_dict(config_class().to_dict(), FAMILY_FIXES.get(model_type))
     if kind == "clm" and "is_decoder" in tiny and model_type in _mapping("mlm"):
         tiny["is_decoder"] = True  # BERT-like encoders as causal LMs
+    if kind == "vision":
+        for sub in [tiny, *(v for v in tiny.values() if isinstance(v, dict) and "image_size" in v)]:
+            sub.update({k: v for k, v in VISION_SIZES.items() if k in sub})
+        tiny.update(num_labels=CLASSES, id2label={i: str(i) for i in range(CLASSES)},
+                    label2id={str(i): i for i in range(CLASSES)})
+        if "out_features" in tiny:  # backbone outputs named after the default depth: the last of the tiny one
+            tiny.update(out_features=[f"stage{shrink.N_LAYER}"], out_indices=[shrink.N_LAYER])
     config = config_class.from_dict(tiny)
     config.use_cache = False  # export rejects a returned cache object
     with contextlib.suppress(ValueError):  # several text configs (musicgen): the model class picks one later
@@ -88,7 +102,8 @@ def _hf_model(name: str) -> tuple[nn.Module, set[int]]:
 
     kind, model_type = _kind_and_type(name)
     config = tiny_config(name)
-    model_class = getattr(transformers, _mapping(kind)[model_type])
+    class_name = _mapping(kind)[model_type]
+    model_class = getattr(transformers, class_name if isinstance(class_name, str) else class_name[0])
     if not isinstance(config, model_class.config_class):
         config = _sub_config(config, model_class.config_class)  # a text-only LM class of a multimodal family
     model = model_class._from_config(config)
@@ -138,11 +153,19 @@ def build(name: str, *, seed: int = 0) -> ZooCase:
     gen = torch.Generator().manual_seed(seed + 2)
     input_ids, target = token_data(gen, batch=BATCH, seq=SEQ, vocab=shrink.VOCAB)
     inputs: tuple = (_avoid(input_ids, banned, shrink.VOCAB),)
+    if kind == "vision":
+        inputs = (torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen),)
+        target, loss_fn = torch.randint(0, CLASSES, (BATCH,), generator=gen), _class_loss
     if kind == "s2s":
         model = Seq2Seq(model)
         decoder_ids = torch.randint(0, shrink.VOCAB, (BATCH, SEQ), generator=gen)
         inputs = (*inputs, _avoid(decoder_ids, banned, shrink.VOCAB))
     return ZooCase(name=name, model=model, inputs=inputs, target=target, loss_fn=loss_fn)
+
+
+def _class_loss(output, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output["logits"]
+    return torch.nn.functional.cross_entropy(logits, target)
 
 
 def _plain_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
