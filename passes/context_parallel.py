@@ -257,9 +257,11 @@ def check_divisible(plan: ContextParallelPlan) -> None:
         names = ", ".join(f"{n} (dim {d})" for n, d in {**plan.inputs, **plan.values}.items())
         use = (f"use cp in {works}{' or turn load balance off' if plan.load_balance else ''}" if works
                else "turn load balance off (its 2 x cp chunks need an even length)")
+        inside = (" (the tokens attention sees are made inside the model there, such as image patches joined with a "
+                  "class token; cp splits only token counts it divides evenly)" if plan.values else "")
         raise ContextParallelError(
-            f"the sequence of {names} has length {plan.seq_len}, which does not split into {what}: {use}, or pad "
-            f"the sequence to a multiple of {parts}"
+            f"the sequence of {names} has length {plan.seq_len}{inside}, which does not split into {what}: {use}, "
+            f"or {'change the input size' if plan.values else 'pad the sequence'} so that it is a multiple of {parts}"
         )
 
 
