@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     parser.add_argument("--chunks", type=int, default=1, help="pipeline stages per rank (interleaved)")
-    parser.add_argument("--cp-attention", default="gather", choices=["gather", "ring"])
+    parser.add_argument("--cp-attention", default="gather", choices=["gather", "ring", "alltoall"])
     parser.add_argument("--data-parallel", default="ddp", choices=["ddp", "fsdp"],
                         help="replicas (DDP) or FSDP2 (parameters, gradients and optimizer state sharded over dp)")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping")
