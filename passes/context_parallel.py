@@ -127,10 +127,10 @@ def _split_sequence_rule(node: fx.Node, ctx) -> Decision:
     return Decision(Shard(dim), {x: Shard(dim)})
 
 
-def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> None:
-    """Put a ``split_sequence`` after each node of ``values`` that ``gm`` has (once)."""
+def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> list[fx.Node]:
+    """Put a ``split_sequence`` after each node of ``values`` that ``gm`` has (once); the markers inserted."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    changed = False
+    inserted = []
     for name, dim in values.items():
         node = nodes.get(name)
         if node is None or any(u.target is split_sequence for u in node.users):
@@ -139,17 +139,18 @@ def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> None:
             marker = gm.graph.call_function(split_sequence, (node, dim))
         marker.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.STACK_TRACE, meta.MODULE_STACK)})
         node.replace_all_uses_with(marker, delete_user_cb=lambda user, marker=marker: user is not marker)
-        changed = True
-    if changed:
+        inserted.append(marker)
+    if inserted:
         gm.graph.lint()
         gm.recompile()
+    return inserted
 
 
-def _remove_splits(gm: fx.GraphModule) -> None:
-    for node in list(gm.graph.nodes):
-        if node.target is split_sequence:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
+def _remove_splits(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
+    for node in markers:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _sequence_of(gm: fx.GraphModule, values: dict[str, int]) -> int:
@@ -175,15 +176,16 @@ def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, in
         seen.add(node)
         todo.extend(node.all_input_nodes)
         val = node.meta.get("val")
-        if node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 3:
+        if (node.op == "call_function" and node.target is not split_sequence and isinstance(val, torch.Tensor)
+                and val.is_floating_point() and val.dim() >= 3):
             found += [(order[node], node, d) for d in range(1, val.dim()) if val.shape[d] == length]
     for _, node, dim in sorted(found, key=lambda item: item[0])[:tries]:
-        insert_splits(gm, {node.name: dim})
+        markers = insert_splits(gm, {node.name: dim})
         try:
             if _splits_attention(gm, {}, size, length):
                 return {node.name: dim}
         finally:
-            _remove_splits(gm)
+            _remove_splits(gm, markers)
     return {}
 
 
