@@ -29,6 +29,7 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.context_parallel import (
     PARTIAL_OUTPUT,
+    ContextParallelError,
     ContextParallelPlan,
     check_divisible,
     insert_splits,
@@ -258,6 +259,11 @@ def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
             return plan  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
     plan = plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
                                  attention=options.cp_attention, tp=mesh.tp)
+    if not plan.even and mesh.pp > 1:
+        raise ContextParallelError(
+            f"the sequence of {plan.seq_len} tokens does not split evenly over cp={mesh.cp} "
+            f"({plan.parts} chunks), and pipeline stages need every cp rank to hand on as many tokens: with pp > 1 "
+            f"use a cp degree that divides {plan.seq_len} (or pad the sequence)")
     insert_splits(captured.gm, plan.values)  # a split that starts inside the graph (an image's patch tokens)
     return plan
 

@@ -51,15 +51,32 @@ class ContextParallelPlan:
     note: str = ""  # what the split leaves whole, when no attention takes it (said as a warning)
     values: dict[str, int] = field(default_factory=dict)  # node name -> dim: a split that starts inside the graph
 
+    @property
+    def parts(self) -> int:
+        """Chunks the sequence is cut into: one per rank, or two (load balance)."""
+        return self.size * (2 if self.load_balance else 1)
+
+    @property
+    def even(self) -> bool:
+        """Whether every rank holds as many tokens (the chunks divide the sequence)."""
+        return self.seq_len % self.parts == 0
+
     def positions(self, rank: int) -> torch.Tensor:
-        """The global token positions ``rank`` holds, in the order it holds them."""
-        if self.load_balance:
-            chunk = self.seq_len // (2 * self.size)
-            first = torch.arange(rank * chunk, (rank + 1) * chunk)
-            second = torch.arange((2 * self.size - 1 - rank) * chunk, (2 * self.size - rank) * chunk)
-            return torch.cat([first, second])
-        per = self.seq_len // self.size
-        return torch.arange(rank * per, (rank + 1) * per)
+        """The global token positions ``rank`` holds, in the order it holds them. A length the chunks do not divide
+        is cut as evenly as it goes (chunk ``i`` is ``[i*T//n, (i+1)*T//n)``): ranks then hold 1 token apart."""
+        bounds = [i * self.seq_len // self.parts for i in range(self.parts + 1)]
+        chunks = [rank, 2 * self.size - 1 - rank] if self.load_balance else [rank]
+        return torch.cat([torch.arange(bounds[c], bounds[c + 1]) for c in chunks])
+
+    def local_shape(self, rank: int, shape: tuple[int, ...], placement) -> tuple[int, ...]:
+        """The shape ``rank`` holds of a value of global ``shape`` split by ``placement`` along the sequence."""
+        if not isinstance(placement, Shard):
+            return tuple(shape)
+        held = len(self.positions(rank))
+        sizes = placement.blocks or (shape[placement.dim],)
+        out = list(shape)
+        out[placement.dim] = sum(size // self.seq_len * held for size in sizes)
+        return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -251,19 +268,25 @@ def _token_split(gm: fx.GraphModule, placeholders: list[fx.Node], size: int) -> 
 
 
 def check_divisible(plan: ContextParallelPlan) -> None:
-    """Raise what would work when ``plan``'s sequence length does not split into its cp ranks (and chunks)."""
-    parts = plan.size * (2 if plan.load_balance else 1)
-    if plan.seq_len % parts:
+    """Raise what would work when ``plan``'s sequence length does not split into its cp ranks (and chunks) as its
+    attention needs: gathered keys take ranks holding a token more or less; the ring and the all-to-all do not."""
+    parts = plan.parts
+    if plan.seq_len < parts:
+        raise ContextParallelError(f"a sequence of {plan.seq_len} tokens cannot be cut into {parts} chunks: use fewer "
+                                   "cp ranks or a longer sequence")
+    if plan.seq_len % parts and plan.attention != "gather":
         works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]
         what = f"2 x cp = {parts} chunks (load balance)" if plan.load_balance else f"cp = {parts} ranks"
         names = ", ".join(f"{n} (dim {d})" for n, d in {**plan.inputs, **plan.values}.items())
         use = (f"use cp in {works}{' or turn load balance off' if plan.load_balance else ''}" if works
                else "turn load balance off (its 2 x cp chunks need an even length)")
         inside = (" (the tokens attention sees are made inside the model there, such as image patches joined with a "
-                  "class token; cp splits only token counts it divides evenly)" if plan.values else "")
+                  "class token)" if plan.values else "")
         raise ContextParallelError(
-            f"the sequence of {names} has length {plan.seq_len}{inside}, which does not split into {what}: {use}, "
-            f"or {'change the input size' if plan.values else 'pad the sequence'} so that it is a multiple of {parts}"
+            f"the sequence of {names} has length {plan.seq_len}{inside}, which does not split into {what} evenly, "
+            f"as cp attention {plan.attention!r} needs: use cp attention 'gather' (ranks may hold a token more or "
+            f"less), {use}, or {'change the input size' if plan.values else 'pad the sequence'} so that it is a "
+            f"multiple of {parts}"
         )
 
 
@@ -295,7 +318,8 @@ def context_parallel_pass(
                      sequence=plan.seq_len,
                      keep_outputs=keep_outputs)
     rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp",
-                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, plan)})
+                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, plan)},
+                           local=None if plan.even else functools.partial(plan.local_shape, rank))
     layout = [plan.positions(r) for r in range(plan.size)]
     style = AxisStyle(
         "cp",
@@ -419,7 +443,7 @@ def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: 
 def _rank_index(layout: list[torch.Tensor], rank: int, n: int, blocks) -> torch.Tensor:
     """Indices along a dim of ``n`` that ``rank`` holds: in every block, its positions of the sequence, each with the
     inner elements a block merges with it (a block of ``k * seq`` holds ``(seq, k)``, the sequence outermost)."""
-    seq = len(layout) * len(layout[0])
+    seq = sum(len(p) for p in layout)
     sizes = [n] if blocks is None else list(blocks)
     if sum(sizes) != n or any(size % seq for size in sizes):
         raise ValueError(f"a sequence-split dim of {n} in blocks {sizes} is not whole sequences of length {seq}")
@@ -467,10 +491,16 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, n = ctx.op, grad.shape[ctx.dim]
-        parts = torch.stack([grad.index_select(ctx.dim, op.index(n, rank=r).to(grad.device)) for r in range(op.size)])
+        pieces = [grad.index_select(ctx.dim, op.index(n, rank=r).to(grad.device)) for r in range(op.size)]
+        most = max(p.shape[ctx.dim] for p in pieces)
+        mine = pieces[op.rank].shape[ctx.dim]
+        pieces = [p if p.shape[ctx.dim] == most else  # ranks holding a token less: padded, the padding dropped
+                  torch.cat([p, p.new_zeros((*p.shape[:ctx.dim], most - p.shape[ctx.dim], *p.shape[ctx.dim + 1:]))],
+                            dim=ctx.dim) for p in pieces]
+        parts = torch.stack(pieces)
         out = parts.new_empty(parts.shape[1:])
         dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=op.group)
-        return out, None, None, None
+        return out.narrow(ctx.dim, 0, mine), None, None, None
 
 
 class _SequenceOp(nn.Module):
@@ -484,16 +514,27 @@ class _SequenceOp(nn.Module):
     def index(self, n: int, rank: int) -> torch.Tensor:
         return _rank_index(self.layout, rank, n, self.blocks)
 
+    def full(self, local: int) -> int:
+        """The length of the split dim whose part this rank holds as ``local`` elements."""
+        seq, held = sum(len(p) for p in self.layout), len(self.layout[self.rank])
+        return sum(self.blocks) if self.blocks is not None else local // held * seq
+
     def gather_parts(self, local: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-        parts = [torch.empty_like(local) for _ in range(self.size)]
         if self.group is None:
             raise RuntimeError(f"{type(self).__name__}: this graph was built for inspection and has no process group")
+        counts = [len(self.index(n, r)) for r in range(self.size)]
+        most = max(counts)
+        if local.shape[dim] < most:  # ranks holding a token less send a padded part; the padding is dropped below
+            pad = list(local.shape)
+            pad[dim] = most - local.shape[dim]
+            local = torch.cat([local, local.new_zeros(pad)], dim=dim)
+        parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local, group=self.group)
         shape = list(local.shape)
         shape[dim] = n
         out = local.new_empty(shape)
         for r, part in enumerate(parts):
-            out.index_copy_(dim, self.index(n, r).to(local.device), part)
+            out.index_copy_(dim, self.index(n, r).to(local.device), part.narrow(dim, 0, counts[r]))
         return out
 
     def extra_repr(self) -> str:
@@ -521,7 +562,7 @@ class SequenceGather(_SequenceOp):
     kind, backward_kind = "all_gather", "reduce_scatter"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(x, self.dim, x.shape[self.dim] * self.size, self)
+        return _Gather.apply(x, self.dim, self.full(x.shape[self.dim]), self)
 
 
 # ------------------------------------------------------------------------------- all-to-all (Ulysses) attention

@@ -44,8 +44,11 @@ class Rewriter:
     def __init__(
         self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set, axis: str = "tp",
         localizers: Mapping[object, Localizer] | None = None,
+        local: Callable[[tuple[int, ...], object], tuple[int, ...]] | None = None,
     ) -> None:
         self.gm = gm
+        # the shape this rank holds of (global shape, placement), when ranks hold unequal parts (cp's uneven split)
+        self.uneven_local = local
         self.axis = axis
         self.localizers: Mapping[object, Localizer] = dict(localizers or {})
         self.grad = grad
@@ -66,7 +69,19 @@ class Rewriter:
         return self.prop.placements.get(node, self.prop.placements.get(self._original.get(node), R))
 
     def local_shape(self, node: fx.Node) -> tuple[int, ...]:
-        return local_shape(tuple(node.meta["val"].shape), self.placement(node), self.size)
+        return self.shape_of(tuple(node.meta["val"].shape), self.placement(node))
+
+    def shape_of(self, shape: tuple[int, ...], placement) -> tuple[int, ...]:
+        """The shape this rank holds of a value of global ``shape`` under ``placement``."""
+        if self.uneven_local is not None:
+            return self.uneven_local(shape, placement)
+        return local_shape(shape, placement, self.size)
+
+    def even_parts(self, what: str) -> None:
+        """Refuse, naming ``what``, a rewrite that assumes every rank holds an equal part."""
+        if self.uneven_local is not None:
+            raise ValueError(f"{what} along a dim the {self.axis} ranks hold unequal parts of is not supported: use "
+                             f"a size the {self.axis} degree divides")
 
     def original(self, node: fx.Node) -> fx.Node:
         """The node of the propagated graph that ``node`` stands for (itself, unless it replaced one)."""
@@ -168,6 +183,7 @@ def _split(node: fx.Node, rw: Rewriter) -> None:
     ndim = len(node.args[0].meta["val"].shape)
     if arg(node, "dim") % ndim != source.dim:
         return
+    rw.even_parts(f"{node.target}")
     sizes = node.args[1]
     local = [s // rw.size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // rw.size
     node.args = (node.args[0], local, *node.args[2:])
@@ -187,6 +203,7 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
     if source.blocks is None:  # the whole dim (x[:, -n:] of a dim of n): the whole local part, not its last n
         node.args, node.kwargs = (node.args[0], source.dim, 0, None, 1), {}
         return
+    rw.even_parts("a slice of whole blocks")
     node.args = (node.args[0], source.dim, start // rw.size, end // rw.size, 1)
     node.kwargs = {}
 

@@ -16,7 +16,7 @@ from torch import fx
 
 from autoshard.passes import localize
 from autoshard.passes.collectives import CopyToParallel, GatherFromParallel, ReduceFromParallel, ScatterToParallel
-from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard, local_shape
+from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.propagate import Propagation
 
 FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
@@ -55,7 +55,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
                 if decision.want.get(original, R) == R and style.needs_copy(original):
                     node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
         localize.localize(node, rw)
-    _local_metadata(gm, prop, rw.size)
+    _local_metadata(gm, prop, rw)
 
 
 def _has_shard(placement) -> bool:
@@ -94,14 +94,13 @@ def _trim(rw, value: fx.Node, dim: int, size: int, consumer: fx.Node) -> fx.Node
     return rw._cache[key]
 
 
-def _local_metadata(gm: fx.GraphModule, prop: Propagation, size: int) -> None:
+def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
     """Record local shapes on sharded nodes, so a pass for another axis sees what this rank holds."""
     for node in gm.graph.nodes:
         placement = prop.placements.get(node)
         val = node.meta.get("val")
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
-            node.meta["val"] = torch.empty(local_shape(tuple(val.shape), placement, size), dtype=val.dtype,
-                                           device="meta")
+            node.meta["val"] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype, device="meta")
 
 
 def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:

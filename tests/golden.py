@@ -398,15 +398,16 @@ def masked_data(kind: str, batch: int = 4, seq: int = 16):
             target[row, seq - pad:] = IGNORE_INDEX
     if kind == "documents":
         for row, lengths in enumerate(((5, 7, 4), (16,), (3, 3, 10), (9, 7))[:batch]):
+            lengths = (*lengths[:-1], lengths[-1] + seq - 16)  # the last document takes the length's difference
             extra[row] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     return idx, extra, target
 
 
-def masked_golden(kind: str, mesh_kwargs: dict, **options) -> dict:
-    """``autoshard.verify`` of ``MaskedDecoder(kind)`` on ``mesh_kwargs``."""
+def masked_golden(kind: str, mesh_kwargs: dict, seq: int = 16, **options) -> dict:
+    """``autoshard.verify`` of ``MaskedDecoder(kind)`` on ``mesh_kwargs``, at sequence length ``seq``."""
     torch.manual_seed(0)
     model = MaskedDecoder(kind)
-    idx, extra, target = masked_data(kind)
+    idx, extra, target = masked_data(kind, seq=seq)
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(model, mesh, (idx, extra), _cross_entropy(ignore_index=IGNORE_INDEX), target=target,
                               groups=groups_for(mesh), **options)
@@ -421,33 +422,39 @@ def masked_golden(kind: str, mesh_kwargs: dict, **options) -> dict:
 
 class PatchViT(torch.nn.Module):
     """A vision transformer: no input carries a sequence; the tokens are an image's patches (a strided conv),
-    torch's ``nn.TransformerEncoder`` attends over them, a mean over the tokens feeds the classifier."""
+    torch's ``nn.TransformerEncoder`` attends over them, a mean over the tokens feeds the classifier. With
+    ``class_token`` a learned token joins the 16 patches (17 tokens, as ViT's 197) and the classifier reads it."""
 
-    def __init__(self, width: int = 32, heads: int = 4, classes: int = 5) -> None:
+    def __init__(self, width: int = 32, heads: int = 4, classes: int = 5, class_token: bool = False) -> None:
         super().__init__()
         self.patches = torch.nn.Conv2d(3, width, 4, stride=4)
-        self.positions = torch.nn.Parameter(torch.randn(1, 16, width) * 0.02)
+        self.token = torch.nn.Parameter(torch.randn(1, 1, width) * 0.02) if class_token else None
+        self.positions = torch.nn.Parameter(torch.randn(1, 16 + class_token, width) * 0.02)
         layer = torch.nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True,
                                                  norm_first=True)
         self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = torch.nn.Linear(width, classes)
 
     def forward(self, pixels):
-        tokens = self.patches(pixels).flatten(2).transpose(1, 2) + self.positions  # (B, 16, width)
-        return self.head(self.encoder(tokens).mean(dim=1))
+        tokens = self.patches(pixels).flatten(2).transpose(1, 2)  # (B, 16, width)
+        if self.token is None:
+            return self.head(self.encoder(tokens + self.positions).mean(dim=1))
+        tokens = torch.cat([self.token.expand(tokens.shape[0], -1, -1), tokens], dim=1) + self.positions
+        return self.head(self.encoder(tokens)[:, 0])
 
 
-def vision_golden(mesh_kwargs: dict, **options) -> dict:
-    """``autoshard.verify`` of ``PatchViT`` on 16x16 images: the sequence starts at the patch projection."""
+def vision_golden(mesh_kwargs: dict, class_token: bool = False, **options) -> dict:
+    """``autoshard.verify`` of ``PatchViT`` on 16x16 images: the sequence starts at the patch projection (or where
+    the class token joins the patches)."""
     torch.manual_seed(0)
-    model = PatchViT()
+    model = PatchViT(class_token=class_token)
     g = torch.Generator().manual_seed(4)
     pixels, target = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(model, mesh, (pixels,), F.cross_entropy, target=target, groups=groups_for(mesh),
                               **options)
-    pm = autoshard.parallelize(PatchViT(), mesh, example_inputs=(pixels,), loss_fn=F.cross_entropy, target=target,
-                               groups=groups_for(mesh), **options)
+    pm = autoshard.parallelize(PatchViT(class_token=class_token), mesh, example_inputs=(pixels,),
+                               loss_fn=F.cross_entropy, target=target, groups=groups_for(mesh), **options)
     modules = sorted({type(m).__name__ for build in pm.builds for m in build.program.gm.modules()})
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
             "parameters": len(list(model.named_parameters())), "steps": 3, "share": report.share,

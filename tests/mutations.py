@@ -280,6 +280,11 @@ MUTANTS = (
            "                if True:\n                    return None, True",
            "a bool mask's diagonal piece is taken as causal whatever it holds (documents, windows)",
            ("tests/test_ring_attention.py::test_ring_attention_matches_sdpa",)),
+    Mutant("cp-uneven-drops-the-tail", "passes/context_parallel.py",
+           "        bounds = [i * self.seq_len // self.parts for i in range(self.parts + 1)]",
+           "        bounds = [i * (self.seq_len // self.parts) for i in range(self.parts + 1)]",
+           "a length the chunks do not divide loses its last tokens",
+           (f"{CP}test_a_sequence_the_ranks_do_not_divide_is_split_unevenly_under_gathered_keys",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",

@@ -75,7 +75,43 @@ def test_a_vision_transformer_composes(pools, mesh, options):
     golden.check(pools.get(4).run(golden.vision_golden, mesh, cp_attention="alltoall", **options), mesh)
 
 
-def test_the_patch_split_starts_at_the_projection_and_a_class_token_says_why_it_cannot():
+@pytest.mark.parametrize("cp,load_balance", [(2, False), (2, True), (4, False), (4, True)],
+                         ids=["2", "2-balanced", "4", "4-balanced"])
+@pytest.mark.parametrize("kind", ["causal", "padding", "documents"])
+def test_a_sequence_the_ranks_do_not_divide_is_split_unevenly_under_gathered_keys(pools, kind, cp, load_balance):
+    """15 tokens: ranks hold a token more or less (cp=4 balanced: 8 chunks of 1 or 2); gathered keys pad the
+    shorter parts and drop the padding; exact."""
+    results = pools.get(cp).run(golden.masked_golden, kind, {"cp": cp}, seq=15, cp_load_balance=load_balance)
+    golden.check(results)
+    assert "SequenceGather" in results[0]["modules"], results[0]["modules"]
+
+
+@pytest.mark.parametrize("mesh", [{"cp": 2}, {"cp": 4}, {"tp": 2, "cp": 2}], ids=["cp2", "cp4", "tp2xcp2"])
+def test_a_vision_transformer_with_a_class_token_is_exact(pools, mesh):
+    """16 patches and a class token: 17 tokens, split 9 and 8 (cp=2) or 4, 4, 4, 5 (cp=4)."""
+    world = mesh.get("tp", 1) * mesh["cp"]
+    results = pools.get(world).run(golden.vision_golden, mesh, class_token=True)
+    golden.check(results, mesh)
+    assert {"SequenceScatter", "SequenceGather"} <= set(results[0]["modules"]), results[0]["modules"]
+
+
+def test_uneven_positions_and_what_refuses_them():
+    from autoshard.passes.context_parallel import check_divisible
+
+    plan = ContextParallelPlan(size=2, seq_len=17)
+    assert [p.tolist() for p in map(plan.positions, range(2))] == [list(range(8)), list(range(8, 17))]
+    assert plan.local_shape(1, (4, 17 * 3, 8), Shard(1)) == (4, 27, 8)  # 9 tokens x 3 inner elements
+    balanced = ContextParallelPlan(size=2, seq_len=17, load_balance=True)
+    assert [len(balanced.positions(r)) for r in range(2)] == [9, 8]  # chunks of 4, 4, 4, 5
+    assert sorted(torch.cat([balanced.positions(r) for r in range(2)]).tolist()) == list(range(17))
+    check_divisible(plan)  # gathered keys take it
+    for attention in ("ring", "alltoall"):
+        with pytest.raises(ContextParallelError, match=rf"evenly, as cp attention '{attention}' needs: use cp "
+                                                       r"attention 'gather'"):
+            check_divisible(ContextParallelPlan(size=2, seq_len=17, attention=attention))
+
+
+def test_the_patch_split_starts_at_the_projection_and_a_class_token_is_split_unevenly():
     import torch.nn.functional as F
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -92,9 +128,11 @@ def test_the_patch_split_starts_at_the_projection_and_a_class_token_says_why_it_
                        intermediate_size=64, num_labels=5)
     captured = capture(ViTForImageClassification(config), (pixels,), loss_fn=lambda o, t: F.cross_entropy(o.logits, t),
                        example_target=target)
+    plan = plan_context_parallel(captured.gm, 2)  # 16 patches and a class token: 9 and 8 under gathered keys
+    assert (plan.seq_len, plan.even, len(plan.values)) == (17, False, 1)
     made = r"length 17 \(the tokens attention sees are made inside .*class token.*does not split into cp = 2"
     with pytest.raises(ContextParallelError, match=made):
-        plan_context_parallel(captured.gm, 2)  # 16 patches and a class token
+        plan_context_parallel(captured.gm, 2, attention="ring")
 
 
 def test_cp_with_tp_and_all_to_all(pools):
@@ -154,9 +192,10 @@ def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
 
     case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
-    message = r"length 16, which does not split into 2 x cp = 6 chunks.*\[1, 2, 4, 8\]"
-    with pytest.raises(ContextParallelError, match=message):
-        plan_context_parallel(captured.gm, 3, load_balance=True)
+    message = r"length 16, which does not split into 2 x cp = 6 chunks \(load balance\) evenly, as cp attention 'ring' "
+    with pytest.raises(ContextParallelError, match=message + r".*\[1, 2, 4, 8\]"):
+        plan_context_parallel(captured.gm, 3, load_balance=True, attention="ring")
+    assert not plan_context_parallel(captured.gm, 3, load_balance=True).even  # gathered keys: 6 chunks of 2 or 3
 
 
 def test_a_model_without_a_sequence_says_so():

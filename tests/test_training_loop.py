@@ -46,18 +46,20 @@ def test_bad_data_raises_on_all_ranks_of_a_three_axis_mesh(pools, what):
     assert all(m.startswith("IndexError") for m in results), results
 
 
-@pytest.mark.parametrize("options", [{}, {"cp_load_balance": True}, {"cp_attention": "ring"}],
-                         ids=["gather", "load-balanced", "ring"])
-def test_a_sequence_the_cp_ranks_cannot_split_is_refused_alike_on_every_rank(pools, options):
+@pytest.mark.parametrize("options", [{"cp_attention": "ring"}, {"cp_attention": "alltoall", "cp_load_balance": True}],
+                         ids=["ring", "alltoall-balanced"])
+def test_a_sequence_the_cp_ranks_cannot_split_evenly_is_refused_alike_on_every_rank(pools, options):
     results = pools.get(2).run(golden_loop.new_shape, "gpt", {"cp": 2}, 15, **options)
     assert results[0] == results[1], results
     assert results[0].startswith("ValueError") and "length 15" in results[0], results[0]
-    assert "pad the sequence to a multiple of" in results[0]
+    assert "use cp attention 'gather'" in results[0] and "pad the sequence so that it is a multiple of" in results[0]
 
 
+@pytest.mark.parametrize("length", [12, 15], ids=["even", "uneven"])
 @pytest.mark.parametrize("options", [{}, {"cp_load_balance": True}], ids=["gather", "load-balanced"])
-def test_a_new_sequence_length_that_splits_gets_its_own_cp_plan(pools, options):
-    assert pools.get(2).run(golden_loop.new_shape, "gpt", {"cp": 2}, 12, **options) == ["accepted"] * 2
+def test_a_new_sequence_length_gets_its_own_cp_plan(pools, options, length):
+    """Gathered keys take any length: 15 tokens are split 8 and 7 (or 4 + 4 and 4 + 3 load balanced)."""
+    assert pools.get(2).run(golden_loop.new_shape, "gpt", {"cp": 2}, length, **options) == ["accepted"] * 2
 
 
 @pytest.mark.parametrize("mesh,options", [({"pp": 2}, {}), ({"pp": 2}, {"microbatches": 2, "schedule": "gpipe"})],
