@@ -269,12 +269,12 @@ def _token_split(gm: fx.GraphModule, placeholders: list[fx.Node], size: int) -> 
 
 def check_divisible(plan: ContextParallelPlan) -> None:
     """Raise what would work when ``plan``'s sequence length does not split into its cp ranks (and chunks) as its
-    attention needs: gathered keys take ranks holding a token more or less; the ring and the all-to-all do not."""
+    attention needs: gathered keys and the ring take ranks holding a token more or less; the all-to-all does not."""
     parts = plan.parts
     if plan.seq_len < parts:
         raise ContextParallelError(f"a sequence of {plan.seq_len} tokens cannot be cut into {parts} chunks: use fewer "
                                    "cp ranks or a longer sequence")
-    if plan.seq_len % parts and plan.attention != "gather":
+    if plan.seq_len % parts and plan.attention == "alltoall":
         works = [c for c in range(1, plan.seq_len + 1) if plan.seq_len % (c * (2 if plan.load_balance else 1)) == 0]
         what = f"2 x cp = {parts} chunks (load balance)" if plan.load_balance else f"cp = {parts} ranks"
         names = ", ".join(f"{n} (dim {d})" for n, d in {**plan.inputs, **plan.values}.items())
@@ -284,9 +284,9 @@ def check_divisible(plan: ContextParallelPlan) -> None:
                   "class token)" if plan.values else "")
         raise ContextParallelError(
             f"the sequence of {names} has length {plan.seq_len}{inside}, which does not split into {what} evenly, "
-            f"as cp attention {plan.attention!r} needs: use cp attention 'gather' (ranks may hold a token more or "
-            f"less), {use}, or {'change the input size' if plan.values else 'pad the sequence'} so that it is a "
-            f"multiple of {parts}"
+            f"as cp attention {plan.attention!r} needs: use cp attention 'gather' or 'ring' (ranks may hold a token "
+            f"more or less), {use}, or {'change the input size' if plan.values else 'pad the sequence'} so that it "
+            f"is a multiple of {parts}"
         )
 
 

@@ -69,11 +69,10 @@ class RingAttention(_ParallelOp):
         super().__init__(group=group, size=size, rank=rank)
         if len(layout) != size:
             raise ValueError(f"RingAttention: the layout has {len(layout)} ranks' positions, the cp group {size}")
-        lengths = {len(p) for p in layout}
-        if len(lengths) != 1:
-            raise ValueError(f"RingAttention: every rank must hold as many tokens; the layout holds {sorted(lengths)}")
         self.causal, self.scale = bool(causal), scale
         self.layout = [torch.as_tensor(p, dtype=torch.long).cpu() for p in layout]
+        # ranks may hold a token more or less (a length cp does not divide): blocks travel padded to the longest
+        self.most = max(len(p) for p in self.layout)
         self.seq_len = sum(len(p) for p in self.layout)
         self._pairs: dict = {}  # host-side piece lists per source rank (``pairs``, ``blocks``)
 
@@ -185,6 +184,14 @@ class _Ring:
         return dist.batch_isend_irecv(ops), received
 
 
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows (dim -2) added up to ``rows``: the block a rank holding fewer tokens sends. The pieces
+    never read the padding (they take the source's own runs)."""
+    if t.shape[-2] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((*t.shape[:-2], rows - t.shape[-2], t.shape[-1]))], dim=-2)
+
+
 def _runs(positions: torch.Tensor) -> list[slice]:
     """Runs of consecutive positions, as slices of the local order (load balance gives two per rank)."""
     breaks = [0, *(int(i) + 1 for i in torch.nonzero(positions[1:] - positions[:-1] != 1).flatten()), len(positions)]
@@ -287,7 +294,7 @@ class _RingAttentionFn(torch.autograd.Function):
         scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         qpos = op.layout[rank].to(q.device)
         ring = _Ring(group, size, rank) if size > 1 else None
-        qf, block = q.to(_acc(q)), (k, v)
+        qf, block = q.to(_acc(q)), (_padded(k, op.most), _padded(v, op.most))
         states = {rows.start: _Online() for rows in op.query_runs()}  # one online softmax per query run
         for step in range(size):
             src = (rank - step) % size
@@ -316,7 +323,8 @@ class _RingAttentionFn(torch.autograd.Function):
         qpos = op.layout[rank].to(q.device)
         dmask = qf.new_zeros(mask.shape) if _mask_grad(ctx, mask) else None
         dq = qf.new_zeros(q.shape)
-        block, grads = (k, v), (qf.new_zeros(k.shape), qf.new_zeros(v.shape))
+        block = (_padded(k, op.most), _padded(v, op.most))
+        grads = (qf.new_zeros(block[0].shape), qf.new_zeros(block[1].shape))
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
@@ -337,7 +345,8 @@ class _RingAttentionFn(torch.autograd.Function):
             _wait(grad_works)
             block, grads = tuple(incoming), tuple(grad_incoming)
         dmask = None if dmask is None else dmask.to(mask.dtype)
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), dmask, None
+        held = k.shape[-2]
+        return dq.to(q.dtype), grads[0][..., :held, :].to(k.dtype), grads[1][..., :held, :].to(v.dtype), dmask, None
 
 
 def _add_rows(acc: torch.Tensor, runs: list[slice], grad: torch.Tensor) -> None:
@@ -424,7 +433,7 @@ class _FusedRingFn(torch.autograd.Function):
         acc = _acc(q)
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full((*q.shape[:-1],), float("-inf"), dtype=acc)
-        block = (k, v)
+        block = (_padded(k, op.most), _padded(v, op.most))
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
@@ -457,7 +466,8 @@ class _FusedRingFn(torch.autograd.Function):
                                                                       else q.dtype)  # no key: probabilities 0
         dout = dout.contiguous()
         dq = q.new_zeros(q.shape, dtype=acc)
-        block, grads = (k, v), (k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc))
+        block = (_padded(k, op.most), _padded(v, op.most))
+        grads = (k.new_zeros(block[0].shape, dtype=acc), v.new_zeros(block[1].shape, dtype=acc))
         for step in range(size):
             src = (rank - step) % size
             works, incoming = ring.shift(list(block), _KV_TAG) if step < size - 1 else ([], block)
@@ -476,7 +486,8 @@ class _FusedRingFn(torch.autograd.Function):
             _wait(works)
             _wait(grad_works)
             block, grads = tuple(incoming), tuple(grad_incoming)
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        held = k.shape[-2]
+        return dq.to(q.dtype), grads[0][..., :held, :].to(k.dtype), grads[1][..., :held, :].to(v.dtype), None, None
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, piece_out: torch.Tensor, piece_lse: torch.Tensor) -> None:

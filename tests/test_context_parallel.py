@@ -77,13 +77,15 @@ def test_a_vision_transformer_composes(pools, mesh, options):
 
 @pytest.mark.parametrize("cp,load_balance", [(2, False), (2, True), (4, False), (4, True)],
                          ids=["2", "2-balanced", "4", "4-balanced"])
+@pytest.mark.parametrize("attention", ["gather", "ring"])
 @pytest.mark.parametrize("kind", ["causal", "padding", "documents"])
-def test_a_sequence_the_ranks_do_not_divide_is_split_unevenly_under_gathered_keys(pools, kind, cp, load_balance):
-    """15 tokens: ranks hold a token more or less (cp=4 balanced: 8 chunks of 1 or 2); gathered keys pad the
-    shorter parts and drop the padding; exact."""
-    results = pools.get(cp).run(golden.masked_golden, kind, {"cp": cp}, seq=15, cp_load_balance=load_balance)
+def test_a_sequence_the_ranks_do_not_divide_is_split_unevenly(pools, kind, attention, cp, load_balance):
+    """15 tokens: ranks hold a token more or less (cp=4 balanced: 8 chunks of 1 or 2); gathers pad the shorter
+    parts and drop the padding, ring blocks travel padded and their pieces never read it; exact."""
+    results = pools.get(cp).run(golden.masked_golden, kind, {"cp": cp}, seq=15, cp_attention=attention,
+                                cp_load_balance=load_balance)
     golden.check(results)
-    assert "SequenceGather" in results[0]["modules"], results[0]["modules"]
+    assert STRATEGY_MODULE[attention] in results[0]["modules"], results[0]["modules"]
 
 
 @pytest.mark.parametrize("mesh", [{"cp": 2}, {"cp": 4}, {"tp": 2, "cp": 2}], ids=["cp2", "cp4", "tp2xcp2"])
@@ -105,10 +107,10 @@ def test_uneven_positions_and_what_refuses_them():
     assert [len(balanced.positions(r)) for r in range(2)] == [9, 8]  # chunks of 4, 4, 4, 5
     assert sorted(torch.cat([balanced.positions(r) for r in range(2)]).tolist()) == list(range(17))
     check_divisible(plan)  # gathered keys take it
-    for attention in ("ring", "alltoall"):
-        with pytest.raises(ContextParallelError, match=rf"evenly, as cp attention '{attention}' needs: use cp "
-                                                       r"attention 'gather'"):
-            check_divisible(ContextParallelPlan(size=2, seq_len=17, attention=attention))
+    check_divisible(ContextParallelPlan(size=2, seq_len=17, attention="ring"))  # and so does the ring
+    with pytest.raises(ContextParallelError, match=r"evenly, as cp attention 'alltoall' needs: use cp attention "
+                                                   r"'gather' or 'ring'"):
+        check_divisible(ContextParallelPlan(size=2, seq_len=17, attention="alltoall"))
 
 
 def test_the_patch_split_starts_at_the_projection_and_a_class_token_is_split_unevenly():
@@ -132,7 +134,7 @@ def test_the_patch_split_starts_at_the_projection_and_a_class_token_is_split_une
     assert (plan.seq_len, plan.even, len(plan.values)) == (17, False, 1)
     made = r"length 17 \(the tokens attention sees are made inside .*class token.*does not split into cp = 2"
     with pytest.raises(ContextParallelError, match=made):
-        plan_context_parallel(captured.gm, 2, attention="ring")
+        plan_context_parallel(captured.gm, 2, attention="alltoall")
 
 
 def test_cp_with_tp_and_all_to_all(pools):
@@ -192,9 +194,10 @@ def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
 
     case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
-    message = r"length 16, which does not split into 2 x cp = 6 chunks \(load balance\) evenly, as cp attention 'ring' "
+    message = (r"length 16, which does not split into 2 x cp = 6 chunks \(load balance\) evenly, as cp attention "
+               r"'alltoall' ")
     with pytest.raises(ContextParallelError, match=message + r".*\[1, 2, 4, 8\]"):
-        plan_context_parallel(captured.gm, 3, load_balance=True, attention="ring")
+        plan_context_parallel(captured.gm, 3, load_balance=True, attention="alltoall")
     assert not plan_context_parallel(captured.gm, 3, load_balance=True).even  # gathered keys: 6 chunks of 2 or 3
 
 

@@ -38,7 +38,7 @@ def test_no_refusal_offers_an_empty_list(batch, microbatches, dp, local):
 
 def test_an_odd_sequence_under_load_balance_offers_no_empty_list_of_cp_degrees():
     """Seed: "use cp in [] or turn load balance off": no cp degree cuts 7 tokens into 2 x cp chunks."""
-    plan = ContextParallelPlan(size=2, inputs={"input_ids": 1}, seq_len=7, load_balance=True, attention="ring")
+    plan = ContextParallelPlan(size=2, inputs={"input_ids": 1}, seq_len=7, load_balance=True, attention="alltoall")
     with pytest.raises(ValueError) as caught:
         check_divisible(plan)
     message = str(caught.value)
