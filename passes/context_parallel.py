@@ -357,6 +357,7 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
         _all_to_all(node, rw, plan)
         return
     if not causal:
+        _attention_layout(node, rw)
         return
     from autoshard.passes.ring_attention import GatheredCausalAttention
 
@@ -364,6 +365,26 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     module = GatheredCausalAttention(positions=plan.positions(rw.rank), seq_len=plan.seq_len, scale=arg(node, "scale"),
                                      dropout_p=arg(node, "dropout_p"), enable_gqa=arg(node, "enable_gqa"))
     rw.replace(node, rw.module(module, tuple(node.args[:3]), before=node, like=node))
+
+
+def _attention_layout(node: fx.Node, rw: localize.Rewriter) -> None:
+    """Lay this rank's attention output out as the whole sequence's was, (B, T, H, D) in memory: CPU attention picks
+    its kernel by shapes and mask, and the one for T/c queries against T keys may return (B, H, T, D) in memory,
+    which a model's ``view`` after ``transpose(1, 2)`` (baked into the graph) cannot take."""
+    if node.meta["val"].dim() != 4:
+        return
+    graph = rw.gm.graph
+    with graph.inserting_after(node):
+        first = graph.call_function(aten.transpose.int, (node, 1, 2))
+    with graph.inserting_after(first):
+        dense = graph.call_function(aten.contiguous.default, (first,))
+    with graph.inserting_after(dense):
+        back = graph.call_function(aten.transpose.int, (dense, 1, 2))
+    val = node.meta["val"]
+    first.meta["val"], dense.meta["val"], back.meta["val"] = val.transpose(1, 2), val.transpose(1, 2), val
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not first)
+    if node in rw.grad:
+        rw.grad.update((first, dense, back))
 
 
 def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causal: bool) -> None:

@@ -520,10 +520,10 @@ class GatheredCausalAttention(nn.Module):
         if (q.device.type != "cpu" or self.dropout_p or not q.dtype == k.dtype == v.dtype or not _fusable(q, k, v)
                 or torch.is_autocast_enabled(q.device.type)):
             mask = self.positions.to(q.device)[:, None] >= torch.arange(self.seq_len, device=q.device)[None, :]
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale,
-                enable_gqa=self.enable_gqa)
-        out = _GatheredCausalFn.apply(q, k, v, self)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale, enable_gqa=self.enable_gqa)
+        else:
+            out = _GatheredCausalFn.apply(q, k, v, self)
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out

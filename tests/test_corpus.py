@@ -42,6 +42,7 @@ SAMPLE = {
     "apertus": "xIELU activation (min, expm1) with learned scalars",
     "gpt_oss": "attention sinks, experts with interleaved gate/up, biases and a clamped GLU",
     "qwen3_next": "gated delta rule linear attention (causal conv, chunked recurrence) beside full attention",
+    "vision/vit": "an image classifier: patches from a strided conv, a class token, no token ids",
 }
 
 CELLS = [(name, "tp2") for name in SAMPLE] + [
@@ -51,6 +52,12 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("s2s/bart", "pp2"),
     ("qwen3", "cp2"),
     ("mistral", "cp2"),
+    ("jetmoe", "cp2"),  # attention whose cp kernel lays its output out otherwise than the whole sequence's
+    ("rwkv", "cp2"),  # no attention: a recurrence writing out[:, t] = state, run on the gathered sequence
+    ("qwen3_next", "cp2"),  # linear attention's sequence merged with heads into one dim
+    ("vision/vit", "cp2"),  # the split starts at the patches; 16 patches and a class token split 9 and 8
+    ("deepseek_v3", "cp2ring"),  # values narrower than keys: ring pieces off the fused kernel
+    ("llama", "cp2alltoall"),
     ("mixtral", "tp4"),  # experts split four ways
     ("qwen2_moe", "tp4"),
     ("gpt_oss", "tp4"),
