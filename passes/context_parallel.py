@@ -367,24 +367,17 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     rw.replace(node, rw.module(module, tuple(node.args[:3]), before=node, like=node))
 
 
+def attention_laid_out(*args, **kwargs) -> torch.Tensor:
+    """``scaled_dot_product_attention`` whose output is laid out as the whole sequence's was, (B, T, H, D) in memory:
+    CPU attention picks its kernel by shapes and mask, and the one for T/c queries against T keys may return
+    (B, H, T, D) in memory, which a model's ``view`` after ``transpose(1, 2)`` (baked into the graph) cannot take."""
+    out = aten.scaled_dot_product_attention.default(*args, **kwargs)
+    return out.transpose(1, 2).contiguous().transpose(1, 2) if out.dim() == 4 else out
+
+
 def _attention_layout(node: fx.Node, rw: localize.Rewriter) -> None:
-    """Lay this rank's attention output out as the whole sequence's was, (B, T, H, D) in memory: CPU attention picks
-    its kernel by shapes and mask, and the one for T/c queries against T keys may return (B, H, T, D) in memory,
-    which a model's ``view`` after ``transpose(1, 2)`` (baked into the graph) cannot take."""
-    if node.meta["val"].dim() != 4:
-        return
-    graph = rw.gm.graph
-    with graph.inserting_after(node):
-        first = graph.call_function(aten.transpose.int, (node, 1, 2))
-    with graph.inserting_after(first):
-        dense = graph.call_function(aten.contiguous.default, (first,))
-    with graph.inserting_after(dense):
-        back = graph.call_function(aten.transpose.int, (dense, 1, 2))
-    val = node.meta["val"]
-    first.meta["val"], dense.meta["val"], back.meta["val"] = val.transpose(1, 2), val.transpose(1, 2), val
-    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not first)
-    if node in rw.grad:
-        rw.grad.update((first, dense, back))
+    """The attention node computes this rank's queries in the whole sequence's output layout (one node still)."""
+    node.target = attention_laid_out
 
 
 def _ring(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan, causal: bool) -> None:

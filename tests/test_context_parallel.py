@@ -32,8 +32,7 @@ def test_golden_context_parallel_ring(pools, name, cp, load_balance):
     golden.check(results)
 
 
-@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp,load_balance", [(2, False), (4, True)], ids=["2", "4-balanced"])
 @pytest.mark.parametrize("name", CP_MODELS)
 def test_golden_context_parallel_all_to_all(pools, name, cp, load_balance):
     results = pools.get(cp).run(golden.golden, name, {"cp": cp}, cp_attention="alltoall",
@@ -44,9 +43,13 @@ def test_golden_context_parallel_all_to_all(pools, name, cp, load_balance):
 STRATEGY_MODULE = {"gather": "SequenceGather", "ring": "RingAttention", "alltoall": "SequenceToHeads"}
 
 
-@pytest.mark.parametrize("cp,load_balance", [(2, False), (2, True), (4, True)], ids=["2", "2-balanced", "4-balanced"])
-@pytest.mark.parametrize("attention", list(STRATEGY_MODULE))
-@pytest.mark.parametrize("kind", golden.MaskedDecoder.KINDS)
+MASK_CASES = [(kind, attention, 2, True) for kind in golden.MaskedDecoder.KINDS for attention in STRATEGY_MODULE] + [
+    (kind, "ring", 4, True) for kind in golden.MaskedDecoder.KINDS] + [
+    ("documents", attention, 2, False) for attention in STRATEGY_MODULE]
+
+
+@pytest.mark.parametrize("kind,attention,cp,load_balance", MASK_CASES,
+                         ids=[f"{k}-{a}-{c}{'-balanced' if b else ''}" for k, a, c, b in MASK_CASES])
 def test_every_mask_kind_is_exact_under_every_strategy(pools, kind, attention, cp, load_balance):
     """Masks built in the graph from the inputs (padding, a window, packed documents of uneven lengths), the causal
     flag and none: exact under every strategy, the attention split as asked (not gathered around)."""
@@ -56,8 +59,8 @@ def test_every_mask_kind_is_exact_under_every_strategy(pools, kind, attention, c
     assert STRATEGY_MODULE[attention] in results[0]["modules"], results[0]["modules"]
 
 
-@pytest.mark.parametrize("cp,load_balance", [(2, False), (4, True)], ids=["2", "4-balanced"])
-@pytest.mark.parametrize("attention", list(STRATEGY_MODULE))
+@pytest.mark.parametrize("attention,cp,load_balance", [("gather", 2, False), ("ring", 2, True), ("alltoall", 4, True)],
+                         ids=["gather-2", "ring-2-balanced", "alltoall-4-balanced"])
 def test_a_vision_transformer_splits_its_patch_tokens(pools, attention, cp, load_balance):
     """No input carries the sequence: the split starts after the patch projection (a scatter of each rank's
     patches) and the mean over all tokens before the classifier gathers them; exact under every strategy."""
@@ -75,10 +78,13 @@ def test_a_vision_transformer_composes(pools, mesh, options):
     golden.check(pools.get(4).run(golden.vision_golden, mesh, cp_attention="alltoall", **options), mesh)
 
 
-@pytest.mark.parametrize("cp,load_balance", [(2, False), (2, True), (4, False), (4, True)],
-                         ids=["2", "2-balanced", "4", "4-balanced"])
-@pytest.mark.parametrize("attention", ["gather", "ring"])
-@pytest.mark.parametrize("kind", ["causal", "padding", "documents"])
+UNEVEN_CASES = [("causal", "gather", cp, b) for cp in (2, 4) for b in (False, True)] + [
+    ("causal", "ring", cp, True) for cp in (2, 4)] + [
+    (kind, attention, 2, True) for kind in ("padding", "documents") for attention in ("gather", "ring")]
+
+
+@pytest.mark.parametrize("kind,attention,cp,load_balance", UNEVEN_CASES,
+                         ids=[f"{k}-{a}-{c}{'-balanced' if b else ''}" for k, a, c, b in UNEVEN_CASES])
 def test_a_sequence_the_ranks_do_not_divide_is_split_unevenly(pools, kind, attention, cp, load_balance):
     """15 tokens: ranks hold a token more or less (cp=4 balanced: 8 chunks of 1 or 2); gathers pad the shorter
     parts and drop the padding, ring blocks travel padded and their pieces never read it; exact."""

@@ -315,8 +315,11 @@ def _covered() -> set:
         ops |= {case.values[0] for case in table}
     ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default,
             aten._assert_tensor_metadata.default}  # test_a_metadata_check_passes_any_placement
+    from autoshard.passes.context_parallel import split_sequence
+
     assert loss.CE_CASES and layers.ATTENTION_CASES
-    return ops | {op.overloadpacket for op in ops}
+    # split_sequence is cp's only: golden through real collectives in test_context_parallel (the patch ViT)
+    return ops | {op.overloadpacket for op in ops} | {split_sequence}
 
 
 def test_every_op_of_the_rule_table_has_differential_cases():
