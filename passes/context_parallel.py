@@ -182,16 +182,13 @@ def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, in
     attention = next((n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default), None)
     if attention is None:
         return {}
+    from autoshard.passes.loss import ancestors
+
     q = attention.args[0]
     length = q.meta["val"].shape[-2]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    seen, todo, found = set(), [q], []
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(node.all_input_nodes)
+    found = []
+    for node in ancestors(q):
         val = node.meta.get("val")
         if (node.op == "call_function" and node.target is not split_sequence and isinstance(val, torch.Tensor)
                 and val.is_floating_point() and val.dim() >= 3):
