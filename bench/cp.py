@@ -51,11 +51,12 @@ def extras(cfg: dict) -> dict[str, int]:
     """What a cp rank saves beyond cp=1's bytes / c, by the model of the notes (bytes per term)."""
     if cfg["c"] == 1:
         return {}
-    if cfg["attention"] == "gather":
-        return {"K/V": kv_full(cfg)}
+    output = LAYERS * cfg["batch"] * (cfg["seq"] // cfg["c"]) * HIDDEN * 4
+    if cfg["attention"] == "gather":  # the full-length K/V, and the output laid out for the model's transpose
+        return {"K/V": kv_full(cfg), "output": output}
     # ring: its fp32 result; all-to-all: the output laid out for the model's transpose (attention itself saves
     # heads/c x seq, what cp=1 saves over c)
-    return {"output": LAYERS * cfg["batch"] * (cfg["seq"] // cfg["c"]) * HIDDEN * 4}
+    return {"output": output}
 
 
 def memory_rows(jobs: dict) -> list[list[str]]:
@@ -138,7 +139,8 @@ def notes(jobs: dict) -> list[str]:
         "(2 · layers · B · T · hidden · 4 bytes; the gathered copies are new tensors, while the rank's own K and "
         "V stay alive inside the fused qkv projection's output, which the query view that attention saves keeps "
         "whole, as at cp=1); under the causal flag no mask: each run of the rank's query positions attends the keys "
-        "before it whole and its own run causally, with the fused kernel. `ring` keeps only its own K/V block "
+        "before it whole and its own run causally, with the fused kernel, and one copy of its output per layer (laid "
+        "out for the model's transpose, as below). `ring` keeps only its own K/V block "
         "and adds one copy of the attention "
         "output per layer (layers · B · T/c · hidden · 4 bytes: its fp32 result, saved before it is laid out for "
         "the model's transpose). `alltoall` holds q, k, v at (heads/c × T), as many bytes as cp=1's over c, and "
