@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 
 import torch
 import torch.distributed as dist
 from common import summarize
-from step_time import pin_to_core, time_runners
+from cp_worker import start
+from step_time import time_runners
 
 import autoshard
 
@@ -103,14 +103,7 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.pin:
-        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
-    groups = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
-        groups = autoshard.Mesh(cp=dist.get_world_size()).create_groups()
-    c = dist.get_world_size() if dist.is_initialized() else 1
+    groups, c = start(args.pin)
     strategies = ["none"] if c == 1 else args.strategies.split(",")
     runners, results = {}, {}
     for strategy in strategies:

@@ -110,6 +110,19 @@ def measure(cfg: Config, batch: int) -> dict:
     }
 
 
+def start(pin: bool):
+    """One thread per rank (pinned to its core with ``pin``); under torchrun, gloo and the cp groups. Returns the cp
+    groups (None in one process) and the cp degree."""
+    torch.set_num_threads(1)
+    if pin:
+        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+    groups = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+        groups = autoshard.Mesh(cp=dist.get_world_size()).create_groups()
+    return groups, dist.get_world_size() if dist.is_initialized() else 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="128,256,512")
@@ -121,14 +134,7 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.pin:
-        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
-    groups = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
-        groups = autoshard.Mesh(cp=dist.get_world_size()).create_groups()
-    c = dist.get_world_size() if dist.is_initialized() else 1
+    groups, c = start(args.pin)
     seqs = [int(s) for s in args.seqs.split(",")]
     unbalanced = {int(s) for s in args.unbalanced.split(",") if s}
     plans = [(s, "none", False) for s in seqs] if c == 1 else [
