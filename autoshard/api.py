@@ -240,4 +240,5 @@ def lint_findings(mesh: Mesh, model: nn.Module, example_inputs: tuple, options: 
 
     batch = (batch_size(example_inputs) or 1) * (mesh.dp if options.local_batch else 1)
     config = transformer_config(model, example_inputs, batch)
-    return lint(mesh, config, microbatches=options.microbatches, interleave=options.chunks)
+    return lint(mesh, config, microbatches=options.microbatches, interleave=options.chunks,
+                schedule=options.schedule)

@@ -124,9 +124,11 @@ def build_stages(
     for index in mine:
         stage = stages[index]
         _shard(stage.gm, _for_stage(sharding, whole, stage), store)
-        received = _specs([n for n in stage.gm.graph.nodes if n.op == "placeholder" and meta.RECEIVED in n.meta])
+        placeholders = {n.meta[meta.RECEIVED]: n for n in stage.gm.graph.nodes
+                        if n.op == "placeholder" and meta.RECEIVED in n.meta}
+        received = _specs([placeholders[name] for name in stage.receives], stage.receive_specs)
         output = next(n for n in stage.gm.graph.nodes if n.op == "output")
-        local[index] = (received, _specs(list(output.args[0])) if stage.sends else [])
+        local[index] = (received, _specs(list(output.args[0]), stage.send_specs) if stage.sends else [])
         out_spec = getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None
         programs[index] = RankProgram(stage.gm, out_spec)
     return stages, programs, local
@@ -149,8 +151,10 @@ def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Shard
     return dataclasses.replace(sharding, cp_plan=dataclasses.replace(plan, inputs=inputs))
 
 
-def _specs(nodes: list[fx.Node]) -> list[TensorSpec]:
-    return [TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in nodes]
+def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
+    """Local shapes, in the memory order the whole graph's values have (the same on sender and receiver)."""
+    return [TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype, spec.order)
+            for n, spec in zip(nodes, whole, strict=True)]
 
 
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:

@@ -278,16 +278,17 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | No
                                     balance=options.pipeline_balance)
     else:
         build.partition = partition(gm, build.num_stages, cut_after=like.partition.cut_after)
-    mine = [s for s in range(build.num_stages) if s % p == build.coords["pp"]]
+    placement = schedules.placement_of(options.schedule)
+    mine = [s for s in range(build.num_stages) if schedules.rank_of(s, p, placement) == build.coords["pp"]]
     build.stages, build.programs, build.local_specs = codegen.build_stages(
         build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store)
     holders: dict[str, set[int]] = {}
     for stage in build.stages:
         for name in stage.parameters:
-            holders.setdefault(name, set()).add(stage.index % p)
+            holders.setdefault(name, set()).add(schedules.rank_of(stage.index, p, placement))
     build.tied = {name: frozenset(ranks) for name, ranks in sorted(holders.items()) if len(ranks) > 1}
     build.actions = schedules.schedule(options.schedule, p, options.microbatches, v)
-    schedules.validate(build.actions, p, v)
+    schedules.validate(build.actions, p, v, placement)
 
 
 def _check_loss_trains(captured: Captured, model: nn.Module) -> None:

@@ -123,7 +123,9 @@ def _pipeline(build) -> list[str]:
         return []
     p, v, m = build.mesh.pp, build.options.chunks, build.options.microbatches
     mine = sorted(build.programs)
-    sim = schedules.simulate(build.actions, p, v)
+    placement = schedules.placement_of(build.options.schedule)
+    sim = schedules.simulate(build.actions, p, v, placement=placement)
+    formula, bubble = schedules.bubble_formula(build.options.schedule, p, m, v)
     lines = [
         f"pipeline: {build.num_stages} stages on {p} pp ranks" + (f" ({v} chunks per rank)" if v > 1 else "")
         + f"; rank {build.rank} (pp={build.coords['pp']}) runs stage{'s' if len(mine) > 1 else ''} "
@@ -134,17 +136,19 @@ def _pipeline(build) -> list[str]:
         f"parameters per stage {', '.join(format_bytes(b) for b in part.param_bytes)} (the largest holds "
         f"{part.largest_param_share:.0%}; balanced for {build.options.pipeline_balance})",
         f"  schedule {build.options.schedule}, {m} microbatch(es): simulated bubble {sim.bubble:.1%} (formula "
-        f"(p-1)/(v*m+p-1) = {(p - 1) / (v * m + p - 1):.1%}); at most {max(sim.peak_in_flight.values()):.2g} "
+        f"{formula} = {bubble:.1%}); at most {max(sim.peak_in_flight.values()):.2g} "
         "stage-equivalents of activations in flight",
     ]
     for name, ranks in build.tied.items():
         names = ", ".join(build.captured.names.get(name, [name]))
         lines.append(f"  {names} is used on pp ranks {sorted(ranks)}: its gradients are summed there")
-    drawn = schedules.simulate(build.actions, p, v, forward_cost=1.0, backward_cost=1.0)
+    drawn = schedules.simulate(build.actions, p, v, forward_cost=1.0, backward_cost=1.0, placement=placement)
     grid = schedules.render(build.actions, p, sim=drawn).splitlines()
     grid[build.coords["pp"]] += f"   <- rank {build.rank}"
     lines += [f"  timeline ({build.options.schedule}): one row per pp rank, time to the right; F3/B3 = forward/"
-              "backward of microbatch 3" + (" (F3.5: of stage 5)" if v > 1 else "") + ", . = idle",
+              "backward of microbatch 3" + (" (I3/W3: its input/weight gradients)" if placement == "v" or
+                                            build.options.schedule == "zb-h1" else "")
+              + (" (F3.5: of stage 5)" if v > 1 else "") + ", . = idle",
               *(f"  {row}" for row in grid)]
     return lines
 
@@ -196,10 +200,14 @@ def _collectives(build) -> list[str]:
 def _pipeline_rows(build, index: int, stage: str) -> list[tuple]:
     """Forward activations cross each cut; in training their gradients come back the other way."""
     rows, p = [], build.mesh.pp
+    placement = schedules.placement_of(build.options.schedule)
     received, sent = build.local_specs[index]
-    for specs, peer, there, back in ((received, (index - 1) % p, "recv", "send"), (sent, (index + 1) % p, "send",
-                                                                                       "recv")):
-        if not specs:
+    here = schedules.rank_of(index, p, placement)
+    for specs, peer, there, back in ((received, schedules.rank_of(index - 1, p, placement) if index else 0, "recv",
+                                      "send"),
+                                     (sent, schedules.rank_of(min(index + 1, build.num_stages - 1), p, placement),
+                                      "send", "recv")):
+        if not specs or peer == here:  # the V's tip hands over in memory
             continue
         size = format_bytes(_spec_bytes(specs))
         rows.append((stage, "pp", "forward", there, f"activations {'from' if there == 'recv' else 'to'} pp rank "

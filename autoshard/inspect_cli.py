@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches per dp rank's batch (1)")
     parser.add_argument("--chunks", type=int, default=1, help="pipeline stages per pp rank (interleaving) (1)")
     parser.add_argument("--schedule", nargs="?", const="", default=None, metavar="NAME",
-                        help="draw the pipeline timeline of schedule NAME: gpipe, 1f1b (default) or interleaved "
-                             "(the default with --chunks > 1)")
+                        help="draw the pipeline timeline of schedule NAME: gpipe, 1f1b (default), interleaved "
+                             "(the default with --chunks > 1), zb-h1 or zbv (zero-bubble)")
     parser.add_argument("--dot", metavar="DIR", help="write a Graphviz .dot file of each rewritten graph into DIR")
     c = parser.add_argument_group("compiler options, as in parallelize()")
     c.add_argument("--tp-indivisible", choices=CHOICES["tp_indivisible"], default="error",

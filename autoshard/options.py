@@ -17,7 +17,7 @@ from autoshard.mesh import Mesh
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 CHOICES = {
-    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
     "tp_indivisible": ("error", "replicate"),
     "cp_attention": ("gather", "ring", "alltoall"),
     "mixed_precision": (None, "bf16"),
@@ -31,7 +31,11 @@ _MEANINGS = {
     "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
+    "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
+                "input and weight gradients, the weight part deferred into the bubble) or 'zbv' (two chunks per rank "
+                "in a V, backward split likewise)",
 }
+V_CHUNKS = {"zbv": 2}  # the schedules that place their stages in a V, and their chunks per rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +50,10 @@ class CompileOptions:
     tp_indivisible: what to do with a block whose heads or width the tp degree does not divide:
         ``"error"`` (the default: an error naming the layer and the degrees that work) or
         ``"replicate"`` (keep that block replicated, with a warning).
-    schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (with ``chunks`` > 1).
+    schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with ``chunks`` > 1), or a
+        zero-bubble one, whose backward is split into input and weight gradients with the weight part deferred
+        into the bubble: ``"zb-h1"`` (1F1B's order and memory) or ``"zbv"`` (two chunks per rank in a V; sets
+        ``chunks`` to 2).
     chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
     pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
         stage after the first begins.
@@ -93,6 +100,11 @@ class CompileOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= 1")
+        if self.schedule in V_CHUNKS:
+            if self.chunks not in (1, V_CHUNKS[self.schedule]):
+                raise ValueError(f"schedule={self.schedule!r} runs {V_CHUNKS[self.schedule]} chunks per pipeline rank "
+                                 f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
+            object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
         for name in ("local_batch", "cp_load_balance", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not valid: pass True or False")

@@ -11,12 +11,14 @@ stage's cost is the training FLOPs of its nodes plus a term for the parameters i
 (``autoshard.cost``), so the embedding and LM head stages are not treated as free. By default the
 partition balances memory too: a stage's score is the larger of its share of that cost and its share of
 the parameters (whose gradients and optimizer state are as many again), so a mixture-of-experts stage
-whose routed tokens cost little cannot end up holding most of the model's bytes. Nothing here looks at
+whose routed tokens cost little cannot end up holding most of the model's bytes. A weight read on both sides
+of a cut (an encoder-decoder's one embedding) is held by both stages and counts on both. Nothing here looks at
 names; a user may instead name the modules that stages start at.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import networkx as nx
@@ -43,7 +45,8 @@ class Partition:
     cut_after: tuple[str, ...]  # the last activation of every stage but the last
     crossing_bytes: tuple[int, ...]
     candidates: int
-    param_bytes: tuple[int, ...] = ()  # the parameter bytes each stage is the first to read
+    param_bytes: tuple[int, ...] = ()  # the parameter bytes each stage holds (a weight read on two: on both)
+    total_param_bytes: int = 0  # the model's, each weight once
 
     @property
     def balance(self) -> float:
@@ -52,8 +55,8 @@ class Partition:
 
     @property
     def largest_param_share(self) -> float:
-        """The largest stage's share of the parameter bytes of all stages together."""
-        return max(self.param_bytes) / sum(self.param_bytes) if sum(self.param_bytes) else 0.0
+        """The largest stage's share of the model's parameter bytes."""
+        return max(self.param_bytes) / self.total_param_bytes if self.total_param_bytes else 0.0
 
 
 class PartitionError(ValueError):
@@ -72,9 +75,10 @@ def partition(
     ``"both"`` (the larger of the two shares).
     """
     order, dag = _activation_dag(gm)
-    memory = _param_bytes(gm, order)
+    memory = _HeldBytes(gm, order)
     if num_stages == 1:
-        return Partition({n.name: 0 for n in order}, (sum(_costs(gm, order)),), (), (), 0, (sum(memory),))
+        return Partition({n.name: 0 for n in order}, (sum(_costs(gm, order)),), (), (), 0, (memory.total,),
+                         memory.total)
     crossing = _crossing_sets(order, dag)
     sendable = [i for i, c in enumerate(crossing[:-1]) if all(_is_tensor(n) for n in c)]
     fewest = min((len(crossing[i]) for i in sendable), default=0)
@@ -141,15 +145,14 @@ def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, wei
 
 
 def _contiguous(node: fx.Node) -> bool:
-    """Whether a value's dims are laid out in row-major order in the capture, as a received copy's are: after a cut
-    where a transposed value crosses, ``y.transpose(1, 2).view(...)`` would fail on the copy. Gaps between rows
-    (a ``select`` of one layer's slice from a tensor of every layer's) are allowed: the copy only closes them,
-    which leaves every view that worked valid."""
+    """Whether a received copy can be laid out like the value: the copy keeps its dims' memory order (see
+    ``TensorSpec``), so a transposed value is fine, but a dim broadcast by ``expand`` (stride 0) would come out
+    materialised. Gaps between rows (a ``select`` of one layer's slice from a tensor of every layer's) are allowed:
+    the copy only closes them, which leaves every view that worked valid."""
     val = node.meta.get(meta.VAL)
     if not isinstance(val, torch.Tensor):
         return False
-    dims = [(size, stride) for size, stride in zip(val.shape, val.stride(), strict=True) if size > 1]
-    return all(outer[1] >= inner[1] * inner[0] for outer, inner in zip(dims, dims[1:], strict=False))
+    return all(stride > 0 for size, stride in zip(val.shape, val.stride(), strict=True) if size > 1)
 
 
 def _largest(cuts: list[int], scores, length: int) -> float:
@@ -191,37 +194,57 @@ def _splitting_params(gm: fx.GraphModule, order: list[fx.Node], candidates: list
     return refused
 
 
-def _param_bytes(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
-    """For each activation node, the bytes of the parameters it is the first to read."""
-    params = dict(gm.named_parameters())
-    seen: set[str] = set()
-    out = []
-    for node in order:
-        total = 0
-        for source in node.all_input_nodes:
-            if source.op == "get_attr" and source.target in params and source.target not in seen:
-                seen.add(source.target)
-                total += params[source.target].numel() * params[source.target].element_size()
-        out.append(total)
-    return out
+class _HeldBytes:
+    """The parameter bytes a stage of activations ``lo..hi-1`` holds: every weight one of them reads.
+
+    A weight read on both sides of a cut (an embedding an encoder, a decoder and a head share, tied tables,
+    one block's weights run as every layer) is held by both stages and counts on both. Counted by prefix sums
+    of each weight's first reader, plus the weights read again later whose first reader is before ``lo``."""
+
+    def __init__(self, gm: fx.GraphModule, order: list[fx.Node]):
+        params = dict(gm.named_parameters())
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(order):
+            for source in node.all_input_nodes:
+                if source.op == "get_attr" and source.target in params:
+                    readers.setdefault(source.target, []).append(i)
+        size = {name: params[name].numel() * params[name].element_size() for name in readers}
+        first = [0] * len(order)
+        for name, at in readers.items():
+            first[at[0]] += size[name]
+        self.prefix = [0]
+        for b in first:
+            self.prefix.append(self.prefix[-1] + b)
+        self.total = self.prefix[-1]
+        self.again = [(size[name], at) for name, at in readers.items() if at[-1] > at[0]]
+        self.cache: dict[tuple[int, int], int] = {}
+
+    def __call__(self, lo: int, hi: int) -> int:
+        if (lo, hi) not in self.cache:
+            held = self.prefix[hi] - self.prefix[lo]
+            for nbytes, at in self.again:
+                if at[0] < lo < hi:
+                    k = bisect.bisect_left(at, lo)
+                    held += nbytes if k < len(at) and at[k] < hi else 0
+            self.cache[lo, hi] = held
+        return self.cache[lo, hi]
 
 
-def _scores(costs: list[float], memory: list[int], balance: str, stages: int):
+def _scores(costs: list[float], memory: _HeldBytes, balance: str, stages: int):
     """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for.
 
     ``"both"`` holds each stage's parameters within ``BALANCED`` times an even share where cuts allow it (a stage
     over it scores one more than its share, so any cut within it wins), and within that minimises the larger of
     the time and memory shares: a rank's parameters, gradients and optimizer state are what decide whether a
     model fits at all, a few percent of time only how fast it runs."""
-    prefix_cost, prefix_mem = [0.0], [0]
-    for c, m in zip(costs, memory, strict=True):
+    prefix_cost = [0.0]
+    for c in costs:
         prefix_cost.append(prefix_cost[-1] + c)
-        prefix_mem.append(prefix_mem[-1] + m)
-    total_cost, total_mem = prefix_cost[-1] or 1.0, prefix_mem[-1] or 1
+    total_cost, total_mem = prefix_cost[-1] or 1.0, memory.total or 1
 
     def score(lo: int, hi: int) -> float:
         time = (prefix_cost[hi] - prefix_cost[lo]) / total_cost
-        mem = (prefix_mem[hi] - prefix_mem[lo]) / total_mem
+        mem = memory(lo, hi) / total_mem
         if balance != "both":
             return time if balance == "time" else mem
         return max(time, mem) + (mem > BALANCED / stages)
@@ -362,8 +385,8 @@ def _result(order, costs, cuts, nbytes, candidates, memory) -> Partition:
         for i in members:
             stage_of[order[i].name] = stage
         stage_costs.append(sum(costs[i] for i in members))
-        stage_bytes.append(sum(memory[i] for i in members))
+        stage_bytes.append(memory(members.start, members.stop))
     return Partition(
         stage_of, tuple(stage_costs), tuple(order[c].name for c in cuts), tuple(nbytes[c] for c in cuts), candidates,
-        tuple(stage_bytes),
+        tuple(stage_bytes), memory.total,
     )

@@ -25,10 +25,32 @@ from autoshard.passes.propagate import requires_grad
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of a value crossing a cut: what the receiver allocates."""
+    """Shape, dtype and memory order of a value crossing a cut: what the receiver allocates.
+
+    ``order`` lists the dims from outermost in memory when that is not row-major (a value transposed before the
+    cut): it is sent in that order and received into a buffer laid out alike, so a ``view`` after the cut that
+    worked on the original works on the copy."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    order: tuple[int, ...] | None = None
+
+    @staticmethod
+    def of(val: torch.Tensor) -> TensorSpec:
+        order = tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), d)))
+        return TensorSpec(tuple(val.shape), val.dtype, None if order == tuple(range(val.dim())) else order)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sender's tensor in the order the receiver's buffer has."""
+        return (tensor if self.order is None else tensor.permute(self.order)).contiguous()
+
+    def allocate(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer to receive into, and the value it holds in the sender's dims."""
+        if self.order is None:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=device)
+            return buffer, buffer
+        buffer = torch.empty([self.shape[d] for d in self.order], dtype=self.dtype, device=device)
+        return buffer, buffer.permute([self.order.index(d) for d in range(len(self.order))])
 
 
 @dataclass
@@ -184,5 +206,5 @@ def _specs(by_name: dict[str, fx.Node], names: list[str]) -> list[TensorSpec]:
         val = by_name[name].meta.get(meta.VAL)
         if not isinstance(val, torch.Tensor):
             raise ValueError(f"{name} crosses a pipeline cut but is not a tensor; cut elsewhere")
-        specs.append(TensorSpec(tuple(val.shape), val.dtype))
+        specs.append(TensorSpec.of(val))
     return specs

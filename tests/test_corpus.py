@@ -63,6 +63,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("gpt_oss", "tp4"),
     ("llama4_text", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
+    ("recurrent_gemma", "pp2"),  # a balanced cut where transposed values cross
 ]
 
 

@@ -18,6 +18,12 @@ CONFIGS = [
     (4, 4, "1f1b", 1),
     (4, 8, "gpipe", 1),
     (4, 8, "interleaved", 2),
+    (2, 2, "zb-h1", 1),
+    (2, 4, "zb-h1", 1),
+    (4, 8, "zb-h1", 1),
+    (2, 2, "zbv", 2),
+    (2, 4, "zbv", 2),
+    (4, 8, "zbv", 2),
 ]
 
 
@@ -40,7 +46,7 @@ def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
     report = pools.get(2).run(golden.explain, "gpt", {"pp": 2}, microbatches=4, schedule="1f1b")[0]
     assert "pipeline: 2 stages on 2 pp ranks; rank 0 (pp=0) runs stage 0" in report
     assert "schedule 1f1b, 4 microbatch(es)" in report
-    assert "simulated bubble 20.0% (formula (p-1)/(v*m+p-1) = 20.0%)" in report
+    assert "simulated bubble 20.0% (formula (p-1)/(m+p-1) = 20.0%)" in report
     assert "transformer.wte.weight, lm_head.weight is used on pp ranks [0, 1]" in report
     assert "rank 0: F0 F1" in report
 

@@ -4,6 +4,7 @@ worked examples reproduced. No processes; the whole file runs in a few seconds."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import sympy
@@ -36,7 +37,8 @@ GPT_13B = TransformerConfig(layers=40, hidden=5120, heads=40, vocab=50304, seq=2
 
 @pytest.fixture(scope="module")
 def plan_540b():
-    return plan(PALM_540B, Cluster(gpus=4096, gpus_per_node=8, gpu_memory="80GB"))
+    # the seeds' schedules (1F1B and interleaved); the zero-bubble ones are compared on their own below
+    return plan(PALM_540B, Cluster(gpus=4096, gpus_per_node=8, gpu_memory="80GB"), zero_bubble=False)
 
 
 # ------------------------------------------------------------------------------------------------------ units
@@ -105,17 +107,23 @@ def test_tp_all_reduces_use_the_link_they_cross():
 
 
 def test_formulas_are_sympy_and_can_be_solved_for_a_bound():
-    pp, m, v = (cost_model.SYM[k] for k in ("pp", "m", "v"))
-    assert sympy.simplify(cost_model.expanded("bubble") - (pp - 1) / (v * m + pp - 1)) == 0
-    assert sympy.simplify(solve_for("bubble", sympy.Rational(1, 20), "m") - 19 * (pp - 1) / v) == 0
+    pp, m, v, w = (cost_model.SYM[k] for k in ("pp", "m", "v", "w"))
+    assert sympy.simplify(cost_model.expanded("bubble") - (pp - 1) / ((1 + 2 * w) * v * m + pp - 1)) == 0
+    assert sympy.simplify(solve_for("bubble", sympy.Rational(1, 20), "m", w=0) - 19 * (pp - 1) / v) == 0
+    # a zero-bubble schedule needs a third of the microbatches for the same bubble
+    assert sympy.simplify(solve_for("bubble", sympy.Rational(1, 20), "m", w=1) - 19 * (pp - 1) / (3 * v)) == 0
     for name, (expr, meaning) in cost_model.FORMULAS.items():
         assert isinstance(expr, sympy.Expr) and meaning, name
 
 
-@pytest.mark.parametrize(("p", "m", "v"), [(4, 8, 1), (4, 3, 1), (8, 16, 2), (4, 16, 4), (8, 8, 2)])
-def test_bubble_and_in_flight_formulas_match_the_schedule_simulator(p, m, v):
-    sim = schedules.simulate(schedules.schedule("interleaved" if v > 1 else "1f1b", p, m, v), p, v)
-    est = evaluate(GPT_13B, Cluster(gpus=p), Split(pp=p, microbatches=m, interleave=v))
+@pytest.mark.parametrize(("p", "m", "v", "zb"), [(4, 8, 1, False), (4, 3, 1, False), (8, 16, 2, False),
+                                                 (4, 16, 4, False), (8, 8, 2, False), (4, 8, 1, True),
+                                                 (8, 16, 1, True), (4, 8, 2, True), (8, 16, 2, True)])
+def test_bubble_and_in_flight_formulas_match_the_schedule_simulator(p, m, v, zb):
+    split = Split(pp=p, microbatches=m, interleave=v, zero_bubble=zb)
+    name = split.schedule
+    sim = schedules.simulate(schedules.schedule(name, p, m, v), p, v, placement=schedules.placement_of(name))
+    est = evaluate(GPT_13B, Cluster(gpus=p), split)
     assert est.bubble == pytest.approx(sim.bubble)
     assert est["in_flight"] == pytest.approx(sim.peak_in_flight[0])
 
@@ -207,7 +215,7 @@ def test_seed_540b_on_4096_gpus(plan_540b):
     assert recipe.split.short() == "dp=16 tp=8 pp=32 cp=1 m=128 b=1 v=1 recompute=full"
     assert recipe.step_time > 1.2 * best.step_time
 
-    sharded = plan(PALM_540B, plan_540b.cluster, shard_optimizer=True).best
+    sharded = plan(PALM_540B, plan_540b.cluster, shard_optimizer=True, zero_bubble=False).best
     assert (sharded.split.dp, sharded.split.tp) == (32, 8) and sharded.step_time < best.step_time
     assert (sharded.split.pp, sharded.split.interleave, sharded.split.cp) == (8, 5, 2) and sharded.bubble < 0.025
 
@@ -308,7 +316,7 @@ def test_report_text_fits_a_terminal_and_json_round_trips():
     data = report.build(result, top=3)
     text = report.format_text(data)
     assert max(len(line) for line in text.splitlines()) <= 120
-    assert text.count("\n  1 ") == 1 and "why:" in text and "bubble = (pp - 1)/(m*v + pp - 1)" in text
+    assert text.count("\n  1 ") == 1 and "why:" in text and "bubble = (pp - 1)/(m*v*(2*w + 1) + pp - 1)" in text
     assert json.loads(json.dumps(data))["ranked"][0]["split"] == data["ranked"][0]["split"]
     assert data["ranked"][0]["reason"].startswith("fastest")
     assert all(row["reason"].startswith("+") for row in data["ranked"][1:])
@@ -320,3 +328,17 @@ def test_microbatch_fix_never_suggests_a_pipeline_of_one_stage():
     findings = lint(Mesh(pp=4, dp=2), small, Cluster(gpus=8), microbatches=4)
     bubble = next(f for f in findings if f.rule == "microbatches")
     assert "pp <= 1" not in bubble.fix and "no pipeline keeps the bubble under 5%" in bubble.fix, bubble.fix
+
+
+def test_zero_bubble_schedules_are_picked_when_they_win(plan_540b):
+    """The zero-bubble schedules idle a third as long at 1F1B's activation memory (ZB-H1, ZBV), so the search
+    picks one wherever a pipeline has a bubble to fill, and the lint offers them for a bubble over 5%."""
+    best = plan(PALM_540B, plan_540b.cluster).best
+    assert best.split.zero_bubble and best.split.schedule in ("zb-h1", "zbv")
+    assert best.step_time < plan_540b.best.step_time
+    same = evaluate(PALM_540B, plan_540b.cluster, replace(plan_540b.best.split, zero_bubble=True))
+    assert same.bubble < plan_540b.best.bubble / 2.5 and same.memory == plan_540b.best.memory
+    findings = lint(Mesh(pp=4), microbatches=4)
+    fix = next(f.fix for f in findings if f.rule == "microbatches")
+    assert "schedule='zb-h1'" in fix and "20.0% at the same m" in fix  # (p-1)/(3m+p-1) = 3/15
+    assert not [f for f in lint(Mesh(pp=4), microbatches=24, schedule="zb-h1") if f.rule == "microbatches"]

@@ -9,6 +9,7 @@ from autoshard.runtime.schedules import (
     KINDS,
     Action,
     ScheduleError,
+    bubble_formula,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -16,6 +17,8 @@ from autoshard.runtime.schedules import (
     schedule,
     simulate,
     validate,
+    zero_bubble_h1,
+    zero_bubble_v,
 )
 
 RANKS = [1, 2, 4]
@@ -29,17 +32,19 @@ def parse(rows: dict[int, str]) -> dict[int, list[Action]]:
 
 
 def builds() -> list[tuple[str, int, int, int]]:
-    cases = [(name, p, m, 1) for name in ("gpipe", "1f1b", "interleaved") for p in RANKS for m in MICROBATCHES]
-    return cases + [("interleaved", p, m, v) for v in (2, 3) for p in RANKS for m in MICROBATCHES]
+    cases = [(name, p, m, 1) for name in ("gpipe", "1f1b", "interleaved", "zb-h1") for p in RANKS
+             for m in MICROBATCHES]
+    return cases + [("interleaved", p, m, v) for v in (2, 3) for p in RANKS for m in MICROBATCHES] + [
+        ("zbv", p, m, 2) for p in RANKS for m in MICROBATCHES]
 
 
 @pytest.mark.parametrize("name,p,m,v", builds())
 def test_every_builder_validates(name, p, m, v):
     actions = schedule(name, p, m, v)
-    validate(actions, p, v)
+    validate(actions, p, v, "v" if name == "zbv" else "loop")
     assert sorted(actions) == list(range(p))
     computes = [a for steps in actions.values() for a in steps if a.is_compute]
-    assert len(computes) == 2 * m * p * v
+    assert len(computes) == (3 if name.startswith("zb") else 2) * m * p * v
     if p == 1:
         assert computes == actions[0], "one rank sends nothing"
 
@@ -73,8 +78,8 @@ def test_peer_and_partner_follow_the_documented_convention():
 
 
 def test_actions_are_checked_when_built():
-    with pytest.raises(ValueError, match="unknown action kind 'W'"):
-        Action("W", 0, 0)
+    with pytest.raises(ValueError, match="unknown action kind 'X'"):
+        Action("X", 0, 0)
     with pytest.raises(ValueError, match=">= 0"):
         Action("F", -1, 0)
 
@@ -104,6 +109,53 @@ def test_bubble_of_interleaved_is_p_minus_1_over_vm_plus_p_minus_1(p, m, v, forw
     sim = simulate(interleaved_1f1b(p, m, v), p, v, forward_cost=forward_cost, backward_cost=backward_cost)
     assert sim.makespan == pytest.approx((v * m + p - 1) * (forward_cost + backward_cost) / v)
     assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 4, 8) for m in (2, 4, 8, 16) if m >= p])
+def test_bubble_of_zb_h1_is_p_minus_1_over_3m_plus_p_minus_1(p, m):
+    """With the backward split into I and W of one forward's cost each, ZB-H1's last rank never idles after its
+    first forward and the other ranks fill 1F1B's cool-down with their deferred W: the step takes 3m + p - 1 units
+    and the bubble is (p-1)/(3m+p-1), a third of 1F1B's idle time. Every rank holds p microbatches (1F1B's first
+    rank's peak), as each W comes r backwards late on rank r."""
+    sim = simulate(zero_bubble_h1(p, m), p, forward_cost=1.0, backward_cost=2.0)
+    assert sim.makespan == pytest.approx(3 * m + p - 1)
+    assert sim.bubble == pytest.approx((p - 1) / (3 * m + p - 1)) == pytest.approx(bubble_formula("zb-h1", p, m)[1])
+    assert sim.peak_in_flight == dict.fromkeys(range(p), p)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 4, 8) for m in (4, 8, 16) if m >= 2 * p - 1])
+def test_bubble_of_zbv_is_p_minus_1_over_6m_plus_p_minus_1(p, m):
+    """ZBV's chunks cost half a stage (F, I and W half a unit each): only the fill ramp of p - 1 chunk forwards
+    idles, so the step takes (6m + p - 1)/2 units and the bubble is (p-1)/(6m+p-1), given 2p - 1 microbatches to
+    fill the V. Every rank holds 2p chunks, p stage-equivalents."""
+    sim = simulate(zero_bubble_v(p, m), p, 2, forward_cost=1.0, backward_cost=2.0, placement="v")
+    assert sim.makespan == pytest.approx((6 * m + p - 1) / 2)
+    assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1)) == pytest.approx(bubble_formula("zbv", p, m, 2)[1])
+    assert sim.peak_in_flight == dict.fromkeys(range(p), p)
+
+
+def test_the_v_places_two_chunks_per_rank_and_its_tip_sends_nothing():
+    actions = zero_bubble_v(2, 4)
+    assert {a.stage for a in actions[0]} == {0, 3} and {a.stage for a in actions[1]} == {1, 2}
+    assert not [a for a in actions[1] if a.kind == "SEND_F" and a.stage == 1], "stage 1 hands stage 2 its input here"
+    first = [str(a) for a in actions[0] if a.is_compute][:9]
+    assert first == ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "3I1", "3W1"]
+
+
+def test_validate_catches_a_weight_gradient_before_its_input_gradient_and_a_backward_run_twice():
+    actions = zero_bubble_h1(2, 2)
+    swapped = {r: list(steps) for r, steps in actions.items()}
+    i, w = swapped[1].index(Action.parse("1I0")), swapped[1].index(Action.parse("1W0"))
+    swapped[1][i], swapped[1][w] = swapped[1][w], swapped[1][i]
+    with pytest.raises(ScheduleError, match=r"1W0\): runs before 1I0"):
+        validate(swapped, 2)
+    twice = {r: list(steps) for r, steps in actions.items()}
+    twice[1].append(Action.parse("1B1"))
+    with pytest.raises(ScheduleError, match="runs backward twice on stage 1"):
+        validate(twice, 2)
+    missing = {r: [a for a in steps if str(a) != "0W1"] for r, steps in actions.items()}
+    with pytest.raises(ScheduleError, match=r"never runs backward on stage 0 \(0W1 missing\)"):
+        validate(missing, 2)
 
 
 def test_interleaving_does_not_help_with_fewer_microbatches_than_ranks():
@@ -218,8 +270,10 @@ def test_validate_wants_every_rank():
 
 
 def test_schedule_names_the_valid_schedules():
-    with pytest.raises(ValueError, match="valid names are 'gpipe', '1f1b', 'interleaved'"):
+    with pytest.raises(ValueError, match="valid names are 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zbv'"):
         schedule("zero-bubble", 2, 4)
+    with pytest.raises(ValueError, match="'zbv' schedule runs 2 chunks per rank in a V, got v=1"):
+        schedule("zbv", 2, 4)
     with pytest.raises(ValueError, match="one chunk per rank, got v=2"):
         schedule("1f1b", 2, 4, v=2)
     with pytest.raises(ValueError, match="m must be a positive integer, got 0"):

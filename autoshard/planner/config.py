@@ -192,13 +192,16 @@ class Split:
     microbatch_size: int = 1
     recompute: str = "none"
     shard_optimizer: bool = False
+    zero_bubble: bool = False  # ZB-H1 at interleave 1, ZBV at interleave 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("recompute", "shard_optimizer"):
+            if f.name not in ("recompute", "shard_optimizer", "zero_bubble"):
                 _check_positive_int(f.name, getattr(self, f.name))
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"recompute={self.recompute!r}: use one of {', '.join(map(repr, RECOMPUTE))}")
+        if self.zero_bubble and self.interleave > 2:
+            raise PlanError(f"zero-bubble schedules run 1 (ZB-H1) or 2 (ZBV) chunks per rank, not {self.interleave}")
 
     @property
     def mesh(self) -> Mesh:
@@ -211,10 +214,12 @@ class Split:
     @property
     def schedule(self) -> str:
         """The pipeline schedule's name in ``autoshard.runtime.schedules``."""
+        if self.zero_bubble:
+            return "zbv" if self.interleave == 2 else "zb-h1"
         return "interleaved" if self.interleave > 1 else "1f1b"
 
     def short(self) -> str:
         """``dp=32 tp=8 pp=16 cp=1 m=64 b=1 v=4``, plus ``recompute`` when on."""
         text = (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} m={self.microbatches} "
                 f"b={self.microbatch_size} v={self.interleave}")
-        return text + (" recompute=full" if self.recompute == "full" else "")
+        return text + (" recompute=full" if self.recompute == "full" else "") + (" zb" if self.zero_bubble else "")

@@ -59,6 +59,11 @@ class LintInput:
     shard_optimizer: bool
     max_bubble: float
     max_stages: int
+    schedule: str = "1f1b"
+
+    @property
+    def zero_bubble(self) -> bool:
+        return self.schedule in ("zb-h1", "zbv")
 
     @property
     def gpus_per_node(self) -> int:
@@ -73,7 +78,7 @@ class LintInput:
             return None
         return Split(dp=self.mesh.dp, tp=self.mesh.tp, pp=self.mesh.pp, cp=self.mesh.cp,
                      microbatches=self.microbatches, interleave=self.interleave, microbatch_size=per_replica,
-                     recompute=self.recompute, shard_optimizer=self.shard_optimizer)
+                     recompute=self.recompute, shard_optimizer=self.shard_optimizer, zero_bubble=self.zero_bubble)
 
 
 Rule = Callable[[LintInput], Iterator[Finding]]
@@ -90,14 +95,17 @@ def rule(name: str) -> Callable[[Rule], Rule]:
 
 def lint(mesh: Mesh, config: TransformerConfig | None = None, cluster: Cluster | None = None,
          microbatches: int | None = None, *, interleave: int = 1, recompute: str = "none",
-         shard_optimizer: bool = False, max_bubble: float = 0.05, max_stages: int = 32) -> list[Finding]:
+         shard_optimizer: bool = False, max_bubble: float = 0.05, max_stages: int = 32,
+         schedule: str | None = None) -> list[Finding]:
     """Check ``mesh`` against the seeds' rules; findings come errors first. Rules needing what is not given skip.
 
-    ``microbatches`` is m per step; with the model's global batch it sets the microbatch size.
+    ``microbatches`` is m per step; with the model's global batch it sets the microbatch size. ``schedule`` is
+    the pipeline schedule's name (by default 1F1B, or interleaved 1F1B with ``interleave`` > 1).
     """
+    schedule = schedule or ("interleaved" if interleave > 1 else "1f1b")
     given = LintInput(mesh=mesh, config=config, cluster=cluster, microbatches=microbatches, interleave=interleave,
                       recompute=recompute, shard_optimizer=shard_optimizer, max_bubble=max_bubble,
-                      max_stages=max_stages)
+                      max_stages=max_stages, schedule=schedule)
     findings = [finding for check in RULES.values() for finding in check(given)]
     return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))
 
@@ -162,28 +170,34 @@ def _microbatches(x: LintInput) -> Iterator[Finding]:
     pp, v, m = x.mesh.pp, x.interleave, x.microbatches
     if pp == 1:
         return
-    need = min_microbatches(pp, interleave=v, bubble=x.max_bubble)
+    need = min_microbatches(pp, interleave=v, bubble=x.max_bubble, zero_bubble=x.zero_bubble)
     if m is None:
         yield Finding("info", "microbatches", f"pp={pp} and no microbatch count given",
                       f"pass microbatches >= {need} to keep the bubble under {x.max_bubble:.0%}")
         return
-    bubble = (pp - 1) / (v * m + pp - 1)
+    k = 3 if x.zero_bubble else 1  # a zero-bubble schedule idles a third as long
+    bubble = (pp - 1) / (k * v * m + pp - 1)
     if m >= pp and bubble <= x.max_bubble:
         return
     what = f"m={m} < pp={pp}: the pipeline never fills" if m < pp else f"m={m} microbatches for pp={pp}"
-    ratio = (1 - x.max_bubble) / x.max_bubble  # bubble <= max_bubble  <=>  v*m >= ratio * (pp - 1)
-    fixes = [f"m >= {need} (bubble = (pp-1)/(v*m + pp-1) <= {x.max_bubble:.0%} when m >= {ratio:.3g}*(pp-1)/v)"]
+    ratio = (1 - x.max_bubble) / x.max_bubble  # bubble <= max_bubble  <=>  k*v*m >= ratio * (pp - 1)
+    formula = "(pp-1)/(3*v*m + pp-1)" if x.zero_bubble else "(pp-1)/(v*m + pp-1)"
+    fixes = [f"m >= {need} (bubble = {formula} <= {x.max_bubble:.0%} when m >= {ratio / k:.3g}*(pp-1)/v)"]
     if x.config is not None and need * x.mesh.dp > x.config.global_batch:
         most = x.config.global_batch // x.mesh.dp
-        deepest = 1 + int(v * most / ratio)
+        deepest = 1 + int(k * v * most / ratio)
         fixes = [f"at most m={most} fit the global batch at dp={x.mesh.dp}; "
                  + (f"pp <= {deepest} keeps the bubble under {x.max_bubble:.0%} with m={most}" if deepest > 1 else
                     f"no pipeline keeps the bubble under {x.max_bubble:.0%} with m={most}: give the pp ranks to dp "
                     "or tp, or accept the bubble")]
     layers = x.config.layers if x.config is not None else None
     v_need = math.ceil(ratio * (pp - 1) / m - 1e-9)
-    if v_need > v and (layers is None or pp * v_need <= layers):
+    if v_need > v and (layers is None or pp * v_need <= layers) and not x.zero_bubble:
         fixes.append(f"interleave v={v_need} at the same m")
+    if not x.zero_bubble and v <= 2:
+        zb = "zb-h1" if v == 1 else "zbv"
+        fixes.append(f"schedule={zb!r} (each backward split into input and weight gradients; the weight part fills "
+                     f"the bubble: {(pp - 1) / (3 * v * m + pp - 1):.1%} at the same m and activation memory)")
     yield Finding("warning", "microbatches", f"{what}, the bubble is {bubble:.1%} of the step (over "
                   f"{x.max_bubble:.0%})", "; or ".join(fixes))
 

@@ -22,9 +22,9 @@ Assumptions, each a term of a formula below:
   (norm and block inputs, dropout masks) and ``(4 + 4 kv/a + 2 g f/h) sbh`` it shards (``34 sbh`` for
   a plain ``f = 4h`` MLP), with attention scores never stored (flash attention). Full recomputation
   keeps only each layer's input (``beta sbh``) and runs the forward again in backward. The schedule
-  sets how many microbatches the first stage holds: ``min(m, pp)`` for 1F1B, ``min(m, pp + (pp-1)/v)``
-  stage-equivalents for interleaved 1F1B with m a multiple of pp (both checked against
-  ``autoshard.runtime.schedules.simulate``; the search only interleaves such m).
+  sets how many microbatches the first stage holds: ``min(m, pp)`` for 1F1B and the zero-bubble ZB-H1
+  and ZBV, ``min(m, pp + (pp-1)/v)`` stage-equivalents for interleaved 1F1B with m a multiple of pp (all
+  checked against ``autoshard.runtime.schedules.simulate``; the search only interleaves such m).
   Plus one layer's working set and the last stage's fp32 logits.
 - **Compute**: a training step is three forwards (four with full recomputation); a layer's forward is
   ``2 s N_layer + 2 s^2 h`` FLOPs (matmuls, then causal attention); GPUs reach ``eta`` of their peak.
@@ -37,7 +37,10 @@ Assumptions, each a term of a formula below:
   sends its activation forward and its gradient back, per microbatch. DP: one all-reduce of the
   gradients per step (a reduce-scatter and all-gather of the same volume with ZeRO-1).
 - **Step**: ``(m + (pp-1)/v) t_mb + t_dp``, so the pipeline's idle fraction is the seed's bubble
-  ``(pp-1)/(m + pp-1)``, divided by ``v`` with interleaving.
+  ``(pp-1)/(m + pp-1)``, divided by ``v`` with interleaving. A zero-bubble schedule (``w = 1``: ZB-H1 at
+  ``v = 1``, ZBV at ``v = 2``) splits each backward into input and weight gradients and fills the bubble with
+  the weight part: with forward, input and weight gradients of one cost each the idle time is a third,
+  ``(pp-1)/(3 v m + pp-1)``. The split's own cost (more, smaller kernels) is not modelled.
 """
 
 from __future__ import annotations
@@ -69,12 +72,13 @@ SYMBOLS: dict[str, str] = {
     "cp": "context-parallel degree",
     "m": "microbatches per step", "v": "chunks per pipeline rank (interleave)", "b": "sequences per microbatch",
     "r": "1 with full activation recomputation", "z": "1 when the optimizer state is sharded over dp",
+    "w": "1 with a zero-bubble schedule (each backward split into input and weight gradients)",
     "F": "peak FLOP/s per GPU", "eta": "fraction of peak reached",
     **{f"bw_{axis}": f"bandwidth of the {axis} link (bytes/s)" for axis in ("tp", "cp", "pp", "dp")},
     **{f"lat_{axis}": f"latency of the {axis} link (s)" for axis in ("tp", "cp", "pp", "dp")},
 }
 SYM = {name: _sym(name) for name in SYMBOLS}
-for _name in ("tied", "r", "z"):  # flags may be 0
+for _name in ("tied", "r", "z", "w"):  # flags may be 0
     SYM[_name] = _S(_name, nonnegative=True, integer=True)
 
 
@@ -82,8 +86,8 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
     """Each quantity's formula, in the symbols and the quantities defined before it, and what it is."""
     L, h, a, kv, f, g, V, s, beta, o, tied = (SYM[k] for k in ("L", "h", "a", "kv", "f", "g", "V", "s", "beta", "o",
                                                                  "tied"))
-    dp, tp, pp, cp, m, v, b, r, z, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z", "F",
-                                                               "eta"))
+    dp, tp, pp, cp, m, v, b, r, z, w, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z",
+                                                                  "w", "F", "eta"))
     Q = {name: _sym(name) for name in _ORDER}
     d, n, s_l, N_layer, N_gpu, A_keep, A_layer, k_in, t_comp, t_tp, t_cp, t_pp, t_mb, F_layer, F_head = (
         Q[k] for k in ("d", "n", "s_l", "N_layer", "N_gpu", "A_keep", "A_layer", "in_flight", "t_compute", "t_tp",
@@ -103,7 +107,7 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
         "A_keep": (b * s_l * h * (10 + (4 + 4 * kv / a + 2 * g * f / h) / tp) * beta / 2,
                    "activation bytes a layer keeps for backward, per microbatch"),
         "A_layer": ((1 - r) * A_keep + r * b * s_l * h * beta, "activation bytes kept per layer and microbatch"),
-        "in_flight": (Piecewise((Min(m, pp), Eq(v, 1)), (Min(m, pp + (pp - 1) / v), True)),
+        "in_flight": (Piecewise((Min(m, pp), sympy.Or(Eq(v, 1), Eq(w, 1))), (Min(m, pp + (pp - 1) / v), True)),
                       "microbatches the first stage holds at once (stage-equivalents)"),
         "M_activations": (Max(k_in * n * A_layer, n * A_layer + 4 * b * s_l * V / tp) + A_keep,
                           "activation bytes: in-flight microbatches (or the last stage's fp32 logits), "
@@ -121,8 +125,8 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
         "t_pp": (2 * v * Min(pp - 1, 1) * (ring["pp"][0] + b * s_l * h * beta / ring["pp"][1]),
                  "PP send time of a microbatch on a stage"),
         "t_microbatch": (t_comp + t_tp + t_cp + t_pp, "time of a microbatch on a stage"),
-        "bubble": ((pp - 1) / (v * m + pp - 1), "idle fraction of the pipeline"),
-        "t_bubble": ((pp - 1) / v * t_mb, "idle time while the pipeline fills and drains"),
+        "bubble": ((pp - 1) / ((1 + 2 * w) * v * m + pp - 1), "idle fraction of the pipeline"),
+        "t_bubble": ((pp - 1) / ((1 + 2 * w) * v) * t_mb, "idle time while the pipeline fills and drains"),
         "t_dp": (2 * (dp - 1) * (ring["dp"][0] + beta * N_gpu / (dp * ring["dp"][1])),
                  "DP gradient all-reduce time"),
         "t_step": (m * t_mb + Q["t_bubble"] + Q["t_dp"], "time of a training step"),
@@ -168,11 +172,11 @@ def solve_for(name: str, limit: float | sympy.Expr, symbol: str, **given: float)
     return sympy.simplify(solutions[0])
 
 
-def min_microbatches(pp: int, *, interleave: int = 1, bubble: float = 0.05) -> int:
+def min_microbatches(pp: int, *, interleave: int = 1, bubble: float = 0.05, zero_bubble: bool = False) -> int:
     """The fewest microbatches that keep the pipeline bubble at or below ``bubble``."""
     if pp == 1:
         return 1
-    exact = solve_for("bubble", sympy.nsimplify(bubble), "m", pp=pp, v=interleave)
+    exact = solve_for("bubble", sympy.nsimplify(bubble), "m", pp=pp, v=interleave, w=int(zero_bubble))
     return max(1, math.ceil(float(exact) - 1e-9))
 
 
@@ -236,7 +240,8 @@ def inputs(config: TransformerConfig, cluster: Cluster, split: Split) -> dict[st
         "o": 8 if config.dtype_bytes >= 4 else 12, "tied": int(config.tied_embeddings),
         "dp": split.dp, "tp": split.tp, "pp": split.pp, "cp": split.cp, "m": split.microbatches,
         "v": split.interleave, "b": split.microbatch_size, "r": int(split.recompute == "full"),
-        "z": int(split.shard_optimizer), "F": cluster.peak_flops, "eta": cluster.efficiency,
+        "z": int(split.shard_optimizer), "w": int(split.zero_bubble), "F": cluster.peak_flops,
+        "eta": cluster.efficiency,
     }
     for axis, span in spans(split).items():
         values[f"bw_{axis}"], values[f"lat_{axis}"], _ = cluster.link(span)

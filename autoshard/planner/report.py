@@ -73,7 +73,7 @@ def _estimate(est: Estimate) -> dict:
 def _lint(result: PlanResult, est: Estimate) -> list[Finding]:
     s = est.split
     return lint(s.mesh, result.config, result.cluster, s.microbatches, interleave=s.interleave,
-                recompute=s.recompute, shard_optimizer=s.shard_optimizer)
+                recompute=s.recompute, shard_optimizer=s.shard_optimizer, schedule=s.schedule)
 
 
 def _row(result: PlanResult, est: Estimate, best: Estimate, rank: int) -> dict:
@@ -149,9 +149,10 @@ def _bounds(result: PlanResult, best: Estimate) -> list[dict]:
     bounds = []
     if s.pp > 1:
         exact = model.solve_for("bubble", sympy.Rational(1, 20), "m")
-        need = model.min_microbatches(s.pp, interleave=s.interleave)
+        need = model.min_microbatches(s.pp, interleave=s.interleave, zero_bubble=s.zero_bubble)
         bounds.append({"quantity": "bubble", "formula": str(model.formula("bubble")),
-                       "bound": f"bubble <= 5% when m >= {exact}", "at": {"pp": s.pp, "v": s.interleave},
+                       "bound": f"bubble <= 5% when m >= {exact}",
+                       "at": {"pp": s.pp, "v": s.interleave, "w": int(s.zero_bubble)},
                        "value": need, "chosen": s.microbatches, "chosen_gives": best.bubble})
     values = model.inputs(result.config, result.cluster, s)
     del values["b"]
@@ -215,8 +216,8 @@ def _header(data: dict) -> list[str]:
     ]
 
 
-_COLUMNS = ("  #   dp  tp  pp  cp     m   b  v  recomp  mem GB  step s  bubble    MFU | compute    tp    cp    pp  idle"
-            "    dp")
+_COLUMNS = ("  #   dp  tp  pp  cp     m   b  v zb recomp  mem GB  step s  bubble    MFU | compute    tp    cp    pp  "
+            "idle    dp")
 
 
 def _table(data: dict) -> list[str]:
@@ -225,10 +226,12 @@ def _table(data: dict) -> list[str]:
         s, t = row["split"], row["breakdown_s"]
         lines.append(
             f"{row['rank']:>3}{s['dp']:>5}{s['tp']:>4}{s['pp']:>4}{s['cp']:>4}{s['microbatches']:>6}"
-            f"{s['microbatch_size']:>4}{s['interleave']:>3}  {s['recompute'] if s['recompute'] != 'none' else '-':<6}"
+            f"{s['microbatch_size']:>4}{s['interleave']:>3}{'zb' if s.get('zero_bubble') else '-':>3} "
+            f"{s['recompute'] if s['recompute'] != 'none' else '-':<6}"
             f"{_gb(row['memory_bytes']):>8}{row['step_time_s']:>8.2f}{row['bubble']:>8.1%}{row['mfu']:>7.1%} | "
             f"{t['compute']:>7.2f}{t['tp']:>6.2f}{t['cp']:>6.2f}{t['pp']:>6.2f}{t['bubble']:>6.2f}{t['dp']:>6.2f}")
-    lines.append("columns: m microbatches of b sequences, v chunks per pipeline rank; times in seconds per step")
+    lines.append("columns: m microbatches of b sequences, v chunks per pipeline rank, zb a zero-bubble schedule")
+    lines.append("(ZB-H1 at v=1, ZBV at v=2); times in seconds per step")
     return lines
 
 

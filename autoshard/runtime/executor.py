@@ -1,12 +1,14 @@
 """Pipeline executor: runs one rank's list of schedule actions over the pp process group.
 
-Actions (see ``schedules``): ``F``/``B`` run a stage's forward/backward on a microbatch; ``SEND_F``,
+Actions (see ``schedules``): ``F``/``B`` run a stage's forward/backward on a microbatch, or ``I`` and later
+``W`` its backward in two parts (``split_backward``); ``SEND_F``,
 ``RECV_F``, ``SEND_B``, ``RECV_B`` move activations forward and their gradients back between the
 ranks of neighbouring stages, with batched ``isend``/``irecv``. Sends never block (they are waited
 for at the end of the step); receives block. Receives follow the schedule's order, which the
 validator checked against the senders' order per pair of ranks (gloo matches messages in send order).
 
-Stage s runs on pp rank ``s % p``. The last stage divides its loss by the global divisor, so the
+Stage s runs on pp rank ``s % p`` (or in a V: ``schedules.rank_of``); neighbouring stages on one rank hand
+over their activations and gradients in memory. The last stage divides its loss by the global divisor, so the
 gradients accumulated over microbatches are plain sums. Every action is recorded with its start and
 end time, from which the real timeline and bubble are measured.
 """
@@ -22,7 +24,8 @@ import torch.distributed as dist
 
 from autoshard.codegen import RankProgram
 from autoshard.passes.pipeline_split import TensorSpec
-from autoshard.runtime.schedules import Action
+from autoshard.runtime.schedules import Action, rank_of
+from autoshard.runtime.split_backward import WeightGradients, input_gradients
 
 
 class PipelineStall(RuntimeError):
@@ -45,6 +48,7 @@ class _MicrobatchState:
     outputs: tuple = ()
     loss: torch.Tensor | None = None
     output_grads: list[torch.Tensor] = field(default_factory=list)
+    weights: WeightGradients | None = None  # after I, what W computes
 
 
 @dataclass
@@ -59,11 +63,12 @@ class PipelineExecutor:
 
     def __init__(
         self, runners: dict[int, StageRunner], *, num_stages: int, p: int, pp_ranks: list[int], group,
-        rank: int, timeout: datetime.timedelta, device: torch.device | None = None,
+        rank: int, timeout: datetime.timedelta, device: torch.device | None = None, placement: str = "loop",
     ) -> None:
         self.runners = runners
         self.num_stages = num_stages
         self.p = p
+        self.placement = placement
         self.pp_ranks = pp_ranks
         self.group = group
         self.rank = rank
@@ -89,7 +94,8 @@ class PipelineExecutor:
             try:
                 total = total + self._do(action, state, microbatches, divisor, pending)
             except RuntimeError as e:
-                peer = f", exchanging with rank {self.pp_ranks[action.peer(self.p)]}" if not action.is_compute else ""
+                peer = (f", exchanging with rank {self.pp_ranks[action.peer(self.p, self.placement)]}"
+                        if not action.is_compute else "")
                 raise PipelineStall(
                     f"pp rank {self.rank} failed in step {step} at action {index} ({action}{peer}): "
                     f"{str(e).splitlines()[0]}"
@@ -105,6 +111,9 @@ class PipelineExecutor:
         runner = self.runners.get(action.stage)
         inputs, target = microbatches[action.microbatch]
         if action.kind == "F":
+            if action.stage > 0 and self._local(action.stage - 1):  # the V's tip: the previous stage is here
+                before = state[action.microbatch, action.stage - 1].outputs
+                mb.inputs = [o.detach().clone().requires_grad_(o.is_floating_point()) for o in before]
             out = self._call(runner.program.gm, *inputs, target, *mb.inputs)
             if action.stage == self.num_stages - 1:
                 mb.loss = out[0] / divisor
@@ -116,15 +125,31 @@ class PipelineExecutor:
             self._backward(mb)
             if self._reducer is not None:
                 self._reducer.after_backward(action.stage, action.microbatch)
+            self._hand_back(action, state)
+        elif action.kind == "I":
+            roots, grads = self._roots(mb)
+            dinputs, mb.weights = input_gradients(roots, grads, mb.inputs)
+            for x, grad in zip(mb.inputs, dinputs, strict=True):
+                x.grad = grad
+            mb.loss, mb.outputs, mb.output_grads = None, (), []
+            self._hand_back(action, state)
+        elif action.kind == "W":
+            if self._reducer is not None:
+                self._reducer.before_backward(action.stage, action.microbatch)
+            mb.weights.run()
+            if self._reducer is not None:
+                self._reducer.after_backward(action.stage, action.microbatch)
+            state.pop(key)
         elif action.kind == "SEND_F":
-            pending += self._send([o.detach() for o in mb.outputs], action.stage + 1)
+            sent = [spec.pack(o.detach()) for spec, o in zip(runner.send_specs, mb.outputs, strict=True)]
+            pending += self._send(sent, action.stage + 1)
         elif action.kind == "RECV_F":
-            received = self._receive(runner.receive_specs, action.stage - 1)
+            received = self._receive(runner.receive_specs, action.stage - 1, laid_out=True)
             mb.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in received]
         elif action.kind == "SEND_B":
-            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in mb.inputs]
-            pending += self._send(grads, action.stage - 1)
-            state.pop(key)
+            pending += self._send(self._input_grads(mb), action.stage - 1)
+            if mb.weights is None:
+                state.pop(key)
         elif action.kind == "RECV_B":
             mb.output_grads = self._receive(runner.send_specs, action.stage + 1)
         else:
@@ -132,28 +157,51 @@ class PipelineExecutor:
         return torch.zeros((), dtype=torch.float32, device=self.device)
 
     @staticmethod
-    def _backward(mb: _MicrobatchState) -> None:
+    def _roots(mb: _MicrobatchState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What a stage's backward starts from: the loss, or the outputs that need gradients with theirs."""
         if mb.loss is not None:
-            mb.loss.backward()
-            mb.loss = None
-            return
+            return [mb.loss], [torch.ones_like(mb.loss)]
         pairs = [(o, g) for o, g in zip(mb.outputs, mb.output_grads, strict=True) if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        mb.outputs, mb.output_grads = (), []
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    @classmethod
+    def _backward(cls, mb: _MicrobatchState) -> None:
+        roots, grads = cls._roots(mb)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        mb.loss, mb.outputs, mb.output_grads = None, (), []
+
+    @staticmethod
+    def _input_grads(mb: _MicrobatchState) -> list[torch.Tensor]:
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in mb.inputs]
+
+    def _hand_back(self, action: Action, state) -> None:
+        """After a backward (B or I) of a stage whose previous stage is on this rank, give that stage its output
+        gradients in memory; drop the microbatch's state once nothing (a send, a W) still needs it."""
+        key = (action.microbatch, action.stage)
+        if action.stage > 0 and self._local(action.stage - 1):
+            state[action.microbatch, action.stage - 1].output_grads = self._input_grads(state[key])
+            if state[key].weights is None:
+                state.pop(key)
+
+    def _local(self, stage: int) -> bool:
+        return rank_of(stage, self.p, self.placement) == self.rank
 
     def _peer(self, stage: int) -> int:
-        return self.pp_ranks[stage % self.p]
+        return self.pp_ranks[rank_of(stage, self.p, self.placement)]
 
     def _send(self, tensors: list[torch.Tensor], to_stage: int) -> list:
         peer = self._peer(to_stage)
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=self.group) for t in tensors]
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def _receive(self, specs: list[TensorSpec], from_stage: int) -> list[torch.Tensor]:
+    def _receive(self, specs: list[TensorSpec], from_stage: int, laid_out: bool = False) -> list[torch.Tensor]:
+        """Receive one tensor per spec; activations (``laid_out``) in their sender's memory order, gradients
+        row-major."""
         peer = self._peer(from_stage)
-        buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
-        ops = [dist.P2POp(dist.irecv, b, peer, group=self.group) for b in buffers]
+        pairs = [spec.allocate(self.device) if laid_out else (torch.empty(spec.shape, dtype=spec.dtype,
+                 device=self.device),) * 2 for spec in specs]
+        ops = [dist.P2POp(dist.irecv, buffer, peer, group=self.group) for buffer, _ in pairs]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait(self.timeout)
-        return buffers
+        return [value for _, value in pairs]

@@ -1,7 +1,8 @@
 """Pipeline parallelism at run time: the schedule, the executor and tied-weight gradients.
 
 The stages come compiled in a ``RankBuild`` (``autoshard.compile``): every capture is cut after the same
-nodes, so every capture places every parameter on the same rank; stage s runs on pp rank ``s % p``.
+nodes, so every capture places every parameter on the same rank; stage s runs on pp rank ``s % p``, or in a V
+for the V schedules (``schedules.rank_of``).
 A parameter read by stages on two ranks (a tied embedding and LM head) has one copy per rank; their
 gradients are summed over a process group of exactly those ranks before the step returns, so the
 copies stay identical.
@@ -35,8 +36,9 @@ class Pipeline:
         self.num_stages = self.p * self.v
         self.timeout = options.timeout
         self.pp_index = groups.coords["pp"]
+        self.placement = schedules.placement_of(options.schedule)
         self.actions = schedules.schedule(options.schedule, self.p, options.microbatches, self.v)
-        schedules.validate(self.actions, self.p, self.v)
+        schedules.validate(self.actions, self.p, self.v, self.placement)
         self.tied: dict[str, frozenset[int]] = {}
         self.executor: PipelineExecutor | None = None
 
@@ -65,6 +67,7 @@ class Pipeline:
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
             group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout, device=device,
+            placement=self.placement,
         )
         total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
                                   reducer=reducer)
@@ -77,17 +80,23 @@ class Pipeline:
         group, ranks = self.groups.group("pp"), self.groups.ranks("pp")
         received: list[torch.Tensor] = []
         flat_out: list[torch.Tensor] = []
+        def rank(stage: int) -> int:
+            return schedules.rank_of(stage, self.p, self.placement)
+
         for s in range(self.num_stages):
-            owner = ranks[s % self.p]
+            owner = ranks[rank(s)]
             if s in programs:
-                if s > 0:
-                    received = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in build.local_specs[s][0]]
-                    for buffer in received:
-                        dist.recv(buffer, src=ranks[(s - 1) % self.p], group=group)
+                if s > 0 and rank(s - 1) != self.pp_index:
+                    pairs = [spec.allocate(device) for spec in build.local_specs[s][0]]
+                    for buffer, _ in pairs:
+                        dist.recv(buffer, src=ranks[rank(s - 1)], group=group)
+                    received = [value for _, value in pairs]
                 out = programs[s].gm(*inputs, *received)
                 if s < self.num_stages - 1:
-                    for tensor in out:
-                        dist.send(tensor.detach().contiguous(), dst=ranks[(s + 1) % self.p], group=group)
+                    received = [t.detach() for t in out]  # kept for the next stage when it runs here too
+                    if rank(s + 1) != self.pp_index:
+                        for spec, tensor in zip(build.local_specs[s][1], out, strict=True):
+                            dist.send(spec.pack(tensor.detach()), dst=ranks[rank(s + 1)], group=group)
                 else:
                     flat_out = [t.detach().contiguous() for t in out]
             if s == self.num_stages - 1:
@@ -112,7 +121,7 @@ class Pipeline:
         start = records[0].start
         span = records[-1].end - start
         busy = sum(r.end - r.start for r in records if r.action.is_compute)
-        sim = schedules.simulate(self.actions, self.p, self.v)
+        sim = schedules.simulate(self.actions, self.p, self.v, placement=self.placement)
         head = (f"pp rank {self.pp_index}: {len(records)} actions in {span * 1e3:.1f} ms, computing "
                 f"{busy / span:.0%} of it; idle {1 - busy / span:.0%} (the schedule alone: {sim.bubble:.0%})")
         cells = [f"{r.action}@{(r.start - start) * 1e3:.1f}-{(r.end - start) * 1e3:.1f}ms"

@@ -47,8 +47,8 @@ class GradientReducer:
     def __init__(self, stage_params: dict[int, list[nn.Parameter]], actions: list[Action], group,
                  bucket_bytes: int | None = None) -> None:
         self.group = group
-        backwards = [(a.stage, a.microbatch) for a in actions if a.kind == "B"]
-        self.final = dict(backwards)  # the last B of each stage (later pairs overwrite earlier ones)
+        backwards = [(a.stage, a.microbatch) for a in actions if a.kind in ("B", "W")]
+        self.final = dict(backwards)  # the last B or W of each stage (later pairs overwrite earlier ones)
         order = {stage: i for i, (stage, _) in enumerate(backwards)}  # later final backward -> larger
         owner: dict[int, int] = {}
         for stage, params in stage_params.items():

@@ -6,14 +6,19 @@ Terms:
 - ``S = p * v`` *stages*, numbered ``0..S-1`` in model order. Stage ``s`` lives on pp rank ``s % p``, so rank
   ``r`` holds stages ``r, r + p, r + 2p, ...`` (its chunks ``0..v-1``). A chunk is one stage; with ``v = 1`` the
   two words name the same thing.
+- *Placement*: ``"loop"`` puts stage ``s`` on rank ``s % p`` (above); ``"v"`` (two chunks per rank, the
+  zero-bubble V schedules) puts rank ``r``'s chunks at stages ``r`` and ``2p-1-r``, so the model goes down the
+  ranks and back up, and rank ``p-1`` holds the two middle stages, which hand over without a message.
 - An ``Action(kind, microbatch, stage)`` is one thing a rank does. Compute actions: ``F`` runs stage ``stage``
-  forward on ``microbatch``, ``B`` runs its backward (input and weight gradients together). Communication
-  actions, each named by the stage on the rank that runs it:
+  forward on ``microbatch``, ``B`` runs its backward (input and weight gradients together); or the backward
+  in two parts, ``I`` (the gradients of the stage's inputs, which the previous stage waits for) and later ``W``
+  (its parameters' gradients, which nothing waits for: zero-bubble schedules move them into the bubbles).
+  Communication actions, each named by the stage on the rank that runs it:
 
   ===========  ================================================================================
   ``SEND_F``   send stage ``s``'s output to stage ``s+1``'s rank (after ``F`` of ``s``)
   ``RECV_F``   receive stage ``s``'s input from stage ``s-1``'s rank (before ``F`` of ``s``)
-  ``SEND_B``   send the gradient of stage ``s``'s input to stage ``s-1``'s rank (after ``B`` of ``s``)
+  ``SEND_B``   send the gradient of stage ``s``'s input to stage ``s-1``'s rank (after ``B`` or ``I`` of ``s``)
   ``RECV_B``   receive the gradient of stage ``s``'s output from stage ``s+1``'s rank (before ``B`` of ``s``)
   ===========  ================================================================================
 
@@ -26,7 +31,8 @@ Terms:
   compute that produces it and each receive just before the first compute that needs it (or an earlier receive
   on that channel that must come first), so a rank waits only for data it is about to use.
 
-Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``schedule``) return ``dict[rank, list[Action]]``;
+Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``, ``zero_bubble_v``, ``schedule``)
+return ``dict[rank, list[Action]]``;
 ``validate`` checks a schedule, ``simulate`` times it, ``render`` draws it as a grid of ranks by time.
 """
 
@@ -35,13 +41,33 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+PLACEMENTS = ("loop", "v")
+# the schedules whose stages are placed in a V, and the chunks per rank they run
+V_SCHEDULES = {"zbv": 2}
 
 Schedule = dict[int, list["Action"]]
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
-_CELL_PREFIX = {"F": "F", "B": "B", "SEND_F": ">F", "RECV_F": "<F", "SEND_B": ">B", "RECV_B": "<B"}
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
+_CELL_PREFIX = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": ">F", "RECV_F": "<F", "SEND_B": ">B",
+                "RECV_B": "<B"}
+
+
+def rank_of(stage: int, p: int, placement: str = "loop") -> int:
+    """The pp rank that holds ``stage`` (see Placement above)."""
+    if placement == "loop":
+        return stage % p
+    if placement != "v":
+        raise ValueError(f"unknown placement {placement!r}; expected one of {', '.join(PLACEMENTS)}")
+    if stage >= 2 * p:
+        raise ValueError(f"the V placement holds 2 stages per rank; stage {stage} does not exist with p={p}")
+    return stage if stage < p else 2 * p - 1 - stage
+
+
+def placement_of(name: str) -> str:
+    """The placement the schedule called ``name`` runs its stages in."""
+    return "v" if name in V_SCHEDULES else "loop"
 
 
 class ScheduleError(ValueError):
@@ -82,7 +108,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("F", "B")
+        return self.kind in ("F", "B", "I", "W")
 
     @property
     def is_send(self) -> bool:
@@ -92,16 +118,16 @@ class Action:
     def is_recv(self) -> bool:
         return self.kind.startswith("RECV")
 
-    def rank(self, p: int) -> int:
+    def rank(self, p: int, placement: str = "loop") -> int:
         """The pp rank that runs this action."""
-        return self.stage % p
+        return rank_of(self.stage, p, placement)
 
-    def peer(self, p: int) -> int:
+    def peer(self, p: int, placement: str = "loop") -> int:
         """The pp rank a send goes to or a receive comes from."""
         if self.is_compute:
             raise ValueError(f"{self} is a compute action and has no peer rank")
         downstream = self.kind in ("SEND_F", "RECV_B")
-        return (self.stage + (1 if downstream else -1)) % p
+        return rank_of(self.stage + (1 if downstream else -1), p, placement)
 
     def partner(self) -> Action:
         """The receive that matches this send, or the send that matches this receive."""
@@ -159,15 +185,95 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     return _with_comms(orders, p, v)
 
 
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B whose backwards compute only the input
+    gradients (``I``), each rank r running its weight gradients (``W``) r backwards late, where 1F1B's cool-down
+    would idle. With F, I and W of equal cost the bubble is ``(p-1)/(3m+p-1)``, a third of 1F1B's; every rank
+    holds at most ``min(p, m)`` microbatches' activations (1F1B's first rank's)."""
+    _check_sizes(p, m, 1)
+    return _with_comms({r: _zb_h1_order(r, p, m) for r in range(p)}, p, 1)
+
+
+def _zb_h1_order(r: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - 1 - r, m)
+    order = [Action("F", j, r) for j in range(warmup)]
+    waiting = 0  # the first microbatch whose W has not run
+    for j in range(m):
+        if j < m - warmup:
+            order.append(Action("F", warmup + j, r))
+        order.append(Action("I", j, r))
+        while waiting <= j - r:
+            order.append(Action("W", waiting, r))
+            waiting += 1
+    return order + [Action("W", j, r) for j in range(waiting, m)]
+
+
+def zero_bubble_v(p: int, m: int) -> Schedule:
+    """ZBV (the zero-bubble paper's V schedule): two chunks per rank placed in a V (rank r holds stages r and
+    ``2p-1-r``), backwards split into ``I`` and ``W``. Warm-up fills chunk 0 with ``2(p-r)-1`` forwards, then the
+    two chunks alternate F, I and W; with F, I and W of equal cost the bubble is ``(p-1)/(6m+p-1)`` and every rank
+    holds p stages' worth of activations (2p chunks of half a stage). Built for ``max(m, 2p-1)`` microbatches with
+    the ones beyond m left out, as fewer cannot fill the V."""
+    _check_sizes(p, m, 1)
+    return _with_comms({r: [a for a in _zbv_order(r, p, max(m, 2 * p - 1)) if a.microbatch < m] for r in range(p)},
+                       p, 2, "v")
+
+
+def _zbv_order(r: int, p: int, n: int) -> list[Action]:
+    stage = {0: r, 1: 2 * p - 1 - r}
+    count = {(kind, c): 0 for kind in "FIW" for c in (0, 1)}
+    order: list[Action] = []
+
+    def do(*steps: tuple[str, int]) -> None:
+        for kind, chunk in steps:
+            order.append(Action(kind, count[kind, chunk], stage[chunk]))
+            count[kind, chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        do(("F", 0))
+    for _ in range(r):
+        do(("F", 1), ("F", 0))
+    for _ in range(p - r):
+        do(("F", 1), ("I", 1), ("W", 1))
+    while count["F", 1] < count["F", 0] or count["F", 0] < n:
+        if count["F", 0] < n:
+            do(("F", 0))
+        do(("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1))
+    for _ in range(r):
+        do(("I", 0), ("I", 1))
+    for _ in range(p - r):
+        do(("I", 0), ("W", 0))
+    do(*[("W", 1)] * (count["I", 1] - count["W", 1]), *[("W", 0)] * (count["I", 0] - count["W", 0]))
+    return order
+
+
 def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``) for p ranks, m microbatches and v chunks per rank."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid names are {', '.join(map(repr, SCHEDULES))}")
     if name == "interleaved":
         return interleaved_1f1b(p, m, v)
+    if name in V_SCHEDULES:
+        if v != V_SCHEDULES[name]:
+            raise ValueError(f"the {name!r} schedule runs {V_SCHEDULES[name]} chunks per rank in a V, got v={v}; "
+                             f"use chunks={V_SCHEDULES[name]}")
+        return zero_bubble_v(p, m)
     if v != 1:
-        raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1 or 'interleaved'")
-    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+        raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1, 'interleaved' or "
+                         f"'zbv'")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}[name](p, m)
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> tuple[str, float]:
+    """The idle fraction the schedule ``name`` is known for (F, I and W of equal cost for the zero-bubble ones;
+    ZBV's with at least 2p-1 microbatches), as text and value; ``simulate`` gives the same (tests)."""
+    if name == "zb-h1":
+        return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)
+    if name in V_SCHEDULES:
+        return "(p-1)/(6m+p-1)", (p - 1) / (6 * m + p - 1)
+    if name == "interleaved":
+        return "(p-1)/(v*m+p-1)", (p - 1) / (v * m + p - 1)
+    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
 
 
 def _check_sizes(p: int, m: int, v: int) -> None:
@@ -198,24 +304,25 @@ def _interleaved_order(r: int, p: int, m: int, v: int, per_round: int) -> list[A
     return order + [backward(i) for i in range(total - warmup, total)]
 
 
-def _with_comms(orders: dict[int, list[Action]], p: int, v: int) -> Schedule:
-    """Add sends right after their producers and receives, in each channel's send order, before their consumers."""
+def _with_comms(orders: dict[int, list[Action]], p: int, v: int, placement: str = "loop") -> Schedule:
+    """Add sends right after their producers and receives, in each channel's send order, before their consumers.
+    Neighbouring stages on one rank (the V's tip) hand over without a message."""
     if p == 1:
         return {0: list(orders[0])}
     last = p * v - 1
-    sends = {r: [_send_after(a, last) for a in orders[r]] for r in orders}
+    sends = {r: [_send_after(a, last, p, placement) for a in orders[r]] for r in orders}
     channels: dict[tuple[int, int], list[Action]] = {}
     for r in orders:
         for send in filter(None, sends[r]):
-            channels.setdefault((r, send.peer(p)), []).append(send)
+            channels.setdefault((r, send.peer(p, placement)), []).append(send)
     received = dict.fromkeys(channels, 0)
     result: Schedule = {}
     for r in orders:
         actions: list[Action] = []
         for compute, send in zip(orders[r], sends[r], strict=True):
-            needed = _input_send(compute, last)
+            needed = _input_send(compute, last, p, placement)
             if needed is not None:
-                channel = (needed.rank(p), r)
+                channel = (needed.rank(p, placement), r)
                 queue = channels[channel]
                 while needed not in queue[:received[channel]]:
                     actions.append(queue[received[channel]].partner())
@@ -225,33 +332,36 @@ def _with_comms(orders: dict[int, list[Action]], p: int, v: int) -> Schedule:
     return result
 
 
-def _send_after(compute: Action, last: int) -> Action | None:
+def _send_after(compute: Action, last: int, p: int, placement: str) -> Action | None:
+    send = None
     if compute.kind == "F" and compute.stage < last:
-        return Action("SEND_F", compute.microbatch, compute.stage)
-    if compute.kind == "B" and compute.stage > 0:
-        return Action("SEND_B", compute.microbatch, compute.stage)
-    return None
+        send = Action("SEND_F", compute.microbatch, compute.stage)
+    if compute.kind in ("B", "I") and compute.stage > 0:
+        send = Action("SEND_B", compute.microbatch, compute.stage)
+    return send if send is not None and send.peer(p, placement) != compute.rank(p, placement) else None
 
 
-def _input_send(compute: Action, last: int) -> Action | None:
-    """The send whose data ``compute`` consumes, if it comes from another stage."""
+def _input_send(compute: Action, last: int, p: int, placement: str) -> Action | None:
+    """The send whose data ``compute`` consumes, if it comes from another rank."""
+    send = None
     if compute.kind == "F" and compute.stage > 0:
-        return Action("SEND_F", compute.microbatch, compute.stage - 1)
-    if compute.kind == "B" and compute.stage < last:
-        return Action("SEND_B", compute.microbatch, compute.stage + 1)
-    return None
+        send = Action("SEND_F", compute.microbatch, compute.stage - 1)
+    if compute.kind in ("B", "I") and compute.stage < last:
+        send = Action("SEND_B", compute.microbatch, compute.stage + 1)
+    return send if send is not None and send.rank(p, placement) != compute.rank(p, placement) else None
 
 
 # -------------------------------------------------------------------------------------------------- validation
 
 
-def validate(actions: Schedule, p: int, v: int = 1) -> None:
+def validate(actions: Schedule, p: int, v: int = 1, placement: str = "loop") -> None:
     """Raise ``ScheduleError`` unless ``actions`` is a complete, correctly ordered, FIFO-safe, deadlock-free
-    schedule for p ranks with v chunks each (the number of microbatches is read from the actions)."""
-    where = _check_placement(actions, p, v)
-    _check_complete(actions, p, v, where)
-    _check_order(actions, p, v, where)
-    _check_channels(actions, p, where)
+    schedule for p ranks with v chunks each placed by ``placement`` (the number of microbatches is read from the
+    actions)."""
+    where = _check_placement(actions, p, v, placement)
+    _check_complete(actions, p, v, where, placement)
+    _check_order(actions, p, v, where, placement)
+    _check_channels(actions, p, where, placement)
     _execute(actions, p)
 
 
@@ -261,7 +371,7 @@ def _fail(actions: Schedule, p: int, rank: int, step: int, text: str) -> Schedul
     return ScheduleError(f"rank {rank}, step {step} ({action}): {text}\n\n{grid}", rank=rank, step=step, action=action)
 
 
-def _check_placement(actions: Schedule, p: int, v: int) -> dict[Action, tuple[int, int]]:
+def _check_placement(actions: Schedule, p: int, v: int, placement: str) -> dict[Action, tuple[int, int]]:
     """Every action is an Action of a stage this rank holds, and appears once; returns action -> (rank, step)."""
     if sorted(actions) != list(range(p)):
         raise ScheduleError(f"the schedule has ranks {sorted(actions)}; expected exactly the ranks 0..{p - 1}")
@@ -272,11 +382,13 @@ def _check_placement(actions: Schedule, p: int, v: int) -> dict[Action, tuple[in
     where: dict[Action, tuple[int, int]] = {}
     for rank, steps in actions.items():
         for step, action in enumerate(steps):
-            if action.stage >= p * v:
-                raise _fail(actions, p, rank, step, f"stage {action.stage} does not exist with p={p}, v={v}")
-            if action.rank(p) != rank:
-                raise _fail(actions, p, rank, step, f"stage {action.stage} lives on rank {action.rank(p)}")
-            if not action.is_compute and (action.peer(p) == rank or _off_the_ends(action, p * v)):
+            if action.stage >= p * v or (placement == "v" and v != 2):
+                raise _fail(actions, p, rank, step, f"stage {action.stage} does not exist with p={p}, v={v}"
+                            + (" (the V placement holds 2 chunks per rank)" if placement == "v" else ""))
+            if action.rank(p, placement) != rank:
+                raise _fail(actions, p, rank, step, f"stage {action.stage} lives on rank "
+                            f"{action.rank(p, placement)}")
+            if not action.is_compute and (_off_the_ends(action, p * v) or action.peer(p, placement) == rank):
                 raise _fail(actions, p, rank, step, "this message has no other rank to go to or come from")
             if action in where:
                 raise _fail(actions, p, rank, step, f"duplicate of step {where[action][1]}")
@@ -289,26 +401,36 @@ def _off_the_ends(action: Action, stages: int) -> bool:
         action.kind in ("RECV_F", "SEND_B") and action.stage == 0)
 
 
-def _check_complete(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]]) -> None:
+def _check_complete(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]], placement: str) -> None:
+    """Every (microbatch, stage) runs F, and either B or both I and W."""
     m = 1 + max((a.microbatch for a in where), default=-1)
     for stage in range(p * v):
         for j in range(m):
-            f, b = Action("F", j, stage), Action("B", j, stage)
-            if f in where and b not in where:
-                raise _fail(actions, p, *where[f], f"microbatch {j} never runs backward ({b}) on stage {stage}")
-            if b in where and f not in where:
-                raise _fail(actions, p, *where[b], f"microbatch {j} never runs forward ({f}) on stage {stage}")
+            f, b, i, w = (Action(kind, j, stage) for kind in "FBIW")
+            present = [a for a in (b, i, w) if a in where]
+            if f in where and b not in where and not (i in where and w in where):
+                missing = f"{b}, or {i} and {w}" if not present else " and ".join(str(a) for a in (i, w)
+                                                                                   if a not in where)
+                raise _fail(actions, p, *where[f], f"microbatch {j} never runs backward on stage {stage} ({missing} "
+                            f"missing)")
+            if b in where and (i in where or w in where):
+                raise _fail(actions, p, *where[b], f"microbatch {j} runs backward twice on stage {stage}: {b} "
+                            f"computes what {i} and {w} do")
+            if present and f not in where:
+                raise _fail(actions, p, *where[present[0]], f"microbatch {j} never runs forward ({f}) on stage "
+                            f"{stage}")
             if f not in where:
-                raise ScheduleError(f"rank {stage % p}: stage {stage} never runs microbatch {j} ({f}, {b} missing); "
-                                    f"microbatches 0..{m - 1} appear elsewhere", rank=stage % p)
+                rank = rank_of(stage, p, placement)
+                raise ScheduleError(f"rank {rank}: stage {stage} never runs microbatch {j} ({f}, {b} missing); "
+                                    f"microbatches 0..{m - 1} appear elsewhere", rank=rank)
 
 
-def _check_order(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]]) -> None:
+def _check_order(actions: Schedule, p: int, v: int, where: dict[Action, tuple[int, int]], placement: str) -> None:
     """Each action runs after what it depends on, on its own rank."""
     last = p * v - 1
     for rank, steps in actions.items():
         for step, action in enumerate(steps):
-            for needed in _needs(action, p, last):
+            for needed in _needs(action, p, last, placement, where):
                 if needed not in where:
                     raise _fail(actions, p, rank, step, f"needs {needed}, which is missing from this rank")
                 if where[needed][1] > step:
@@ -316,19 +438,30 @@ def _check_order(actions: Schedule, p: int, v: int, where: dict[Action, tuple[in
                     raise _fail(actions, p, rank, step, f"runs before {later}, which it needs")
 
 
-def _needs(action: Action, p: int, last: int) -> list[Action]:
+def _needs(action: Action, p: int, last: int, placement: str, where) -> list[Action]:
     j, s = action.microbatch, action.stage
+
+    def local(other: int) -> bool:
+        return rank_of(other, p, placement) == rank_of(s, p, placement)
+
+    def backward(stage: int) -> Action:  # what computes a stage's input gradients
+        return Action("I", j, stage) if Action("I", j, stage) in where else Action("B", j, stage)
+
     if action.kind == "F" and s > 0:
-        return [Action("RECV_F", j, s) if p > 1 else Action("F", j, s - 1)]
-    if action.kind == "B":
-        before = [Action("RECV_B", j, s) if p > 1 else Action("B", j, s + 1)] if s < last else []
+        return [Action("F", j, s - 1) if local(s - 1) else Action("RECV_F", j, s)]
+    if action.kind in ("B", "I"):
+        before = [backward(s + 1) if local(s + 1) else Action("RECV_B", j, s)] if s < last else []
         return [Action("F", j, s), *before]
-    if action.is_send:
-        return [Action(action.kind[-1], j, s)]
+    if action.kind == "W":
+        return [Action("I", j, s)]
+    if action.kind == "SEND_F":
+        return [Action("F", j, s)]
+    if action.kind == "SEND_B":
+        return [backward(s)]
     return []
 
 
-def _check_channels(actions: Schedule, p: int, where: dict[Action, tuple[int, int]]) -> None:
+def _check_channels(actions: Schedule, p: int, where: dict[Action, tuple[int, int]], placement: str) -> None:
     """Every message is received once, and on each channel in the order it was sent (a FIFO per rank pair)."""
     sent: dict[tuple[int, int], list[Action]] = {}
     got: dict[tuple[int, int], list[tuple[int, Action]]] = {}
@@ -338,11 +471,12 @@ def _check_channels(actions: Schedule, p: int, where: dict[Action, tuple[int, in
                 continue
             if action.partner() not in where:
                 what = "nothing receives it" if action.is_send else "nothing sends it"
-                raise _fail(actions, p, rank, step, f"{what}: {action.partner()} is missing on rank {action.peer(p)}")
+                raise _fail(actions, p, rank, step, f"{what}: {action.partner()} is missing on rank "
+                            f"{action.peer(p, placement)}")
             if action.is_send:
-                sent.setdefault((rank, action.peer(p)), []).append(action)
+                sent.setdefault((rank, action.peer(p, placement)), []).append(action)
             else:
-                got.setdefault((action.peer(p), rank), []).append((step, action))
+                got.setdefault((action.peer(p, placement), rank), []).append((step, action))
     for (src, dst), receives in got.items():
         for i, (step, recv) in enumerate(receives):
             send = sent[src, dst][i]
@@ -397,15 +531,18 @@ class SimResult:
 
 
 def simulate(actions: Schedule, p: int, v: int = 1, *, forward_cost: float = 1.0, backward_cost: float = 2.0,
-             send_cost: float = 0.0) -> SimResult:
-    """Time a (validated) schedule: each chunk's F costs ``forward_cost / v`` and B ``backward_cost / v``, a send
-    occupies its rank for ``send_cost``; ranks run their lists in order. The bubble is the idle fraction
-    ``1 - compute time / (p * makespan)``."""
-    if forward_cost <= 0 or backward_cost <= 0 or send_cost < 0:
-        raise ValueError(f"costs must be positive (send_cost >= 0), got forward_cost={forward_cost}, "
-                         f"backward_cost={backward_cost}, send_cost={send_cost}")
-    validate(actions, p, v)
-    cost = {"F": forward_cost / v, "B": backward_cost / v, "SEND_F": send_cost, "SEND_B": send_cost}
+             send_cost: float = 0.0, weight_share: float = 0.5, placement: str = "loop") -> SimResult:
+    """Time a (validated) schedule: each chunk's F costs ``forward_cost / v`` and B ``backward_cost / v``, of which
+    W is ``weight_share`` and I the rest; a send occupies its rank for ``send_cost``; ranks run their lists in
+    order. The bubble is the idle fraction ``1 - compute time / (p * makespan)``. Activations count as in flight
+    from F until the B or W that frees them."""
+    if forward_cost <= 0 or backward_cost <= 0 or send_cost < 0 or not 0 < weight_share < 1:
+        raise ValueError(f"costs must be positive (send_cost >= 0, 0 < weight_share < 1), got forward_cost="
+                         f"{forward_cost}, backward_cost={backward_cost}, send_cost={send_cost}, weight_share="
+                         f"{weight_share}")
+    validate(actions, p, v, placement)
+    cost = {"F": forward_cost / v, "B": backward_cost / v, "I": backward_cost * (1 - weight_share) / v,
+            "W": backward_cost * weight_share / v, "SEND_F": send_cost, "SEND_B": send_cost}
     clock = dict.fromkeys(actions, 0.0)
     times: dict[int, list[tuple[float, float]]] = {r: [(0.0, 0.0)] * len(steps) for r, steps in actions.items()}
     ended: dict[Action, float] = {}
@@ -424,7 +561,7 @@ def simulate(actions: Schedule, p: int, v: int = 1, *, forward_cost: float = 1.0
 def _peak_in_flight(steps: list[Action]) -> int:
     live = peak = 0
     for action in steps:
-        live += {"F": 1, "B": -1}.get(action.kind, 0)
+        live += {"F": 1, "B": -1, "W": -1}.get(action.kind, 0)
         peak = max(peak, live)
     return peak
 
@@ -437,7 +574,8 @@ def render(actions: Schedule, p: int, *, sim: SimResult | None = None, mark: tup
     """A grid with one row per rank. With ``sim``, one column per time slot (the shortest compute action) and
     ``.`` for idle; without, one column per action in list order (compute only unless ``comms``).
 
-    Cells: ``F3`` / ``B3`` run microbatch 3 forward / backward; ``>F3`` / ``<F3`` send / receive its activation,
+    Cells: ``F3`` / ``B3`` run microbatch 3 forward / backward (``I3`` / ``W3``: its input / weight gradients);
+    ``>F3`` / ``<F3`` send / receive its activation,
     ``>B3`` / ``<B3`` its gradient. With v > 1 the stage follows: ``F3.5``. ``mark=(rank, step)`` brackets that
     action's cells and points at its row.
     """
