@@ -275,7 +275,8 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | No
     gm = codegen.prepare(build.captured)
     if like is None:
         build.partition = partition(gm, build.num_stages, starts=options.pipeline_starts,
-                                    balance=options.pipeline_balance)
+                                    balance=options.pipeline_balance,
+                                    v_shape=schedules.placement_of(options.schedule) == "v")
     else:
         build.partition = partition(gm, build.num_stages, cut_after=like.partition.cut_after)
     placement = schedules.placement_of(options.schedule)

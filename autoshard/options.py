@@ -17,7 +17,7 @@ from autoshard.mesh import Mesh
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 CHOICES = {
-    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "tp_indivisible": ("error", "replicate"),
     "cp_attention": ("gather", "ring", "alltoall"),
     "mixed_precision": (None, "bf16"),
@@ -32,10 +32,10 @@ _MEANINGS = {
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
-                "input and weight gradients, the weight part deferred into the bubble) or 'zbv' (two chunks per rank "
-                "in a V, backward split likewise)",
+                "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
+                "in a V, backward split likewise) or 'dualpipev' (the V with forwards and backwards paired)",
 }
-V_CHUNKS = {"zbv": 2}  # the schedules that place their stages in a V, and their chunks per rank
+V_CHUNKS = {"zbv": 2, "dualpipev": 2}  # the schedules that place their stages in a V, and their chunks per rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +52,9 @@ class CompileOptions:
         ``"replicate"`` (keep that block replicated, with a warning).
     schedule: the pipeline schedule, ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (with ``chunks`` > 1), or a
         zero-bubble one, whose backward is split into input and weight gradients with the weight part deferred
-        into the bubble: ``"zb-h1"`` (1F1B's order and memory) or ``"zbv"`` (two chunks per rank in a V; sets
-        ``chunks`` to 2).
+        into the bubble: ``"zb-h1"`` (1F1B's order and memory), ``"zbv"`` (two chunks per rank in a V; sets
+        ``chunks`` to 2) or ``"dualpipev"`` (the V, a forward of one chunk paired with a backward of the other;
+        at least 2 * pp microbatches).
     chunks: virtual stages per pipeline rank (interleaving); the model is cut into ``pp * chunks`` stages.
     pipeline_starts: instead of the balanced partition, the modules (by qualified name) at which each
         stage after the first begins.

@@ -203,7 +203,9 @@ class SavedBytes:
             self.live += storage.nbytes()
             self.total += storage.nbytes()
             self.peak = max(self.peak, self.live)
-        return _Saved(t, self, ptr)
+        # detached: a saved output would otherwise hold its own autograd node, a cycle through C++ that outlives a
+        # graph kept by retain_graph (a backward split into input and weight gradients keeps it until W)
+        return _Saved(t.detach(), self, ptr)
 
     @staticmethod
     def unpack(saved):

@@ -3,12 +3,12 @@
     .venv/bin/python bench/zb.py            # writes bench/results_zb.md and prints it
 
 One ``torchrun --standalone --nproc-per-node 2`` job per microbatch count (m = 4 and 8; ``bench/zb_worker.py``,
-one thread per rank): autoshard's 1F1B, ZB-H1 and ZBV on the unmodified model, and PyTorch's ``Schedule1F1B``,
-``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB-H1), ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
-on hand-written stages of the same layers, taking turns step by step. Reported: median step time, each against
-autoshard's 1F1B and against PyTorch's best; autoshard's idle fraction per rank measured from its executor's
-records against the schedule simulated with the measured F, I and W costs; the bytes saved for backward at their
-peak per rank.
+one thread per rank): autoshard's 1F1B, ZB-H1, ZBV and DualPipeV on the unmodified model, and PyTorch's
+``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB-H1), ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV`` on hand-written stages of the same layers, taking turns step by step. Reported: median step
+time, each against autoshard's 1F1B and against PyTorch's best; autoshard's idle fraction per rank measured from
+its executor's records against the schedule simulated with the measured F, I and W costs; the bytes saved for
+backward at their peak per rank.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def table(m: int, job: dict) -> list[str]:
     return [f"## pp=2, m={m}", "",
             f"HF Llama: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
             f"{shape['num_attention_heads']} heads, MLP {shape['intermediate_size']}, vocab {shape['vocab_size']}, "
-            f"sequence {result['seq']}, global batch {result['batch']}; fp32, AdamW. Stages ({splits}); PyTorch's "
-            f"DualPipeV on ZBV's. First-step losses of all runners: {', '.join(map(str, sorted(losses)))}.", "",
+            f"sequence {result['seq']}, global batch {result['batch']}; fp32, AdamW. Stages ({splits}). "
+            f"First-step losses of all runners: {', '.join(map(str, sorted(losses)))}.", "",
             *rows]
 
 

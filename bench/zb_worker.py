@@ -6,8 +6,8 @@ The model: ``LlamaForCausalLM`` from a config (8 layers, hidden 512, 8 heads, ML
 128, global batch 8, fp32, AdamW, one thread per rank. Runners, all on the same layers per stage and taking turns
 step by step:
 
-- ``autoshard <schedule>``: ``parallelize(model, Mesh(pp=2), schedule=...)`` for 1f1b, zb-h1 and zbv, the model
-  unmodified (autoshard's own partition; where it cuts inside a layer, equal layers for everyone);
+- ``autoshard <schedule>``: ``parallelize(model, Mesh(pp=2), schedule=...)`` for 1f1b, zb-h1, zbv and dualpipev,
+  the model unmodified (autoshard's own partition; where it cuts inside a layer, equal layers for everyone);
 - ``torch <schedule>``: ``torch.distributed.pipelining`` with hand-written stages (embedding, decoder layers with
   the model's rotary embedding, final norm and LM head) on the same layers: ``Schedule1F1B``,
   ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1), ``ScheduleZBVZeroBubble`` and
@@ -41,7 +41,7 @@ LR = 1e-3
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
          "intermediate_size": 1376, "vocab_size": 8192}
 SEQ, BATCH = 128, 8
-AUTOSHARD = ("1f1b", "zb-h1", "zbv")
+AUTOSHARD = ("1f1b", "zb-h1", "zbv", "dualpipev")
 TORCH = {"1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
 V = ("zbv", "dualpipev")  # two stages per rank, placed in a V
@@ -224,7 +224,7 @@ def main() -> None:
                 starts = [f"model.model.layers.{r.start}" for r in splits[s][1:]]
                 runners[f"autoshard {s}"] = autoshard_runner(copy.deepcopy(model), tokens, target, m, s, starts)
         for s in args.torch.split(","):
-            split = splits["zbv" if s in V else s if s in splits else "1f1b"]
+            split = splits.get(s, splits["zbv" if s in V else "1f1b"])
             runners[f"torch {s}"] = torch_runner(copy.deepcopy(model), tokens, target, m, s, split)
         times, traces = time_runners(runners, args.warmup, args.steps)
         peaks = {name: gather(saved_peak(r)) for name, r in runners.items()}

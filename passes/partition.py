@@ -65,14 +65,15 @@ class PartitionError(ValueError):
 
 def partition(
     gm: fx.GraphModule, num_stages: int, *, starts: list[str] | None = None, cut_after: tuple[str, ...] | None = None,
-    balance: str = "both",
+    balance: str = "both", v_shape: bool = False,
 ) -> Partition:
     """Cut ``gm`` into ``num_stages`` stages.
 
     ``starts`` names the module each later stage begins at; ``cut_after`` repeats an earlier partition's
     cuts (by node name) on another capture of the same model, so its stages hold the same parameters.
     ``balance`` is what the cuts even out: ``"time"`` (the cost), ``"memory"`` (the parameter bytes) or
-    ``"both"`` (the larger of the two shares).
+    ``"both"`` (the larger of the two shares). With ``v_shape`` (stages placed in a V: rank r runs stages r and
+    S-1-r) the cuts are then moved to even out each rank's two stages together.
     """
     order, dag = _activation_dag(gm)
     memory = _HeldBytes(gm, order)
@@ -113,7 +114,36 @@ def partition(
                 f"no cut into {num_stages} stages gives every stage a parameter to train (a stage that only computes "
                 f"the loss leaves its rank nothing to optimise): {_use_at_most(_most_stages(candidates, weights))}"
             )
+        if v_shape:
+            cuts = _v_balanced(cuts, sorted(set(cheap) | set(cuts)), scores, weights)
     return _result(order, costs, cuts, nbytes, len(candidates), memory)
+
+
+def _v_balanced(cuts: list[int], candidates: list[int], score, weights: list[int]) -> list[int]:
+    """Move cuts one at a time to the candidate that most lowers the largest rank's score, where rank r runs stages
+    r and S-1-r (the V), until no move helps: the stages at both ends share a rank, so they should be lighter than
+    the middle ones (the embedding and the LM head end up with fewer layers beside them)."""
+    held = [0]
+    for w in weights:
+        held.append(held[-1] + w)
+
+    def largest(cuts: list[int]) -> float:
+        bounds = [-1, *cuts, len(weights) - 1]
+        stages = [(bounds[k] + 1, bounds[k + 1] + 1) for k in range(len(bounds) - 1)]
+        if any(held[hi] == held[lo] for lo, hi in stages):
+            return float("inf")  # a stage without a weight to train
+        return max(score(stages[r], stages[-1 - r]) for r in range(len(stages) // 2))
+
+    best = largest(cuts)
+    for _ in range(4 * len(candidates)):
+        moves = [(largest(c), c) for k in range(len(cuts)) for c in
+                 ([*cuts[:k], position, *cuts[k + 1:]] for position in candidates
+                  if (k == 0 or position > cuts[k - 1]) and (k == len(cuts) - 1 or position < cuts[k + 1]))]
+        found, moved = min(moves, default=(best, cuts))
+        if found >= best:
+            break
+        best, cuts = found, moved
+    return cuts
 
 
 def _with_more_values(cuts, scores, crossing, sendable, nbytes, stages: int, weights, fewest: int, cheap,
@@ -231,7 +261,8 @@ class _HeldBytes:
 
 
 def _scores(costs: list[float], memory: _HeldBytes, balance: str, stages: int):
-    """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for.
+    """The score of a stage made of activations ``lo..hi-1`` (prefix sums), for the balance asked for; or, given
+    several ``(lo, hi)`` pairs, of the rank that runs those stages.
 
     ``"both"`` holds each stage's parameters within ``BALANCED`` times an even share where cuts allow it (a stage
     over it scores one more than its share, so any cut within it wins), and within that minimises the larger of
@@ -242,12 +273,13 @@ def _scores(costs: list[float], memory: _HeldBytes, balance: str, stages: int):
         prefix_cost.append(prefix_cost[-1] + c)
     total_cost, total_mem = prefix_cost[-1] or 1.0, memory.total or 1
 
-    def score(lo: int, hi: int) -> float:
-        time = (prefix_cost[hi] - prefix_cost[lo]) / total_cost
-        mem = memory(lo, hi) / total_mem
+    def score(*spans) -> float:
+        spans = [spans] if isinstance(spans[0], int) else spans
+        time = sum(prefix_cost[hi] - prefix_cost[lo] for lo, hi in spans) / total_cost
+        mem = sum(memory(lo, hi) for lo, hi in spans) / total_mem
         if balance != "both":
             return time if balance == "time" else mem
-        return max(time, mem) + (mem > BALANCED / stages)
+        return max(time, mem) + (mem > BALANCED * len(spans) / stages)
 
     return score
 

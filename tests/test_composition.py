@@ -22,6 +22,19 @@ def test_golden_composed(pools, name, mesh, options):
     golden.check(pools.get(4).run(golden.golden, name, mesh, **options), mesh)
 
 
+ZERO_BUBBLE = [({"dp": 2, "pp": 2}, "zb-h1"), ({"dp": 2, "pp": 2}, "zbv"), ({"tp": 2, "pp": 2}, "zb-h1"),
+               ({"tp": 2, "pp": 2}, "zbv")]
+
+
+@pytest.mark.parametrize("mesh,schedule", ZERO_BUBBLE,
+                         ids=["x".join(f"{k}{v}" for k, v in m.items()) + f"-{s}" for m, s in ZERO_BUBBLE])
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_golden_zero_bubble_schedules_composed(pools, name, mesh, schedule):
+    """Backwards split into input and weight gradients, with dp's gradient sums launched from the weight part
+    and tp's collectives in both parts, in the same order on every rank."""
+    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=4, schedule=schedule), mesh)
+
+
 @pytest.mark.parametrize("attention", ["ring", "alltoall"])
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_golden_pp2_cp2_with_ring_and_all_to_all(pools, name, attention):
@@ -93,8 +106,9 @@ def test_fsdp_checkpoint_ranks_write_only_their_shards(pools, tmp_path):
     assert max(per_file.values()) < 0.3 * full, (per_file, full)
 
 
-@pytest.mark.parametrize("mesh,options", [({"tp": 2, "pp": 2}, {"microbatches": 2}), ({"tp": 2, "cp": 2}, {})],
-                         ids=["tp2xpp2", "tp2xcp2"])
+@pytest.mark.parametrize("mesh,options", [({"tp": 2, "pp": 2}, {"microbatches": 2}), ({"tp": 2, "cp": 2}, {}),
+                                          ({"tp": 2, "pp": 2}, {"microbatches": 4, "schedule": "zbv"})],
+                         ids=["tp2xpp2", "tp2xcp2", "tp2xpp2-zbv"])
 def test_activation_checkpointing_changes_nothing(pools, mesh, options):
     golden.check(pools.get(4).run(golden.golden, "gpt", mesh, activation_checkpointing=True, **options), mesh)
 
@@ -153,11 +167,14 @@ FSDP_MESHES = [
     ({"dp": 2, "pp": 2}, 4, {"schedule": "interleaved", "chunks": 2}),
     ({"dp": 2, "tp": 2, "pp": 2}, 8, {}),
     ({"pp": 2, "cp": 2}, 4, {}),  # FSDP2 over the cp ranks: they hold the same parameters
+    ({"dp": 2, "pp": 2}, 4, {"schedule": "zb-h1"}),
+    ({"dp": 2, "pp": 2}, 4, {"schedule": "zbv"}),
 ]
 
 
 @pytest.mark.parametrize("mesh,world,options", FSDP_MESHES,
-                         ids=["dp2", "dp2xtp2", "dp2xcp2", "dp2xpp2", "dp2xpp2-interleaved", "dp2xtp2xpp2", "pp2xcp2"])
+                         ids=["dp2", "dp2xtp2", "dp2xcp2", "dp2xpp2", "dp2xpp2-interleaved", "dp2xtp2xpp2", "pp2xcp2",
+                              "dp2xpp2-zb-h1", "dp2xpp2-zbv"])
 def test_golden_fully_sharded_data_parallel(pools, mesh, world, options):
     results = pools.get(world).run(golden.golden, "gpt", mesh, microbatches=2, data_parallel="fsdp", **options)
     golden.check(results, mesh)
@@ -179,8 +196,10 @@ def test_a_checkpoint_of_another_model_is_refused_clearly(pools, tmp_path):
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2, "pp": 2}, {"microbatches": 4}),
                                           ({"dp": 2, "pp": 2}, {"microbatches": 2, "schedule": "interleaved",
-                                                                "chunks": 2})],
-                         ids=["1f1b", "interleaved"])
+                                                                "chunks": 2}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 4, "schedule": "zb-h1"}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 4, "schedule": "zbv"})],
+                         ids=["1f1b", "interleaved", "zb-h1", "zbv"])
 def test_pipelined_data_parallel_sums_gradients_during_the_backward(pools, mesh, options):
     """Small buckets: every bucket but the ones left at the end launches while the last backward runs."""
     for rank, result in enumerate(pools.get(4).run(golden.pipelined_gradient_buckets, "gpt", mesh, 4096, **options)):
@@ -192,8 +211,9 @@ def test_pipelined_data_parallel_sums_gradients_during_the_backward(pools, mesh,
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2, "pp": 2}, {"microbatches": 2}),
                                           ({"dp": 2, "tp": 2}, {}),
-                                          ({"dp": 2, "pp": 2}, {"microbatches": 2, "data_parallel": "fsdp"})],
-                         ids=["dp2xpp2", "dp2xtp2", "fsdp-dp2xpp2"])
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 2, "data_parallel": "fsdp"}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 4, "schedule": "zbv"})],
+                         ids=["dp2xpp2", "dp2xtp2", "fsdp-dp2xpp2", "dp2xpp2-zbv"])
 def test_frozen_weights_stay_frozen_and_the_rest_trains_exactly(pools, mesh, options):
     frozen = ["transformer.wte", "transformer.h.0.attn"]  # the tied embedding / LM head, and one attention
     for rank, result in enumerate(pools.get(4).run(golden.frozen_weights, "gpt", mesh, frozen, **options)):

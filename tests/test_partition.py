@@ -234,3 +234,25 @@ def test_a_pipeline_balance_that_is_not_an_option_names_the_ones_that_are():
 
     with pytest.raises(ValueError, match="pipeline_balance='speed' is not an option: use 'both'"):
         CompileOptions(pipeline_balance="speed")
+
+
+def test_a_v_placement_balances_each_ranks_two_stages_together():
+    """Under ZBV and DualPipeV rank r runs stages r and S-1-r: the first and last stages (embedding, LM head)
+    share a rank, so the cuts are moved until each rank's pair of stages costs about the same. An HF Llama of 8
+    layers whose LM head (vocab 4096) costs about two layers: balanced per stage, rank 0 gets 1.35x rank 1's
+    work; balanced per rank, within 1%."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=172, vocab_size=4096, use_cache=False)
+    tokens = torch.randint(0, 4096, (2, 32))
+    captured = capture(LlamaForCausalLM(config), (tokens,), example_target=tokens,
+                       loss_fn=lambda out, t: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), t.flatten()))
+    gm = codegen.prepare(captured)
+
+    def ranks(part):
+        return part.costs[0] + part.costs[3], part.costs[1] + part.costs[2]
+
+    loop, v = ranks(partition(gm, 4, balance="time")), ranks(partition(gm, 4, balance="time", v_shape=True))
+    assert max(loop) / min(loop) > 1.3 and max(v) / min(v) < 1.01 and max(v) < max(loop)

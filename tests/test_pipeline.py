@@ -24,6 +24,8 @@ CONFIGS = [
     (2, 2, "zbv", 2),
     (2, 4, "zbv", 2),
     (4, 8, "zbv", 2),
+    (2, 4, "dualpipev", 2),
+    (4, 8, "dualpipev", 2),
 ]
 
 

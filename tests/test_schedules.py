@@ -10,9 +10,11 @@ from autoshard.runtime.schedules import (
     Action,
     ScheduleError,
     bubble_formula,
+    dual_pipe_v,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    placement_of,
     render,
     schedule,
     simulate,
@@ -35,16 +37,19 @@ def builds() -> list[tuple[str, int, int, int]]:
     cases = [(name, p, m, 1) for name in ("gpipe", "1f1b", "interleaved", "zb-h1") for p in RANKS
              for m in MICROBATCHES]
     return cases + [("interleaved", p, m, v) for v in (2, 3) for p in RANKS for m in MICROBATCHES] + [
-        ("zbv", p, m, 2) for p in RANKS for m in MICROBATCHES]
+        ("zbv", p, m, 2) for p in RANKS for m in MICROBATCHES] + [
+        ("dualpipev", p, m, 2) for p in RANKS for m in MICROBATCHES if m >= 2 * p]
 
 
 @pytest.mark.parametrize("name,p,m,v", builds())
 def test_every_builder_validates(name, p, m, v):
     actions = schedule(name, p, m, v)
-    validate(actions, p, v, "v" if name == "zbv" else "loop")
+    validate(actions, p, v, placement_of(name))
     assert sorted(actions) == list(range(p))
     computes = [a for steps in actions.values() for a in steps if a.is_compute]
-    assert len(computes) == (3 if name.startswith("zb") else 2) * m * p * v
+    backwards = sum(1 for a in computes if a.kind in ("B", "I"))
+    assert backwards == sum(1 for a in computes if a.kind == "F") == m * p * v
+    assert len(computes) == 2 * m * p * v + sum(1 for a in computes if a.kind == "W")
     if p == 1:
         assert computes == actions[0], "one rank sends nothing"
 
@@ -132,6 +137,24 @@ def test_bubble_of_zbv_is_p_minus_1_over_6m_plus_p_minus_1(p, m):
     assert sim.makespan == pytest.approx((6 * m + p - 1) / 2)
     assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1)) == pytest.approx(bubble_formula("zbv", p, m, 2)[1])
     assert sim.peak_in_flight == dict.fromkeys(range(p), p)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 4, 8) for m in (4, 8, 16) if m >= 2 * p])
+def test_bubble_of_dualpipev_is_zbvs_at_half_a_stage_more_memory(p, m):
+    """DualPipeV pairs a forward of one chunk with a backward of the other after the warm-up and splits only
+    the ramps' backwards: with F, I and W of equal cost it idles as ZBV does, (p-1)/(6m+p-1), holding 2p + 1
+    chunks (p + 1/2 stages) on every rank."""
+    sim = simulate(dual_pipe_v(p, m), p, 2, forward_cost=1.0, backward_cost=2.0, placement="v")
+    assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert sim.peak_in_flight == dict.fromkeys(range(p), p + 0.5)
+
+
+def test_dualpipev_is_torchs_order_and_needs_2p_microbatches():
+    computes = {r: " ".join(str(a) for a in steps if a.is_compute) for r, steps in dual_pipe_v(2, 4).items()}
+    assert computes[0] == "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3"
+    assert computes[1] == "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3"
+    with pytest.raises(ValueError, match="needs at least 2p = 8 microbatches, got m=4"):
+        dual_pipe_v(4, 4)
 
 
 def test_the_v_places_two_chunks_per_rank_and_its_tip_sends_nothing():
@@ -270,7 +293,8 @@ def test_validate_wants_every_rank():
 
 
 def test_schedule_names_the_valid_schedules():
-    with pytest.raises(ValueError, match="valid names are 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zbv'"):
+    with pytest.raises(ValueError, match="valid names are 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zbv', "
+                                         "'dualpipev'"):
         schedule("zero-bubble", 2, 4)
     with pytest.raises(ValueError, match="'zbv' schedule runs 2 chunks per rank in a V, got v=1"):
         schedule("zbv", 2, 4)

@@ -31,7 +31,8 @@ Terms:
   compute that produces it and each receive just before the first compute that needs it (or an earlier receive
   on that channel that must come first), so a rank waits only for data it is about to use.
 
-Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``, ``zero_bubble_v``, ``schedule``)
+Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``, ``zero_bubble_v``,
+``dual_pipe_v``, ``schedule``)
 return ``dict[rank, list[Action]]``;
 ``validate`` checks a schedule, ``simulate`` times it, ``render`` draws it as a grid of ranks by time.
 """
@@ -42,10 +43,10 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 PLACEMENTS = ("loop", "v")
 # the schedules whose stages are placed in a V, and the chunks per rank they run
-V_SCHEDULES = {"zbv": 2}
+V_SCHEDULES = {"zbv": 2, "dualpipev": 2}
 
 Schedule = dict[int, list["Action"]]
 
@@ -247,6 +248,61 @@ def _zbv_order(r: int, p: int, n: int) -> list[Action]:
     return order
 
 
+def dual_pipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe folded into a V, as PyTorch's ``ScheduleDualPipeV``): two chunks per rank in
+    a V; after the warm-up each rank pairs a forward of one chunk with a full backward of the other (where GPUs
+    overlap the two's compute and communication; here they run one after the other), and the first and last
+    backwards are split into I and W to fill the ramps. Needs at least 2p microbatches. With F, I and W of equal
+    cost the bubble is ZBV's, ``(p-1)/(6m+p-1)``; every rank holds ``p + 1/2`` stages' worth of activations."""
+    _check_sizes(p, m, 1)
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV with p={p} needs at least 2p = {2 * p} microbatches, got m={m}; use m >= "
+                         f"{2 * p}, or 'zbv', which runs any m")
+    return _with_comms({r: _dual_pipe_v_order(r, p, m) for r in range(p)}, p, 2, "v")
+
+
+def _dual_pipe_v_order(r: int, p: int, m: int) -> list[Action]:
+    first, second = r, 2 * p - 1 - r  # the rank's chunks: going down the V and coming back up
+    count: dict[tuple[int, str], int] = {}  # next microbatch per (stage, F or backward)
+    deferred: list[Action] = []  # the W of every I, oldest first
+    order: list[Action] = []
+
+    def add(stage: int, kind: str) -> None:
+        key = (stage, "F" if kind == "F" else "B")
+        j = count.get(key, 0)
+        count[key] = j + 1
+        order.append(Action(kind, j, stage))
+        if kind == "I":
+            deferred.append(Action("W", j, stage))
+
+    def weight() -> None:
+        if deferred:
+            order.append(deferred.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        add(first, "F")
+    for _ in range(r + 1):
+        add(first, "F"), add(second, "F")
+    for _ in range(p - r - 1):
+        add(second, "I"), weight(), add(second, "F")
+    for _ in range(m - 2 * p + r + 1):  # the main phase: forward of one chunk paired with backward of the other
+        add(first, "F"), add(second, "B")
+        add(second, "F"), add(first, "B")
+    for _ in range(p - r - 1):
+        add(second, "B"), add(second, "F"), add(first, "B")
+    split = False
+    for i in range(r + 1):  # the last backwards: the second half split into I and W
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        add(second, "I" if split else "B")
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        add(first, "I" if split else "B")
+    for _ in range(p - r - 1):
+        weight(), add(first, "I" if split else "B")
+    while deferred:
+        weight()
+    return order
+
+
 def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``) for p ranks, m microbatches and v chunks per rank."""
     if name not in SCHEDULES:
@@ -257,7 +313,7 @@ def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         if v != V_SCHEDULES[name]:
             raise ValueError(f"the {name!r} schedule runs {V_SCHEDULES[name]} chunks per rank in a V, got v={v}; "
                              f"use chunks={V_SCHEDULES[name]}")
-        return zero_bubble_v(p, m)
+        return zero_bubble_v(p, m) if name == "zbv" else dual_pipe_v(p, m)
     if v != 1:
         raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1, 'interleaved' or "
                          f"'zbv'")

@@ -44,6 +44,7 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "tp4": ({"tp": 4}, {}),  # run for the mixture-of-experts architectures (experts split four ways)
     "cp2ring": ({"cp": 2}, {"cp_attention": "ring", "cp_load_balance": True}),
     "cp2alltoall": ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True}),
+    "pp2zbv": ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}),  # four stages in a V, backward split in two
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
