@@ -53,6 +53,13 @@ def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
     assert "rank 0: F0 F1" in report
 
 
+def test_explain_shows_a_zero_bubble_schedule_in_its_v(pools):
+    report = pools.get(2).run(golden.explain, "gpt", {"pp": 2}, microbatches=4, schedule="zbv")[0]
+    assert "pipeline: 4 stages on 2 pp ranks (2 chunks per rank); rank 0 (pp=0) runs stages 0, 3" in report
+    assert "simulated bubble 4.0% (formula (p-1)/(6m+p-1) = 4.0%)" in report
+    assert "(I3/W3: its input/weight gradients)" in report and "I0.3" in report
+
+
 def test_too_few_microbatches_warn_about_the_bubble(pools):
     messages = pools.get(2).run(golden.warnings_of, "gpt", {"pp": 2}, microbatches=1)[0]
     assert any("m=1 < pp=2: the pipeline never fills, the bubble is 50.0%" in m for m in messages), messages
