@@ -315,7 +315,7 @@ MUTANTS = (
            "            state[action.microbatch, action.stage - 1].output_grads = [torch.zeros_like(x) for x in "
            "state[key].inputs]",
            "the V's tip hands the stage before it zero gradients",
-           (f"{PP}test_golden_pipeline",)),
+           (f"{PP}test_golden_pipeline[gpt-pp2-m4-zbv]", f"{PP}test_golden_pipeline[hf_llama-pp4-m8-dualpipev]")),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",
