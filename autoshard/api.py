@@ -27,6 +27,7 @@ def parallelize(
     tp_indivisible: str = "error", schedule: str = "1f1b", chunks: int = 1, pipeline_starts: list[str] | None = None,
     cp_attention: str = "gather", cp_load_balance: bool = False, mixed_precision: str | None = None,
     activation_checkpointing: bool = False, tp_plan=None, data_parallel: str = "ddp", pipeline_balance: str = "both",
+    sequence_parallel: bool = False,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -43,8 +44,8 @@ def parallelize(
         options: the compiler's options as one :class:`~autoshard.options.CompileOptions`; or give its fields
             (``microbatches``, ``local_batch``, ``timeout``, ``tp_indivisible``, ``schedule``, ``chunks``,
             ``pipeline_starts``, ``cp_attention``, ``cp_load_balance``, ``mixed_precision``,
-            ``activation_checkpointing``, ``tp_plan``, ``data_parallel``, ``pipeline_balance``) as keyword arguments,
-            documented there.
+            ``activation_checkpointing``, ``tp_plan``, ``data_parallel``, ``pipeline_balance``,
+            ``sequence_parallel``) as keyword arguments, documented there.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -58,7 +59,7 @@ def parallelize(
         pipeline_starts=pipeline_starts, tp_indivisible=tp_indivisible, cp_attention=cp_attention,
         cp_load_balance=cp_load_balance, mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing, tp_plan=tp_plan, data_parallel=data_parallel,
-        timeout=timeout, pipeline_balance=pipeline_balance,
+        timeout=timeout, pipeline_balance=pipeline_balance, sequence_parallel=sequence_parallel,
     )
     options = _one_set_of_options(options, given)
     mesh = _mesh(mesh, model, example_inputs, options)

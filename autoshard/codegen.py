@@ -25,6 +25,7 @@ from autoshard.passes.context_parallel import ContextParallelPlan, context_paral
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import propagate
+from autoshard.passes.sequence_parallel import sequence_parallel_pass
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
 
@@ -86,6 +87,7 @@ class Sharding:
     cp_plan: ContextParallelPlan | None = None
     cp_rank: int = 0
     cp_group: object = None
+    sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
     training: bool = True
     keep_outputs: bool = False  # a pipeline stage that hands its activations on
 
@@ -160,6 +162,8 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
     if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
         tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
+    if sharding.sp_plan is not None:
+        sequence_parallel_pass(gm, sharding.sp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
     if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
         context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
                               training=sharding.training, keep_outputs=sharding.keep_outputs)

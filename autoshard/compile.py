@@ -41,6 +41,7 @@ from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import Stage, TensorSpec
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.propagate import propagate, reaching_output, redistributions
+from autoshard.passes.sequence_parallel import SequenceParallelError
 from autoshard.passes.sharding import FALLBACKS
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
@@ -182,6 +183,7 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
         build.notes.append(build.cp_plan.note)
     sharding = codegen.Sharding(
         tp_plan=build.tp_plan, tp_rank=coords["tp"], cp_plan=build.cp_plan, cp_rank=coords["cp"],
+        sp_plan=_sp_plan(captured, mesh, options),
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
         cp_group=groups.group("cp") if groups is not None and mesh.cp > 1 else None,
         training=captured.with_loss,
@@ -243,6 +245,20 @@ def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, s
     more = f"; and {len(found) - 4} more" if len(found) > 4 else ""
     return [f"{len(found)} weight(s) holding {sum(part for _, part in found):.0%} of the parameters stay replicated "
             f"under tp={tp} (every tp rank holds them whole): {named}{more}"]
+
+
+def _sp_plan(captured: Captured, mesh: Mesh, options: CompileOptions) -> ContextParallelPlan | None:
+    """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it)."""
+    if not options.sequence_parallel or mesh.tp == 1:
+        return None
+    if mesh.cp > 1 or mesh.pp > 1:
+        raise SequenceParallelError(f"sequence_parallel=True composes with tp and dp so far, not with {mesh}: use "
+                                    "sequence_parallel=False there")
+    try:
+        return plan_context_parallel(captured.gm, mesh.tp, attention="gather")
+    except ContextParallelError as e:
+        raise SequenceParallelError(f"sequence parallelism splits the sequence over tp and could not find it: {e}; "
+                                    "use sequence_parallel=False") from e
 
 
 def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,

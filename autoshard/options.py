@@ -68,6 +68,9 @@ class CompileOptions:
     cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
     mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
     activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
+    sequence_parallel: between the tensor-parallel regions, split the sequence over the tp ranks (Megatron's
+        sequence parallelism): norms, residual adds and dropout run on 1/tp of the tokens, whose activations each
+        rank then stores; the regions' all-reduces become a reduce-scatter and an all-gather (the same bytes).
     tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
         printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
     data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
@@ -87,6 +90,7 @@ class CompileOptions:
     cp_load_balance: bool = False
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
     tp_plan: object = None  # a TensorParallelPlan to apply instead of the one the compiler finds
     data_parallel: str = "ddp"
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
@@ -106,7 +110,7 @@ class CompileOptions:
                 raise ValueError(f"schedule={self.schedule!r} runs {V_CHUNKS[self.schedule]} chunks per pipeline rank "
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
-        for name in ("local_batch", "cp_load_balance", "activation_checkpointing"):
+        for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not valid: pass True or False")
         if self.pipeline_starts is not None:

@@ -105,8 +105,6 @@ def partition(
             cuts = _balanced_cuts(scores, cheap, nbytes, num_stages, weights)
         if cuts is None:
             cuts = _balanced_cuts(scores, candidates, nbytes, num_stages, weights)
-        splitting = _splitting_params(gm, order, candidates)
-        sendable = [i for i in sendable if i not in splitting]
         cuts = _with_more_values(cuts, scores, crossing, sendable, nbytes, num_stages, weights, fewest, cheap,
                                  memory_bound={"both": 1.0, "memory": BALANCED / num_stages}.get(balance))
         if cuts is None:
@@ -190,40 +188,6 @@ def _largest(cuts: list[int], scores, length: int) -> float:
     return max(scores(bounds[k] + 1, bounds[k + 1] + 1) for k in range(len(bounds) - 1))
 
 
-def _splitting_params(gm: fx.GraphModule, order: list[fx.Node], candidates: list[int]) -> set[int]:
-    """Cuts that would leave a parameter read on both sides (directly or through a value computed from it alone)
-    which no cut of the fewest values splits, among the parameters also read with gradients off (detached: a
-    sparse-attention indexer's weights, read to pick positions without gradients and to score them with): their
-    gradient summed over two stages' copies came out missing. Weights read at both ends (an embedding tied to its
-    LM head) are split by every cut and stay allowed, and so is any weight read only with gradients (per-layer
-    embeddings, ALBERT's shared layer): its copies' gradients are summed exactly."""
-    params = {name for name, _ in gm.named_parameters()}
-    position = {node: i for i, node in enumerate(order)}
-    read: dict[fx.Node, set[str]] = {}  # a node off the activation path: the parameters it is computed from
-    readers: dict[str, list[int]] = {}
-    detached: set[str] = set()  # parameters read with gradients off somewhere
-    for node in gm.graph.nodes:
-        names = set().union(*(read.get(n, set()) for n in node.all_input_nodes)) if node.all_input_nodes else set()
-        if node.op == "get_attr" and node.target in params:
-            names = {node.target}
-        if node.target is torch.ops.aten.detach.default:
-            detached |= names
-        if node in position:
-            for name in names:
-                readers.setdefault(name, []).append(position[node])
-        elif names:
-            read[node] = names  # a weight transposed or cast: its readers read the weight
-    lo, hi = min(candidates, default=0), max(candidates, default=0)
-    refused: set[int] = set()
-    for name, where in readers.items():
-        if name not in detached:
-            continue
-        first, last = min(where), max(where)
-        if last > first and not (first <= lo and last > hi):
-            refused.update(range(first, last))
-    return refused
-
-
 class _HeldBytes:
     """The parameter bytes a stage of activations ``lo..hi-1`` holds: every weight one of them reads.
 
@@ -233,11 +197,17 @@ class _HeldBytes:
 
     def __init__(self, gm: fx.GraphModule, order: list[fx.Node]):
         params = dict(gm.named_parameters())
+        position = {node: i for i, node in enumerate(order)}
         readers: dict[str, list[int]] = {}
-        for i, node in enumerate(order):
-            for source in node.all_input_nodes:
-                if source.op == "get_attr" and source.target in params:
-                    readers.setdefault(source.target, []).append(i)
+        through: dict[fx.Node, set[str]] = {}  # a value off the activation path: the weights it is computed from
+        for node in gm.graph.nodes:  # a weight read detached, cast or transposed is read by that value's readers
+            names = {node.target} if node.op == "get_attr" and node.target in params else set().union(
+                *(through.get(n, set()) for n in node.all_input_nodes))
+            if node in position:
+                for name in names:
+                    readers.setdefault(name, []).append(position[node])
+            elif names:
+                through[node] = names
         size = {name: params[name].numel() * params[name].element_size() for name in readers}
         first = [0] * len(order)
         for name, at in readers.items():

@@ -134,7 +134,8 @@ def _untimed(report: str) -> str:
     ({"tp_indivisible": "eror"}, "tp_indivisible='eror' is not an option: use 'error'"),
     ({"data_parallel": "zero"}, "data_parallel='zero' is not an option: use 'ddp'"),
     ({"cp_attention": "ulysses"}, "cp_attention='ulysses' is not an option: use 'gather'"),
-    ({"schedule": "1F1B"}, "schedule='1F1B' is not an option: use 'gpipe' or '1f1b' or 'interleaved'"),
+    ({"schedule": "1F1B"}, "schedule='1F1B' is not an option: use 'gpipe', '1f1b', 'interleaved' (with chunks > 1), "
+                           "'zb-h1'"),
     ({"mixed_precision": "fp16"}, "mixed_precision='fp16' is not an option: use None (fp32) or 'bf16'"),
     ({"microbatches": 0}, "microbatches=0 is not valid: it must be an integer >= 1"),
     ({"pipeline_starts": "layers.2"}, "pass a list of module names"),

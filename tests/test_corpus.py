@@ -64,6 +64,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("llama4_text", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
     ("recurrent_gemma", "pp2"),  # a balanced cut where transposed values cross
+    ("hy_v4", "pp2"),  # an indexer's weights on both stages, read only without gradients: they get none
     ("mixtral", "pp2zbv"),  # experts' weight gradients deferred; a V of four stages
     ("s2s/t5", "pp2zbv"),  # an encoder-decoder's shared embedding on three stages
 ]

@@ -157,8 +157,8 @@ def test_a_weight_read_on_both_sides_of_a_cut_is_held_by_both_stages():
         part = built.partition
         assert len(part.param_bytes) == 2 and sum(part.param_bytes) > 0
         shares[balance] = part.largest_param_share
-    # the cuts that balance it leave the bias's weight read on both sides (two stages hold it): allowed, as the
-    # weight is read only with gradients (one read without them is what stays refused: HY-v4's indexer)
+    # the cuts that balance it leave the bias's weight read on both sides (two stages hold it): their gradients
+    # are summed over the two
     assert shares["memory"] <= shares["both"] <= 0.6 and shares["both"] <= shares["time"], shares
 
 

@@ -129,13 +129,22 @@ class Pipeline:
         return head + "\n  " + " ".join(cells)
 
     def sum_tied_gradients(self, store: codegen.ParamStore) -> None:
+        """Sum the gradients of the weights held on several pp ranks over those ranks. A weight no holder got a
+        gradient for this step (read only without gradients, as a top-k indexer's is to pick positions; an expert
+        no token reached) keeps none, as in the model run whole; first one flag per weight says which had any."""
+        by_ranks: dict[frozenset[int], list] = {}
         for name, ranks in self.tied.items():
-            if self.pp_index not in ranks:
-                continue
-            param = store.get_parameter(name)
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:
-            dist.all_reduce(grad, group=self.groups.across_pp(ranks))  # the same part of the weight on every rank
+            param = store.get_parameter(name) if self.pp_index in ranks else None
+            if param is not None and param.requires_grad:
+                by_ranks.setdefault(ranks, []).append(param)
+        for ranks, params in by_ranks.items():
+            group = self.groups.across_pp(ranks)
+            some = torch.tensor([float(p.grad is not None) for p in params])
+            dist.all_reduce(some, group=group)
+            for param, found in zip(params, some.tolist(), strict=True):
+                if not found:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:
+                dist.all_reduce(grad, group=group)  # the same part of the weight on every rank

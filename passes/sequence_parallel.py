@@ -1,0 +1,234 @@
+"""Sequence parallelism (Megatron, Korthikanti et al.): between tensor-parallel regions, split the sequence.
+
+Plain tensor parallelism leaves everything outside the column -> row regions (norms, residual adds, dropout,
+the embedding output) computed and stored whole on every tp rank. Sequence parallelism splits those values
+along the sequence over the same tp ranks:
+
+- a region's exit, the all-reduce of the row-parallel partial sums (``ReduceFromParallel``), becomes a
+  reduce-scatter along the sequence (``ReduceScatterToSequence``; backward: all-gather);
+- a region's entry, Megatron's f before the column-parallel linears (``CopyToParallel``), is preceded by an
+  all-gather of the sequence whose backward reduce-scatters the partial gradient (the two fused into
+  ``GatherSequenceToParallel``), so the bytes per layer equal plain TP's;
+- in between, ops run on each rank's 1/tp of the tokens. A replicated weight read there (a norm's) gets a
+  gradient from this rank's tokens only, so its read gets an f: its gradient is summed over tp.
+
+Where the sequence is, is found as context parallelism finds it (``plan_context_parallel`` on the same graph):
+the tp graph is propagated once with the sequence split from the inputs, and every all-reduce whose value
+carries that split dim becomes a reduce-scatter along it. Then a propagation on the tp axis from those
+reduce-scatters decides every other value, and ``apply_placements`` inserts what it asks for (a scatter where a
+replicated value meets a split one, a gather where a whole sequence is needed), tensor parallelism's way: a
+replicated value's gradient is whole on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autoshard.passes import localize
+from autoshard.passes.collectives import (
+    CopyToParallel,
+    GatherFromParallel,
+    ReduceFromParallel,
+    ScatterToParallel,
+    _ParallelOp,
+)
+from autoshard.passes.context_parallel import ContextParallelPlan, _attention
+from autoshard.passes.placements import R, Shard
+from autoshard.passes.propagate import propagate, requires_grad
+from autoshard.passes.rules import RULES, Decision
+from autoshard.passes.sharding import AxisStyle, apply_placements
+
+aten = torch.ops.aten
+
+
+class SequenceParallelError(ValueError):
+    """Sequence parallelism cannot split this model's sequence over tp; the message says why and what works."""
+
+
+def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+    parts = torch.stack(x.chunk(size, dim=dim)).contiguous()
+    out = parts.new_empty(parts.shape[1:])
+    dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=group)
+    return out
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, size, group):
+        ctx.dim, ctx.size, ctx.group = dim, size, group
+        return _reduce_scatter(x, dim, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.size, ctx.group), None, None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, size, group):
+        ctx.dim, ctx.size, ctx.group = dim, size, group
+        return _all_gather(x, dim, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.size, ctx.group), None, None, None
+
+
+class _AlongSequence(_ParallelOp):
+    def __init__(self, *, group, size: int, rank: int, dim: int) -> None:
+        super().__init__(group=group, size=size, rank=rank)
+        self.dim = dim
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, size={self.size}"
+
+
+class ReduceScatterToSequence(_AlongSequence):
+    """A region's exit: the row-parallel partial sums reduce-scattered along the sequence (this rank's tokens,
+    summed); backward all-gathers the gradient of every rank's tokens."""
+
+    kind, backward_kind = "reduce_scatter", "all_gather"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self._run_group()
+        if self.size == 1:
+            return x
+        return _ReduceScatter.apply(x, self.dim, self.size, group)
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        """The tensor it reduces, as an all-reduce counts; backward, the gathered gradient (the same size)."""
+        numel = int(torch.Size(input_shape).numel())
+        return numel * elem_size, numel * elem_size
+
+
+class GatherSequenceToParallel(_AlongSequence):
+    """A region's entry: every rank's tokens all-gathered into the whole sequence for the column-parallel
+    linears; backward reduce-scatters their partial gradients (Megatron's f and the gather in one)."""
+
+    kind, backward_kind = "all_gather", "reduce_scatter"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self._run_group()
+        if self.size == 1:
+            return x
+        return _GatherReduceScatter.apply(x, self.dim, self.size, group)
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        numel = int(torch.Size(input_shape).numel()) * self.size
+        return numel * elem_size, numel * elem_size
+
+
+class _EntryMark(CopyToParallel):
+    """Megatron's f while sequence parallelism is planned: asks for its input whole (gathered)."""
+
+
+class _SplitEntryMark(ScatterToParallel):
+    """A split of the hidden dim before a row-parallel linear alone (an MLM head's transform), while sequence
+    parallelism is planned: its weight's shards need every token, so it asks for its input whole too."""
+
+
+def _entry_rule(node: fx.Node, ctx) -> Decision:
+    (x,) = node.args
+    return Decision(R, {x: R} if ctx.of(x) != R else {})
+
+
+def _exit_rule(node: fx.Node, ctx) -> Decision:
+    """Partial sums of the whole sequence out of a region, reduce-scattered to this rank's tokens."""
+    (x,) = node.args
+    split = Shard(node.graph.owning_module.get_submodule(node.target).dim)
+    return Decision(split, {x: R} if ctx.of(x) != R else {})
+
+
+RULES[_EntryMark] = _entry_rule
+RULES[_SplitEntryMark] = _entry_rule
+RULES[ReduceScatterToSequence] = _exit_rule
+
+
+def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
+    """Rewrite a tensor-parallel rank's graph ``gm`` so that values between its regions hold this rank's tokens.
+
+    ``plan`` says where the sequence is (found as context parallelism finds it, for ``size`` = the tp degree).
+    """
+    size = plan.size
+    if size == 1:
+        return gm
+    if not plan.inputs or plan.values:
+        raise SequenceParallelError("sequence parallelism needs the sequence as a dim of the model's inputs (token "
+                                    "ids, or embeddings of shape (batch, sequence, ...)); use sequence_parallel=False")
+    if plan.seq_len % size:
+        works = [t for t in range(2, plan.seq_len + 1) if plan.seq_len % t == 0][:6]
+        raise SequenceParallelError(
+            f"sequence parallelism splits the sequence of {plan.seq_len} tokens over tp={size} ranks, which does not "
+            f"divide it: use a sequence length divisible by {size}, a tp degree in {works}, or "
+            "sequence_parallel=False")
+    probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+    exits, entries = 0, []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if type(module) is ReduceFromParallel:
+            where = probe.of(node.args[0])
+            if isinstance(where, Shard) and where.blocks is None:
+                _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=where.dim))
+                exits += 1
+        elif type(module) is CopyToParallel:
+            _swap(gm, node, _EntryMark(group=group, size=size, rank=rank))
+        elif type(module) is ScatterToParallel:
+            marked = _SplitEntryMark(group=group, size=size, rank=rank, dim=module.dim, blocks=module.blocks)
+            _swap(gm, node, marked)
+            entries.append((node, module))
+    if not exits:
+        raise SequenceParallelError(
+            "sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
+            "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
+    prop = propagate(gm, {}, size, pending_sums=True, sequence=plan.seq_len)
+    attention = ContextParallelPlan(size, {}, plan.seq_len, False, "gather")
+    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm), axis="sp",
+                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention,
+                                                                                                   attention)})
+    # a region's exit reduce-scatters partial sums: its input's gradient comes back whole, so no f before it
+    apply_placements(gm, prop, rw, AxisStyle("sp", needs_copy=lambda value: not all(_is_exit(u) for u in value.users)))
+    _fuse_entries(gm, group, size, rank)
+    for node, module in entries:
+        _swap(gm, node, module)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_exit(node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(node.graph.owning_module.get_submodule(node.target),
+                                                   ReduceScatterToSequence)
+
+
+def _swap(gm: fx.GraphModule, node: fx.Node, module: torch.nn.Module) -> None:
+    owner, _, attr = node.target.rpartition(".")
+    setattr(gm.get_submodule(owner) if owner else gm, attr, module)
+
+
+def _fuse_entries(gm: fx.GraphModule, group, size: int, rank: int) -> None:
+    """A gather of the sequence then f: one all-gather whose backward reduce-scatters. An f whose input was
+    whole already stays plain f."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), _EntryMark):
+            continue
+        (x,) = node.args
+        gather = gm.get_submodule(x.target) if x.op == "call_module" else None
+        if type(gather) is GatherFromParallel and gather.blocks is None and len(x.users) == 1:
+            _swap(gm, x, GatherSequenceToParallel(group=group, size=size, rank=rank, dim=gather.dim))
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+        else:
+            _swap(gm, node, CopyToParallel(group=group, size=size, rank=rank))

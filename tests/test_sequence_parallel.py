@@ -1,0 +1,88 @@
+"""Sequence parallelism: between the tensor-parallel regions the sequence is split over the tp ranks, exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import golden
+from launcher import WorkerError
+from models import build
+
+SP_MODELS = ["gpt", "llama", "bert", "hf_gpt2", "hf_llama"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", SP_MODELS)
+def test_golden_sequence_parallel(pools, name, tp):
+    golden.check(pools.get(tp).run(golden.golden, name, {"tp": tp}, sequence_parallel=True), {"tp": tp})
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_golden_sequence_parallel_with_data_parallel(pools, name):
+    mesh = {"dp": 2, "tp": 2}
+    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=2, sequence_parallel=True), mesh)
+
+
+def _compiled(name: str, sequence_parallel: bool):
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+
+    case = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return compile_global_batch(case.model, case.inputs, Mesh(tp=2), 0,
+                                    CompileOptions(sequence_parallel=sequence_parallel), target=case.target,
+                                    loss_fn=case.loss_fn).programs[0].gm
+
+
+RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # ring cost, in (n-1)/n of the whole tensor's bytes
+
+
+def _collectives(gm) -> tuple[dict[str, int], float, float]:
+    """The collectives of one step (kind/backward kind -> count) and their ring cost forward and backward: an
+    all-reduce moves twice what a reduce-scatter or an all-gather of the same tensor does (it is the two)."""
+    from autoshard.passes import collectives
+
+    kinds: dict[str, int] = {}
+    forward = backward = 0.0
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if not isinstance(module, collectives._ParallelOp) or module.size == 1:
+            continue
+        value = node.all_input_nodes[0].meta["val"]
+        f, b = collectives.comm_bytes(module, tuple(value.shape), value.element_size())
+        if f or b:
+            key = f"{module.kind}/{module.backward_kind}"
+            kinds[key] = kinds.get(key, 0) + 1
+        forward += f * RING.get(module.kind, 0) / 2
+        backward += b * RING.get(module.backward_kind, 0) / 2
+    return kinds, forward, backward
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_region_s_all_reduce_becomes_a_reduce_scatter_and_its_f_an_all_gather_with_the_same_bytes(name):
+    """Megatron's accounting: per layer 2 all-gathers and 2 reduce-scatters forward and the same backward, which
+    move what plain TP's 2 all-reduces move (an all-reduce is a reduce-scatter and an all-gather); norms and
+    residual adds run on this rank's half of the tokens."""
+    plain, sp = _compiled(name, False), _compiled(name, True)
+    kinds, forward, backward = _collectives(sp)
+    _, tp_forward, tp_backward = _collectives(plain)
+    assert kinds["all_gather/reduce_scatter"] == kinds["reduce_scatter/all_gather"] == 4 + 1, kinds  # + the head's
+    assert forward <= tp_forward * 1.05 and backward <= tp_backward * 1.05, (forward, tp_forward, backward,
+                                                                             tp_backward)
+    norms = {tuple(n.meta["val"].shape) for n in sp.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
+    assert not norms or norms == {(8, 8, 48)}, f"every layer norm runs on this rank's 8 of 16 tokens: {norms}"
+
+
+def test_a_model_without_a_sequence_is_told_sequence_parallelism_does_not_apply(pools):
+    with pytest.raises(WorkerError, match="sequence parallelism splits the sequence over tp and could not find it"):
+        pools.get(2).run(golden.golden, "mlp", {"tp": 2}, sequence_parallel=True)
+
+
+def test_sequence_parallelism_with_a_pipeline_is_refused_clearly(pools):
+    with pytest.raises(WorkerError, match="sequence_parallel=True composes with tp and dp so far"):
+        pools.get(4).run(golden.golden, "gpt", {"tp": 2, "pp": 2}, microbatches=2, sequence_parallel=True)
