@@ -41,11 +41,12 @@ from corpus.architectures import check_eager, names  # noqa: E402
 from launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
-EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv")  # run only when asked (--meshes tp4 --only ...), own tables
+EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv", "tp2sp")  # run only when asked (--meshes tp4 --only ...)
 WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balanced",
         "cp2alltoall": "all-to-all attention, load balanced",
         "pp2zbv": "the zero-bubble V schedule, 4 microbatches (4 stages: the backward split into input and weight "
-                  "gradients)"}
+                  "gradients)",
+        "tp2sp": "sequence parallelism: the sequence split over tp between the tensor-parallel regions"}
 PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)
 SLACK = 0.02  # above 1/tp and what is replicated on purpose
 TIMEOUT = {2: 480.0, 4: 600.0, 8: 900.0}  # seconds before a cell counts as stalled, by world size

@@ -172,6 +172,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
             f"divide it: use a sequence length divisible by {size}, a tp degree in {works}, or "
             "sequence_parallel=False")
     probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+    from_inputs = _from_inputs(gm)
     exits, entries = 0, []
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
@@ -179,7 +180,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
         module = gm.get_submodule(node.target)
         if type(module) is ReduceFromParallel:
             where = probe.of(node.args[0])
-            if isinstance(where, Shard) and where.blocks is None:
+            if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):
                 _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=where.dim))
                 exits += 1
         elif type(module) is CopyToParallel:
@@ -206,6 +207,35 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+_THROUGH = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
+            aten.dropout.default, aten.native_dropout.default, aten.mul.Tensor, aten.add.Tensor}
+
+
+def _feeds_residual(node: fx.Node, from_inputs: set[fx.Node], depth: int = 6) -> bool:
+    """Whether a region's summed output reaches the residual stream: an add of it (after a bias, a cast, a
+    dropout) to another value computed from the inputs. A sum that feeds attention (keys and values one
+    row-parallel product makes whole) stays an all-reduce: its readers split heads, and its gradient is a sum over
+    tp that a split along the sequence would lose."""
+    if depth == 0:
+        return False
+    for user in node.users:
+        if user.target is aten.add.Tensor and any(isinstance(a, fx.Node) and a is not node and a in from_inputs
+                                                  for a in user.args):
+            return True
+        if user.target in _THROUGH and _feeds_residual(user, from_inputs, depth - 1):
+            return True
+    return False
+
+
+def _from_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The values computed from the graph's inputs (activations; a bias or a position table is not one)."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
 
 
 def _is_exit(node: fx.Node) -> bool:

@@ -45,6 +45,7 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "cp2ring": ({"cp": 2}, {"cp_attention": "ring", "cp_load_balance": True}),
     "cp2alltoall": ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True}),
     "pp2zbv": ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}),  # four stages in a V, backward split in two
+    "tp2sp": ({"tp": 2}, {"sequence_parallel": True}),  # the sequence split over tp between its regions
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
