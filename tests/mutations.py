@@ -311,7 +311,7 @@ MUTANTS = (
            "            state[action.microbatch, action.stage - 1].output_grads = [torch.zeros_like(x) for x in "
            "state[key].inputs]",
            "the V's tip hands the stage before it zero gradients",
-           (f"{PP}test_golden_pipeline[gpt-pp2-m4-zbv]", f"{PP}test_golden_pipeline[hf_llama-pp4-m8-dualpipev]")),
+           (f"{PP}test_golden_pipeline[gpt-pp2-m4-zbv]", f"{PP}test_golden_pipeline[hf_llama-pp2-m4-dualpipev]")),
     Mutant("pp-tied-gradient-made-up", "autoshard/runtime/pipeline.py",
            "                if not found:\n                    continue\n",
            "",
