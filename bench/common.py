@@ -65,6 +65,29 @@ def build_gpt_case(shape: GPTShape = GPT_SHAPE, seed: int = 0):
     return model, tokens, target, token_loss
 
 
+def build_hf_llama(shape: dict, seq: int, batch: int, seed: int = 0):
+    """An HF ``LlamaForCausalLM`` from a config (``shape``: its sizes), built from ``seed``, and one batch of random
+    token ids and targets: (model, tokens, target). Nothing is downloaded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g)
+    target = torch.randint(0, shape["vocab_size"], (batch, seq), generator=g)
+    return model, tokens, target
+
+
+def logits_loss(out, target):
+    """Cross-entropy of an HF model's logits (or of a plain tensor) against token targets."""
+    import torch
+
+    logits = out.logits if hasattr(out, "logits") else out["logits"] if isinstance(out, dict) else out
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values``, linearly interpolated."""
     ordered = sorted(values)

@@ -19,7 +19,8 @@ import json
 
 import torch
 import torch.distributed as dist
-from common import summarize
+from common import build_hf_llama, summarize
+from common import logits_loss as loss_fn
 from cp_worker import start
 from step_time import time_runners
 
@@ -31,20 +32,7 @@ SHAPE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "
 
 
 def build(seq: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPE, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=g)
-    target = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=g)
-    return model, tokens, target
-
-
-def loss_fn(out, target):
-    logits = out.logits if hasattr(out, "logits") else out["logits"]
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return build_hf_llama(SHAPE, seq, 1, seed)
 
 
 class Autoshard:

@@ -219,6 +219,14 @@ class SavedBytes:
             del self.refs[ptr]
 
 
+def saved_peak(runner) -> int:
+    """The peak live bytes saved for backward during one ``runner.step()`` (``runner.params`` excluded)."""
+    tracker = SavedBytes(runner.params)
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        runner.step()
+    return tracker.peak
+
+
 def saved_bytes_step(runner: Runner, m: int) -> dict:
     """One step under the saved-tensor hooks: peak live bytes, bytes per microbatch, and their ratio."""
     tracker = SavedBytes(runner.params)

@@ -17,31 +17,15 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import summarize
-from pp_worker import SavedBytes, time_runners
+from common import build_hf_llama, summarize
+from common import logits_loss as loss_fn
+from pp_worker import gather, saved_peak, time_runners
 
 import autoshard
 
 LR = 1e-3
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
          "intermediate_size": 1376, "vocab_size": 8192}
-
-
-def build(seq: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPE, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=g)
-    target = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=g)
-    return model, tokens, target
-
-
-def loss_fn(out, target):
-    logits = out.logits if hasattr(out, "logits") else out
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 class Runner:
@@ -58,19 +42,6 @@ class Runner:
         self.optimizer.step()
 
 
-def saved_peak(runner: Runner) -> int:
-    tracker = SavedBytes(runner.params)
-    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        runner.step()
-    return tracker.peak
-
-
-def gather(value) -> list:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -82,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        model, tokens, target = build(args.seq)
+        model, tokens, target = build_hf_llama(SHAPE, args.seq, 1)
         runners = {name: Runner(copy.deepcopy(model), tokens, target, sp)
                    for name, sp in (("tp", False), ("tp+sp", True))}
         times, _ = time_runners(runners, args.warmup, args.steps)

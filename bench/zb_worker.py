@@ -28,8 +28,9 @@ import re
 
 import torch
 import torch.distributed as dist
-from common import summarize
-from pp_worker import SavedBytes, time_runners
+from common import build_hf_llama, summarize
+from common import logits_loss as loss_fn
+from pp_worker import gather, saved_peak, time_runners
 from torch import nn
 from torch.distributed import pipelining
 
@@ -45,23 +46,6 @@ AUTOSHARD = ("1f1b", "zb-h1", "zbv", "dualpipev")
 TORCH = {"1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
 V = ("zbv", "dualpipev")  # two stages per rank, placed in a V
-
-
-def build(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPE, max_position_embeddings=SEQ, use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g)
-    target = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ), generator=g)
-    return model, tokens, target
-
-
-def loss_fn(out, target):
-    logits = out.logits if hasattr(out, "logits") else out
-    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 class Runner:
@@ -187,19 +171,6 @@ def measured(traces: list[list[list]], p: int, m: int, schedule: str) -> dict:
             "simulated_in_flight": [sim.peak_in_flight[r] for r in range(p)]}
 
 
-def gather(value) -> list:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def saved_peak(runner: Runner) -> int:
-    tracker = SavedBytes(runner.params)
-    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        runner.step()
-    return tracker.peak
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=4)
@@ -213,7 +184,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         p, m = dist.get_world_size(), args.microbatches
-        model, tokens, target = build()
+        model, tokens, target = build_hf_llama(SHAPE, SEQ, BATCH)
         runners = {f"autoshard {s}": autoshard_runner(copy.deepcopy(model), tokens, target, m, s) for s in AUTOSHARD}
         splits = {s: layer_split(runners[f"autoshard {s}"].pm.builds[0]) for s in AUTOSHARD}
         for s in AUTOSHARD:  # a cut inside a layer: equal layers for autoshard and torch alike
