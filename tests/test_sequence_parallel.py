@@ -20,10 +20,12 @@ def test_golden_sequence_parallel(pools, name, tp):
     golden.check(pools.get(tp).run(golden.golden, name, {"tp": tp}, sequence_parallel=True), {"tp": tp})
 
 
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_golden_sequence_parallel_with_data_parallel(pools, name):
+def test_golden_sequence_parallel_with_data_parallel(pools, name, data_parallel):
     mesh = {"dp": 2, "tp": 2}
-    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=2, sequence_parallel=True), mesh)
+    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=2, sequence_parallel=True,
+                                  data_parallel=data_parallel), mesh)
 
 
 def _compiled(name: str, sequence_parallel: bool):
