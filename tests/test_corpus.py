@@ -67,6 +67,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("hy_v4", "pp2"),  # an indexer's weights on both stages, read only without gradients: they get none
     ("mixtral", "pp2zbv"),  # experts' weight gradients deferred; a V of four stages
     ("s2s/t5", "pp2zbv"),  # an encoder-decoder's shared embedding on three stages
+    ("falcon_mamba", "pp2zbv"),  # a stage hands on a weight as it is (D.float() of a float D)
     ("falcon", "tp2sp"),  # keys and values one row-parallel product makes whole stay all-reduced
     ("deepseek_v3", "tp2sp"),  # low-rank attention projections and routed experts on split tokens
 ]

@@ -59,3 +59,15 @@ def test_input_then_weight_gradients_equal_one_backward(checkpointed, input_grad
     assert all(_same(whole[1][n], parts[1][n]) for n in whole[1])
     assert whole[1]["unused"] is None, "the unread weight has no gradient either way"
     assert parts[2] == whole[2] == 7, "every read weight's post-accumulate hook fires once, in W"
+
+
+def test_an_output_that_is_a_weight_itself_gets_its_gradient_in_w():
+    """A stage may hand on a weight as it is (FalconMamba's ``D.float()`` of a float ``D`` is ``D``): the output
+    has no autograd node, and its gradient is the weight's, accumulated in W."""
+    weight = torch.nn.Parameter(torch.randn(4))
+    x = torch.randn(4, requires_grad=True)
+    out = x * 2
+    (dx,), weights = input_gradients([out, weight.float()], [torch.ones(4), torch.full((4,), 3.0)], [x])
+    assert torch.equal(dx, torch.full((4,), 2.0)) and weight.grad is None
+    weights.run()
+    assert torch.equal(weight.grad, torch.full((4,), 3.0))

@@ -79,6 +79,10 @@ def input_gradients(roots: list[torch.Tensor], root_grads: list[torch.Tensor], i
     closure = _upstream(input_nodes, parents)
     leaves = [node for node in parents if hasattr(node, "variable") and node not in set(input_nodes)]
     groups = _groups(leaves, roots, parents, closure)
+    inputs_held = {id(x) for x in wanted}
+    # an output that is a parameter itself (``D.float()`` of a float weight, handed to the next stage): its
+    # gradient is the output's, accumulated in W
+    groups += [_Group([r], [], [k]) for k, r in enumerate(roots) if r.grad_fn is None and id(r) not in inputs_held]
     saved: dict = {}
     hooks = [node.register_prehook(lambda grads, node=node: saved.__setitem__(node, grads))
              for node in {n for g in groups for n in g.starts}]
