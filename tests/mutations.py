@@ -307,9 +307,8 @@ MUTANTS = (
            "under a zero-bubble schedule no dp bucket launches during the backward (all wait for the step's end)",
            ("tests/test_composition.py::test_pipelined_data_parallel_sums_gradients_during_the_backward",)),
     Mutant("zbv-tip-loses-gradients", "autoshard/runtime/executor.py",
-           "            state[action.microbatch, action.stage - 1].output_grads = self._input_grads(state[key])",
-           "            state[action.microbatch, action.stage - 1].output_grads = [torch.zeros_like(x) for x in "
-           "state[key].inputs]",
+           "            state[action.microbatch, action.stage - 1].output_grads = [x.grad for x in state[key].inputs]",
+           "            state[action.microbatch, action.stage - 1].output_grads = [None for x in state[key].inputs]",
            "the V's tip hands the stage before it zero gradients",
            (f"{PP}test_golden_pipeline[gpt-pp2-m4-zbv]", f"{PP}test_golden_pipeline[hf_llama-pp2-m4-dualpipev]")),
     Mutant("pp-tied-gradient-made-up", "autoshard/runtime/pipeline.py",

@@ -147,11 +147,15 @@ class PipelineExecutor:
             received = self._receive(runner.receive_specs, action.stage - 1, laid_out=True)
             mb.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in received]
         elif action.kind == "SEND_B":
-            pending += self._send(self._input_grads(mb), action.stage - 1)
+            # with one flag per input: a gradient that does not exist (an input the loss never reads) is not a zero
+            flags = torch.tensor([x.grad is not None for x in mb.inputs], dtype=torch.uint8, device=self.device)
+            pending += self._send([*self._input_grads(mb), flags], action.stage - 1)
             if mb.weights is None:
                 state.pop(key)
         elif action.kind == "RECV_B":
-            mb.output_grads = self._receive(runner.send_specs, action.stage + 1)
+            flags = TensorSpec((len(runner.send_specs),), torch.uint8)
+            *grads, found = self._receive([*runner.send_specs, flags], action.stage + 1)
+            mb.output_grads = [g if f else None for g, f in zip(grads, found.tolist(), strict=True)]
         else:
             raise ValueError(f"unknown action kind {action.kind!r} in {action}")
         return torch.zeros((), dtype=torch.float32, device=self.device)
@@ -161,7 +165,7 @@ class PipelineExecutor:
         """What a stage's backward starts from: the loss, or the outputs that need gradients with theirs."""
         if mb.loss is not None:
             return [mb.loss], [torch.ones_like(mb.loss)]
-        pairs = [(o, g) for o, g in zip(mb.outputs, mb.output_grads, strict=True) if o.requires_grad]
+        pairs = [(o, g) for o, g in zip(mb.outputs, mb.output_grads, strict=True) if o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     @classmethod
@@ -180,7 +184,7 @@ class PipelineExecutor:
         gradients in memory; drop the microbatch's state once nothing (a send, a W) still needs it."""
         key = (action.microbatch, action.stage)
         if action.stage > 0 and self._local(action.stage - 1):
-            state[action.microbatch, action.stage - 1].output_grads = self._input_grads(state[key])
+            state[action.microbatch, action.stage - 1].output_grads = [x.grad for x in state[key].inputs]
             if state[key].weights is None:
                 state.pop(key)
 
