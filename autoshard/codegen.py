@@ -90,6 +90,7 @@ class Sharding:
     sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
     training: bool = True
     keep_outputs: bool = False  # a pipeline stage that hands its activations on
+    stage: bool = False  # the graph is one pipeline stage
 
 
 def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None) -> RankProgram:
@@ -137,20 +138,30 @@ def build_stages(
 
 
 def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Sharding:
-    """A stage receives activations the whole graph's cp propagation split: seed its inputs the same way."""
+    """A stage receives activations the whole graph's cp propagation split: seed its inputs the same way. Under
+    sequence parallelism a stage receives its activations whole along the sequence (each stage's sends are
+    gathered, as a model's outputs are) and splits them as it splits its inputs."""
+    sharding = dataclasses.replace(sharding, stage=True)
+    if sharding.sp_plan is not None and stage.receives:
+        sharding = dataclasses.replace(sharding, sp_plan=_with_received(sharding.sp_plan, whole, stage))
     plan = sharding.cp_plan
     if plan is None or plan.size == 1:
         return sharding
     sharding = dataclasses.replace(sharding, keep_outputs=bool(stage.sends))
     if not stage.receives:
         return sharding
+    return dataclasses.replace(sharding, cp_plan=_with_received(plan, whole, stage))
+
+
+def _with_received(plan: ContextParallelPlan, whole: fx.GraphModule, stage: Stage) -> ContextParallelPlan:
+    """``plan`` for a stage: its received activations that carry the sequence are inputs split along it too."""
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
     prop = propagate(whole, seeds, plan.size, partial_outputs=True, sequence=plan.seq_len)
     by_name = {n.name: n for n in whole.graph.nodes}
     received = {n.target: prop.of(by_name[n.meta[meta.RECEIVED]]) for n in stage.gm.graph.nodes
                 if n.op == "placeholder" and meta.RECEIVED in n.meta}
     inputs = {**plan.inputs, **{k: p.dim for k, p in received.items() if isinstance(p, Shard) and p.blocks is None}}
-    return dataclasses.replace(sharding, cp_plan=dataclasses.replace(plan, inputs=inputs))
+    return dataclasses.replace(plan, inputs=inputs)
 
 
 def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
@@ -163,7 +174,8 @@ def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> 
     if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
         tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
     if sharding.sp_plan is not None:
-        sequence_parallel_pass(gm, sharding.sp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
+        sequence_parallel_pass(gm, sharding.sp_plan, rank=sharding.tp_rank, group=sharding.tp_group,
+                               stage=sharding.stage)
     if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
         context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
                               training=sharding.training, keep_outputs=sharding.keep_outputs)

@@ -251,8 +251,8 @@ def _sp_plan(captured: Captured, mesh: Mesh, options: CompileOptions) -> Context
     """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it)."""
     if not options.sequence_parallel or mesh.tp == 1:
         return None
-    if mesh.cp > 1 or mesh.pp > 1:
-        raise SequenceParallelError(f"sequence_parallel=True composes with tp and dp so far, not with {mesh}: use "
+    if mesh.cp > 1:
+        raise SequenceParallelError(f"sequence_parallel=True composes with tp, dp and pp so far, not with {mesh}: use "
                                     "sequence_parallel=False there")
     try:
         return plan_context_parallel(captured.gm, mesh.tp, attention="gather")

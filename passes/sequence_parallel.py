@@ -154,10 +154,13 @@ RULES[_SplitEntryMark] = _entry_rule
 RULES[ReduceScatterToSequence] = _exit_rule
 
 
-def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
+def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None,
+                           stage: bool = False) -> fx.GraphModule:
     """Rewrite a tensor-parallel rank's graph ``gm`` so that values between its regions hold this rank's tokens.
 
     ``plan`` says where the sequence is (found as context parallelism finds it, for ``size`` = the tp degree).
+    ``stage``: ``gm`` is one pipeline stage, which receives and hands on its activations whole along the sequence;
+    a stage without a region's exit (the last norm and the head alone) is left as tensor parallelism made it.
     """
     size = plan.size
     if size == 1:
@@ -173,26 +176,29 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
             "sequence_parallel=False")
     probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
     from_inputs = _from_inputs(gm)
-    exits, entries = 0, []
+    exits = [(node, probe.of(node.args[0]).dim) for node in gm.graph.nodes
+             if node.op == "call_module" and type(gm.get_submodule(node.target)) is ReduceFromParallel
+             and isinstance(probe.of(node.args[0]), Shard) and probe.of(node.args[0]).blocks is None
+             and _feeds_residual(node, from_inputs)]
+    if not exits and stage:
+        return gm
+    if not exits:
+        raise SequenceParallelError(
+            "sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
+            "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
+    for node, dim in exits:
+        _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=dim))
+    entries = []
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        if type(module) is ReduceFromParallel:
-            where = probe.of(node.args[0])
-            if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):
-                _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=where.dim))
-                exits += 1
-        elif type(module) is CopyToParallel:
+        if type(module) is CopyToParallel:
             _swap(gm, node, _EntryMark(group=group, size=size, rank=rank))
         elif type(module) is ScatterToParallel:
             marked = _SplitEntryMark(group=group, size=size, rank=rank, dim=module.dim, blocks=module.blocks)
             _swap(gm, node, marked)
             entries.append((node, module))
-    if not exits:
-        raise SequenceParallelError(
-            "sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
-            "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
     prop = propagate(gm, {}, size, pending_sums=True, sequence=plan.seq_len)
     _check_detached(gm, prop)
     attention = ContextParallelPlan(size, {}, plan.seq_len, False, "gather")

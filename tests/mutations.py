@@ -327,8 +327,8 @@ MUTANTS = (
            "a row-parallel linear alone (BERT's MLM transform) runs on this rank's tokens: ranks sum different tokens",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel[bert-2]",)),
     Mutant("sp-scatters-keys", "passes/sequence_parallel.py",
-           "            if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):",
-           "            if isinstance(where, Shard) and where.blocks is None:",
+           "             and _feeds_residual(node, from_inputs)]",
+           "             ]",
            "Falcon's keys and values (made whole by one all-reduce) are reduce-scattered: their gradient loses a sum",
            ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[falcon-tp2sp]",)),
     # ------------------------------------------------------------------------------------ the harness itself

@@ -85,6 +85,40 @@ def test_a_model_without_a_sequence_is_told_sequence_parallelism_does_not_apply(
         pools.get(2).run(golden.golden, "mlp", {"tp": 2}, sequence_parallel=True)
 
 
-def test_sequence_parallelism_with_a_pipeline_is_refused_clearly(pools):
-    with pytest.raises(WorkerError, match="sequence_parallel=True composes with tp and dp so far"):
-        pools.get(4).run(golden.golden, "gpt", {"tp": 2, "pp": 2}, microbatches=2, sequence_parallel=True)
+@pytest.mark.parametrize("name,schedule", [("gpt", "1f1b"), ("hf_llama", "1f1b"), ("llama", "zbv")])
+def test_golden_sequence_parallel_with_a_pipeline(pools, name, schedule):
+    """Each stage splits the sequence between its regions; a stage hands its activations on whole along the
+    sequence (gathered at its end, split again by the next stage, as a model's inputs are)."""
+    mesh = {"tp": 2, "pp": 2}
+    golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=4, sequence_parallel=True,
+                                  schedule=schedule), mesh)
+
+
+def test_golden_sequence_parallel_with_data_tensor_and_pipeline_parallelism(pools):
+    mesh = {"dp": 2, "tp": 2, "pp": 2}
+    golden.check(pools.get(8).run(golden.golden, "gpt", mesh, microbatches=2, sequence_parallel=True), mesh)
+
+
+def test_every_stage_splits_the_sequence_between_its_regions():
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+    from autoshard.passes.sequence_parallel import ReduceScatterToSequence
+
+    case = build("llama")
+    mesh = Mesh(tp=2, pp=2)
+    for rank in (0, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            programs = compile_global_batch(case.model, case.inputs, mesh, rank,
+                                            CompileOptions(sequence_parallel=True, microbatches=2),
+                                            target=case.target, loss_fn=case.loss_fn).programs
+        for index, program in programs.items():
+            exits = [n for n in program.gm.graph.nodes if n.op == "call_module"
+                     and isinstance(program.gm.get_submodule(n.target), ReduceScatterToSequence)]
+            assert len(exits) >= 2, f"stage {index}: {len(exits)} region exits reduce-scatter"
+
+
+def test_sequence_parallelism_with_context_parallelism_is_refused_clearly(pools):
+    with pytest.raises(WorkerError, match="sequence_parallel=True composes with tp, dp and pp so far"):
+        pools.get(4).run(golden.golden, "gpt", {"tp": 2, "cp": 2}, sequence_parallel=True)
