@@ -25,7 +25,7 @@ from autoshard.passes.context_parallel import ContextParallelPlan, context_paral
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import propagate
-from autoshard.passes.sequence_parallel import sequence_parallel_pass
+from autoshard.passes.sequence_parallel import region_exits, sequence_parallel_pass
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
 
@@ -173,12 +173,16 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
     if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
         tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
-    if sharding.sp_plan is not None:
-        sequence_parallel_pass(gm, sharding.sp_plan, rank=sharding.tp_rank, group=sharding.tp_group,
-                               stage=sharding.stage)
+    exits = region_exits(gm, sharding.sp_plan) if sharding.sp_plan is not None else None
     if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
         context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
                               training=sharding.training, keep_outputs=sharding.keep_outputs)
+    if sharding.sp_plan is not None:  # after cp: tp splits each cp rank's tokens
+        sp_plan = sharding.sp_plan
+        if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
+            sp_plan = dataclasses.replace(sp_plan, seq_len=len(sharding.cp_plan.positions(sharding.cp_rank)))
+        sequence_parallel_pass(gm, sp_plan, rank=sharding.tp_rank, group=sharding.tp_group, stage=sharding.stage,
+                               exits=exits)
     if store is not None:
         store.adopt(gm)
 

@@ -251,14 +251,17 @@ def _sp_plan(captured: Captured, mesh: Mesh, options: CompileOptions) -> Context
     """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it)."""
     if not options.sequence_parallel or mesh.tp == 1:
         return None
-    if mesh.cp > 1:
-        raise SequenceParallelError(f"sequence_parallel=True composes with tp, dp and pp so far, not with {mesh}: use "
-                                    "sequence_parallel=False there")
     try:
-        return plan_context_parallel(captured.gm, mesh.tp, attention="gather")
+        plan = plan_context_parallel(captured.gm, mesh.tp, attention="gather")
     except ContextParallelError as e:
         raise SequenceParallelError(f"sequence parallelism splits the sequence over tp and could not find it: {e}; "
                                     "use sequence_parallel=False") from e
+    if mesh.cp > 1 and plan.seq_len % (mesh.cp * mesh.tp):
+        raise SequenceParallelError(
+            f"under context parallelism, sequence parallelism splits each cp rank's tokens over tp: the sequence of "
+            f"{plan.seq_len} tokens must divide by cp x tp = {mesh.cp * mesh.tp}: pad it to a multiple, or use "
+            "sequence_parallel=False")
+    return plan
 
 
 def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,

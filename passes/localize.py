@@ -299,3 +299,43 @@ def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
 def _vocab_range(vocab: int, rw: Rewriter) -> tuple[int, int]:
     per_rank = -(-vocab // rw.size)  # padded up when the degree does not divide the vocabulary
     return rw.rank * per_rank, (rw.rank + 1) * per_rank
+
+
+class DropoutOfPart(torch.nn.Module):
+    """Dropout of this rank's part of a value split evenly over the ranks along ``dim``.
+
+    The mask of the whole value is drawn from the random stream every rank of the axis shares, and each rank keeps
+    its part: ranks draw masks of their own for their own tokens or features (Megatron's per-rank stream), the
+    shared stream stays in step on every rank for the dropout of replicated values, and the masks are the ones the
+    model run whole draws with the same seed (on CPU bit for bit: ``aten.dropout``'s own noise, scaled alike).
+    """
+
+    def __init__(self, p: float, *, dim: int, size: int, rank: int) -> None:
+        super().__init__()
+        self.p, self.dim, self.size, self.rank = p, dim, size, rank
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}, size={self.size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = list(x.shape)
+        part = shape[self.dim]
+        shape[self.dim] = part * self.size
+        if self.p >= 1:
+            return x * torch.zeros((), dtype=x.dtype, device=x.device)
+        if x.device.type == "cpu":  # aten.dropout off the fused kernels: noise drawn, divided, multiplied
+            noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p).div_(1 - self.p)
+            return x * noise.narrow(self.dim, self.rank * part, part)
+        _, mask = aten.native_dropout.default(torch.empty(shape, dtype=x.dtype, device=x.device), self.p, True)
+        return x * mask.narrow(self.dim, self.rank * part, part) * (1.0 / (1 - self.p))
+
+
+def dropout_of_part(node: fx.Node, rw: Rewriter) -> None:
+    """A dropout of a value split evenly over the axis draws the whole value's mask and keeps this rank's part
+    (``DropoutOfPart``); one of a replicated value, or one that draws nothing, stays as it is."""
+    x, p, train = node.args[0], arg(node, "p"), arg(node, "train")
+    where = rw.placement(node)
+    if not train or not p or not isinstance(where, Shard) or where.blocks is not None:
+        return
+    rw.replace(node, rw.module(DropoutOfPart(float(p), dim=where.dim, size=rw.size, rank=rw.rank), (x,), before=node,
+                               like=node))

@@ -154,32 +154,41 @@ RULES[_SplitEntryMark] = _entry_rule
 RULES[ReduceScatterToSequence] = _exit_rule
 
 
+def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int]:
+    """The regions' all-reduces of a tensor-parallel graph that sequence parallelism turns into reduce-scatters:
+    node name -> the sequence dim of the value they sum. Those whose value carries the sequence (propagated from
+    the inputs) and reaches the residual stream."""
+    size = plan.size
+    if not plan.inputs or plan.values:
+        raise SequenceParallelError("sequence parallelism needs the sequence as a dim of the model's inputs (token "
+                                    "ids, or embeddings of shape (batch, sequence, ...)); use sequence_parallel=False")
+    _check_divides(plan)
+    probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+    from_inputs = _from_inputs(gm)
+    return {node.name: probe.of(node.args[0]).dim for node in gm.graph.nodes
+            if node.op == "call_module" and type(gm.get_submodule(node.target)) is ReduceFromParallel
+            and isinstance(probe.of(node.args[0]), Shard) and probe.of(node.args[0]).blocks is None
+            and _feeds_residual(node, from_inputs)}
+
+
 def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None,
-                           stage: bool = False) -> fx.GraphModule:
+                           stage: bool = False, exits: dict[str, int] | None = None) -> fx.GraphModule:
     """Rewrite a tensor-parallel rank's graph ``gm`` so that values between its regions hold this rank's tokens.
 
     ``plan`` says where the sequence is (found as context parallelism finds it, for ``size`` = the tp degree).
     ``stage``: ``gm`` is one pipeline stage, which receives and hands on its activations whole along the sequence;
     a stage without a region's exit (the last norm and the head alone) is left as tensor parallelism made it.
+    ``exits``: the ``region_exits`` found before context parallelism split the graph's sequence (tp then splits
+    each cp rank's tokens; cp's attention is inside the regions, where the sequence is whole over tp).
     """
     size = plan.size
     if size == 1:
         return gm
-    if not plan.inputs or plan.values:
-        raise SequenceParallelError("sequence parallelism needs the sequence as a dim of the model's inputs (token "
-                                    "ids, or embeddings of shape (batch, sequence, ...)); use sequence_parallel=False")
-    if plan.seq_len % size:
-        works = [t for t in range(2, plan.seq_len + 1) if plan.seq_len % t == 0][:6]
-        raise SequenceParallelError(
-            f"sequence parallelism splits the sequence of {plan.seq_len} tokens over tp={size} ranks, which does not "
-            f"divide it: use a sequence length divisible by {size}, a tp degree in {works}, or "
-            "sequence_parallel=False")
-    probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
-    from_inputs = _from_inputs(gm)
-    exits = [(node, probe.of(node.args[0]).dim) for node in gm.graph.nodes
-             if node.op == "call_module" and type(gm.get_submodule(node.target)) is ReduceFromParallel
-             and isinstance(probe.of(node.args[0]), Shard) and probe.of(node.args[0]).blocks is None
-             and _feeds_residual(node, from_inputs)]
+    if exits is None:
+        exits = region_exits(gm, plan)
+    _check_divides(plan)
+    by_name = {node.name: node for node in gm.graph.nodes}
+    exits = [(by_name[name], dim) for name, dim in exits.items()]
     if not exits and stage:
         return gm
     if not exits:
@@ -204,7 +213,8 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     attention = ContextParallelPlan(size, {}, plan.seq_len, False, "gather")
     rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm), axis="sp",
                            localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention,
-                                                                                                   attention)})
+                                                                                                   attention),
+                                       aten.dropout.default: localize.dropout_of_part})
     # a region's exit reduce-scatters partial sums: its input's gradient comes back whole, so no f before it
     apply_placements(gm, prop, rw, AxisStyle("sp", needs_copy=lambda value: not all(_is_exit(u) for u in value.users)))
     _fuse_entries(gm, group, size, rank)
@@ -214,6 +224,15 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _check_divides(plan: ContextParallelPlan) -> None:
+    if plan.seq_len % plan.size:
+        works = [t for t in range(2, plan.seq_len + 1) if plan.seq_len % t == 0][:6]
+        raise SequenceParallelError(
+            f"sequence parallelism splits the sequence of {plan.seq_len} tokens (each cp rank's, under context "
+            f"parallelism) over tp={plan.size} ranks, which does not divide it: use a sequence length divisible by "
+            f"{plan.size}, a tp degree in {works}, or sequence_parallel=False")
 
 
 _THROUGH = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,

@@ -602,7 +602,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
     if size == 1:
         return gm
     prop = propagate(gm, plan.placements(), size)
-    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm))
+    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm),
+                           localizers={aten.dropout.default: localize.dropout_of_part})
     apply_placements(gm, prop, rw, AxisStyle("tp"))
     _shard_parameters(gm, plan, rank)
     gm.graph.eliminate_dead_code()

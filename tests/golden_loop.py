@@ -468,3 +468,52 @@ def meta_hf_rotary(mesh_kwargs: dict, **options) -> dict:
     reference = dict(case.model.named_buffers())
     tables = {n: (b - reference[n]).abs().max().item() for n, b in meta_case.model.named_buffers()}
     return {"loss": abs(loss.item() - expected.item()), "buffers": tables}
+
+
+def dropout_masks(mesh_kwargs: dict, steps: int = 2, **options) -> dict:
+    """HF BERT with dropout 0.1 on its hidden states and on its attention probabilities, trained under ``mesh``
+    (tp only: each rank runs the whole batch) next to the model run whole, both seeded alike before each step.
+
+    A dropout of a value split over tp (heads, or the sequence under sequence parallelism) draws the whole value's
+    mask from the stream the tp ranks share and keeps its part, so the masks, and so the losses, gradients and
+    parameters, are the model's own; the replicated parameters stay bit-identical on every rank."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from models import FFN, HIDDEN, MAX_POS, N_HEAD, hf_token_loss
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=N_HEAD,
+                     intermediate_size=FFN, max_position_embeddings=MAX_POS, hidden_dropout_prob=0.1,
+                     attention_probs_dropout_prob=0.1, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg)
+    torch.manual_seed(0)
+    reference = BertForMaskedLM(cfg)
+    reference.load_state_dict(model.state_dict())
+    ids, target = token_data(torch.Generator().manual_seed(1))
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=(ids,), loss_fn=hf_token_loss, target=target,
+                               groups=groups_for(mesh), **options)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        loss = pm.step(ids, target=target)
+        torch.manual_seed(100 + step)
+        expected = hf_token_loss(reference(ids), target)
+        expected.backward()
+        _close(loss.detach(), expected.detach(), f"step {step}'s loss with dropout on")
+        full = pm.gradients()
+        for n, p in reference.named_parameters():
+            _close(full[n], p.grad, f"step {step}'s gradient of {n} with dropout on")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    full = pm.full_parameters()
+    for n, p in reference.named_parameters():
+        _close(full[n], p, f"parameter {n} after the steps")
+    from autoshard.verify import _replicas_identical
+
+    return {"losses": losses, "replicas_identical": _replicas_identical(pm)}

@@ -327,10 +327,17 @@ MUTANTS = (
            "a row-parallel linear alone (BERT's MLM transform) runs on this rank's tokens: ranks sum different tokens",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel[bert-2]",)),
     Mutant("sp-scatters-keys", "passes/sequence_parallel.py",
-           "             and _feeds_residual(node, from_inputs)]",
-           "             ]",
+           "            and _feeds_residual(node, from_inputs)}",
+           "            }",
            "Falcon's keys and values (made whole by one all-reduce) are reduce-scattered: their gradient loses a sum",
            ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[falcon-tp2sp]",)),
+    Mutant("dropout-local-draw", "passes/localize.py",
+           "    if not train or not p or not isinstance(where, Shard) or where.blocks is not None:",
+           "    if True:",
+           "a dropout of a split value draws a mask of its local shape: every tp rank drops the same positions of its "
+           "heads or tokens, and the masks are not the model's",
+           ("tests/test_sequence_parallel.py::test_dropout_on_draws_the_model_s_own_masks_and_keeps_the_replicas_"
+            "identical[tp]",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import golden_loop
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ def test_golden_sequence_parallel_with_data_parallel(pools, name, data_parallel)
                                   data_parallel=data_parallel), mesh)
 
 
-def _compiled(name: str, sequence_parallel: bool):
+def _compiled(name: str, sequence_parallel: bool, mesh: dict | None = None):
     from autoshard.compile import compile_global_batch
     from autoshard.mesh import Mesh
     from autoshard.options import CompileOptions
@@ -36,7 +37,7 @@ def _compiled(name: str, sequence_parallel: bool):
     case = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return compile_global_batch(case.model, case.inputs, Mesh(tp=2), 0,
+        return compile_global_batch(case.model, case.inputs, Mesh(**(mesh or {"tp": 2})), 0,
                                     CompileOptions(sequence_parallel=sequence_parallel), target=case.target,
                                     loss_fn=case.loss_fn).programs[0].gm
 
@@ -119,6 +120,45 @@ def test_every_stage_splits_the_sequence_between_its_regions():
             assert len(exits) >= 2, f"stage {index}: {len(exits)} region exits reduce-scatter"
 
 
-def test_sequence_parallelism_with_context_parallelism_is_refused_clearly(pools):
-    with pytest.raises(WorkerError, match="sequence_parallel=True composes with tp, dp and pp so far"):
-        pools.get(4).run(golden.golden, "gpt", {"tp": 2, "cp": 2}, sequence_parallel=True)
+@pytest.mark.parametrize("name,options", [("gpt", {}), ("hf_llama", {"cp_attention": "ring", "cp_load_balance": True}),
+                                          ("hf_llama", {"cp_attention": "alltoall"})])
+def test_golden_sequence_parallel_with_context_parallelism(pools, name, options):
+    """cp splits the sequence over its ranks, then tp splits each cp rank's tokens between the regions (cp's
+    attention is inside them, where the sequence is whole over tp)."""
+    mesh = {"cp": 2, "tp": 2}
+    golden.check(pools.get(4).run(golden.golden, name, mesh, sequence_parallel=True, **options), mesh)
+
+
+def test_golden_sequence_parallel_with_context_tensor_and_pipeline_parallelism(pools):
+    mesh = {"pp": 2, "cp": 2, "tp": 2}
+    golden.check(pools.get(8).run(golden.golden, "gpt", mesh, microbatches=2, sequence_parallel=True), mesh)
+
+
+def test_under_context_parallelism_norms_run_on_a_tp_rank_s_part_of_a_cp_rank_s_tokens():
+    gm = _compiled("gpt", True, {"cp": 2, "tp": 2})
+    norms = {tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
+    assert norms == {(8, 4, 48)}, f"16 tokens over cp=2 then tp=2: 4 per rank, not {norms}"
+
+
+def test_a_sequence_cp_x_tp_does_not_divide_is_refused_before_any_collective():
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+    from autoshard.passes.sequence_parallel import SequenceParallelError
+
+    case = build("gpt")
+    inputs = tuple(x[:, :14] for x in case.inputs)
+    with pytest.raises(SequenceParallelError, match="must divide by cp x tp = 4"):
+        compile_global_batch(case.model, inputs, Mesh(cp=2, tp=2), 0, CompileOptions(sequence_parallel=True),
+                             target=case.target[:, :14], loss_fn=case.loss_fn)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_dropout_on_draws_the_model_s_own_masks_and_keeps_the_replicas_identical(pools, sequence_parallel):
+    """Dropout 0.1 on BERT's hidden states and attention probabilities: a dropout of a split value (heads, or this
+    rank's tokens) keeps its part of the whole value's mask, drawn from the stream the tp ranks share; losses,
+    gradients and parameters equal the model run whole from the same seed, and the replicated parameters stay
+    bit-identical on every rank."""
+    results = pools.get(2).run(golden_loop.dropout_masks, {"tp": 2}, sequence_parallel=sequence_parallel)
+    assert all(r["replicas_identical"] for r in results), results
+    assert results[0]["losses"] == results[1]["losses"]
