@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autoshard.passes.causal_mask import causal_attention_pass
+
 MODEL_PREFIX = "model."
 
 
@@ -112,6 +114,7 @@ def capture(
     gm = exported.module()
     _canonical_parameter_names(gm)
     _inline_no_grad(gm)
+    causal_attention_pass(gm)
     seconds = time.perf_counter() - start
     return Captured(
         gm=gm,

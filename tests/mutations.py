@@ -338,6 +338,12 @@ MUTANTS = (
            "heads or tokens, and the masks are not the model's",
            ("tests/test_sequence_parallel.py::test_dropout_on_draws_the_model_s_own_masks_and_keeps_the_replicas_"
             "identical[tp]",)),
+    Mutant("causal-any-constant-mask", "passes/causal_mask.py",
+           "    return bool((allowed == causal).all())", "    return True",
+           "attention under a constant sliding-window mask is rewritten to plain causal attention: keys beyond the "
+           "window are attended",
+           ("tests/test_capture.py::test_a_constant_causal_mask_becomes_is_causal_and_any_other_mask_stays"
+            "[window-False]",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",

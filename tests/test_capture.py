@@ -110,3 +110,62 @@ def test_capture_rejects_a_loss_without_target():
     case = build("mlp")
     with pytest.raises(ValueError, match="needs an example target"):
         autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention under a mask built in the graph: ``kind`` "causal" (the triangle, boolean or additive with the
+    dtype's lowest value), "window" (causal within 4 tokens) or "padding" (read from an input)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        t = x.shape[1]
+        pos = torch.arange(t, device=x.device)
+        mask = pos[None, :] <= pos[:, None]
+        if self.kind == "window":
+            mask = mask & (pos[:, None] - pos[None, :] < 4)
+        elif self.kind == "padding":
+            mask = mask & keep[:, None, None, :].bool()
+        elif self.kind == "additive":
+            mask = torch.zeros(t, t).masked_fill(~mask, torch.finfo(torch.float32).min)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(x.shape[0], t, 8)
+
+
+@pytest.mark.parametrize("kind,causal", [("causal", True), ("additive", True), ("window", False),
+                                         ("padding", False)])
+def test_a_constant_causal_mask_becomes_is_causal_and_any_other_mask_stays(kind, causal):
+    """Traced, a model builds the causal mask its eager run never makes; attention kernels then convert and save it
+    per layer (L x S floats each). A mask that reads no input value and is the triangle becomes ``is_causal``;
+    a sliding window or a padding mask stays as it is. Outputs and gradients equal the model run whole."""
+    from autoshard.capture import capture
+
+    torch.manual_seed(0)
+    model = _MaskedAttention(kind)
+    x, keep = torch.randn(2, 12, 8), torch.ones(2, 12)
+    keep[1, 9:] = 0
+    captured = capture(model, (x, keep))
+    attention = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(attention) == 1
+    node = attention[0]
+    assert (node.kwargs.get("is_causal", False) and len(node.args) == 3) == causal, (node.args, node.kwargs)
+    expected = model(x, keep)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got = captured.gm(x, keep)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    for g, p in zip(grads, captured.gm.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_llama_attention_takes_no_mask_once_captured():
+    case = build("hf_llama")
+    captured = autoshard.capture(case.model, case.inputs)
+    attention = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert attention and all(n.kwargs.get("is_causal") and len(n.args) == 3 for n in attention)
