@@ -27,7 +27,7 @@ def parallelize(
     tp_indivisible: str = "error", schedule: str = "1f1b", chunks: int = 1, pipeline_starts: list[str] | None = None,
     cp_attention: str = "gather", cp_load_balance: bool = False, mixed_precision: str | None = None,
     activation_checkpointing: bool = False, tp_plan=None, data_parallel: str = "ddp", pipeline_balance: str = "both",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -92,7 +92,7 @@ def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, opti
         if mesh != "auto":
             raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
         mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches, local_batch=options.local_batch,
-                         announce=True)
+                         announce=True, sequence_parallel=options.sequence_parallel)
     mesh = mesh if mesh is not None else Mesh()
     options.check_mesh(mesh)
     return mesh
@@ -149,13 +149,14 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta, device: str = "cpu") ->
 
 
 def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1, local_batch: bool = False,
-              world_size: int | None = None, announce: bool = False) -> Mesh:
+              world_size: int | None = None, announce: bool = False, sequence_parallel: bool | str = False) -> Mesh:
     """The mesh ``parallelize(mesh="auto")`` uses: the planner's fastest split of the world size.
 
     The world size is torch.distributed's when it is initialised, else ``$WORLD_SIZE``, else 1. The model is
     described to the planner by :func:`transformer_config`; a model that is not a token transformer, or one the
     planner finds no split for, puts every rank on dp. Only meshes whose dp x ``microbatches`` divides the batch
     are taken. The cluster is the planner's default GPU with ``$LOCAL_WORLD_SIZE`` (at most 8) ranks per node.
+    Its memory model counts sequence parallelism's saving under ``sequence_parallel`` (True or ``"auto"``).
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -169,18 +170,20 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
         if config is None:
             why += f": {type(model).__name__} is not a token transformer the planner can describe"
         else:
-            mesh, why = _planned_mesh(config, world_size, microbatches, local_batch, fallback)
+            mesh, why = _planned_mesh(config, world_size, microbatches, local_batch, fallback,
+                                      bool(sequence_parallel))
     if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
     return mesh
 
 
-def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool, fallback: Mesh) -> tuple[Mesh, str]:
+def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool, fallback: Mesh,
+                  sequence_parallel: bool) -> tuple[Mesh, str]:
     from autoshard.planner import Cluster, PlanError, plan
 
     per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "8")), 8, world_size)
     try:
-        result = plan(config, Cluster(gpus=world_size, gpus_per_node=per_node))
+        result = plan(config, Cluster(gpus=world_size, gpus_per_node=per_node), sequence_parallel=sequence_parallel)
     except PlanError as e:
         return fallback, f"every rank on dp: the planner found no split ({e})"
     for rank, est in enumerate(result.ranked, 1):

@@ -183,17 +183,29 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
         build.notes.append(build.cp_plan.note)
     sharding = codegen.Sharding(
         tp_plan=build.tp_plan, tp_rank=coords["tp"], cp_plan=build.cp_plan, cp_rank=coords["cp"],
-        sp_plan=_sp_plan(captured, mesh, options),
+        sp_plan=_sp_plan(captured, mesh, options, build.notes if like is None else []),
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
         cp_group=groups.group("cp") if groups is not None and mesh.cp > 1 else None,
         training=captured.with_loss,
     )
-    if mesh.pp == 1:
-        build.programs = {0: codegen.build(captured, sharding, store=store)}
-    else:
-        _pipeline(build, sharding, like, store)
+    try:
+        _programs(build, sharding, like, store)
+    except SequenceParallelError as e:  # found on the sharded graph (a split value the model detaches, ...)
+        if options.sequence_parallel != "auto" or sharding.sp_plan is None:
+            raise
+        if like is None:
+            build.notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        _programs(build, dataclasses.replace(sharding, sp_plan=None), like, store)
     build.checks = input_checks(captured.gm)
     return build
+
+
+def _programs(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | None,
+              store: codegen.ParamStore | None) -> None:
+    if build.mesh.pp == 1:
+        build.programs = {0: codegen.build(build.captured, sharding, store=store)}
+    else:
+        _pipeline(build, sharding, like, store)
 
 
 def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int, options: CompileOptions, *,
@@ -247,10 +259,21 @@ def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, s
             f"under tp={tp} (every tp rank holds them whole): {named}{more}"]
 
 
-def _sp_plan(captured: Captured, mesh: Mesh, options: CompileOptions) -> ContextParallelPlan | None:
-    """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it)."""
+def _sp_plan(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> ContextParallelPlan | None:
+    """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it). Under
+    ``"auto"``, none where it does not apply, with a note saying why."""
     if not options.sequence_parallel or mesh.tp == 1:
         return None
+    try:
+        return _sequence(captured, mesh)
+    except SequenceParallelError as e:
+        if options.sequence_parallel != "auto":
+            raise
+        notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        return None
+
+
+def _sequence(captured: Captured, mesh: Mesh) -> ContextParallelPlan:
     try:
         plan = plan_context_parallel(captured.gm, mesh.tp, attention="gather")
     except ContextParallelError as e:

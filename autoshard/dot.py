@@ -33,7 +33,7 @@ from torch import fx
 
 from autoshard import meta
 
-AXIS_COLOURS = {"tp": "#ffcc80", "cp": "#90caf9"}
+AXIS_COLOURS = {"tp": "#ffcc80", "sp": "#ffe0b2", "cp": "#90caf9"}
 OTHER_COLLECTIVE = "#ce93d8"
 PIPELINE = "#a5d6a7"
 PARAMETER = "#eeeeee"

@@ -70,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a block tp does not divide: error (default) or keep it replicated")
     c.add_argument("--cp-attention", choices=CHOICES["cp_attention"], default="gather", help="attention over cp")
     c.add_argument("--cp-load-balance", action="store_true", help="give cp rank r chunks r and 2c-1-r")
+    c.add_argument("--sequence-parallel", nargs="?", const="on", choices=("on", "auto"), default=None,
+                   help="split the sequence over tp between the tensor-parallel regions ('auto': where it applies)")
     c.add_argument("--data-parallel", choices=CHOICES["data_parallel"], default="ddp",
                    help="replicas summed over dp x cp (ddp), or FSDP2 sharding over them (fsdp)")
     c.add_argument("--pipeline-starts", metavar="MODULES",
@@ -123,7 +125,8 @@ def _options(args: argparse.Namespace) -> tuple[Mesh, int, CompileOptions]:
     return mesh, args.rank, CompileOptions(
         microbatches=args.microbatches, chunks=args.chunks, schedule=schedule, tp_indivisible=args.tp_indivisible,
         cp_attention=args.cp_attention, cp_load_balance=args.cp_load_balance, pipeline_starts=starts,
-        data_parallel=args.data_parallel)
+        data_parallel=args.data_parallel,
+        sequence_parallel={None: False, "on": True, "auto": "auto"}[args.sequence_parallel])
 
 
 def _for_the_command_line(error: Exception) -> str:

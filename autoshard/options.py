@@ -71,6 +71,8 @@ class CompileOptions:
     sequence_parallel: between the tensor-parallel regions, split the sequence over the tp ranks (Megatron's
         sequence parallelism): norms, residual adds and dropout run on 1/tp of the tokens, whose activations each
         rank then stores; the regions' all-reduces become a reduce-scatter and an all-gather (the same bytes).
+        ``"auto"``: on wherever tp > 1 and the model's sequence is found (it moves the same bytes and stores less),
+        else off with a note saying why.
     tp_plan: a ``TensorParallelPlan`` to apply instead of the one the compiler finds (for example one
         printed by ``pm.plan``, edited, and read back with ``TensorParallelPlan.from_json``).
     data_parallel: ``"ddp"`` (replicas, DistributedDataParallel) or ``"fsdp"`` (PyTorch's FSDP2
@@ -90,7 +92,7 @@ class CompileOptions:
     cp_load_balance: bool = False
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
-    sequence_parallel: bool = False
+    sequence_parallel: bool | str = False  # or "auto"
     tp_plan: object = None  # a TensorParallelPlan to apply instead of the one the compiler finds
     data_parallel: str = "ddp"
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
@@ -111,8 +113,10 @@ class CompileOptions:
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
         for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is not valid: pass True or False")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "sequence_parallel" and value == "auto"):
+                raise ValueError(f"{name}={value!r} is not valid: pass True or False"
+                                 + (' (or "auto")' if name == "sequence_parallel" else ""))
         if self.pipeline_starts is not None:
             starts = self.pipeline_starts
             if isinstance(starts, str) or not all(isinstance(s, str) for s in starts):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.collectives import (
     CopyToParallel,
@@ -195,8 +196,9 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
         raise SequenceParallelError(
             "sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
             "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
-    for node, dim in exits:
+    for node, dim in exits:  # the sequence's own collectives are on the "sp" axis (the tp group), as explain shows
         _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=dim))
+        node.meta[meta.AXIS] = gm.get_submodule(node.target).axis = "sp"
     entries = []
     for node in list(gm.graph.nodes):
         if node.op != "call_module":

@@ -193,3 +193,15 @@ def test_parallelize_warns_with_the_lint_of_its_mesh():
     assert "autoshard: error: tp=16 does not divide the 4 heads" in messages[0]
     assert "tp=16 spans nodes of 8 GPUs (assuming 8 GPUs per node)" in messages[1]
     assert lint_warnings(Mesh(dp=2, tp=2), microbatches=2) == []
+
+
+def test_sequence_parallelism_shows_its_gathers_and_scatters_on_the_sp_axis(capsys):
+    """Per layer of GPT (2 layers) and the head: a reduce-scatter at each region's exit and an all-gather at each
+    entry, the same bytes forward and backward (the all-reduces of plain TP, in halves)."""
+    out = inspect(capsys, GPT, "--mesh", "tp=2", "--sequence-parallel").split("collectives of rank 0")[1]
+    for direction, kind, op in (("forward", "reduce_scatter", "ReduceScatterToSequence"),
+                                ("forward", "all_gather", "GatherSequenceToParallel"),
+                                ("backward", "all_gather", "ReduceScatterToSequence"),
+                                ("backward", "reduce_scatter", "GatherSequenceToParallel")):
+        assert re.search(rf"-\s+sp\s+{direction}\s+{kind}\s+{op}\s+5\s+120\.0 KiB", out), (direction, kind, out)
+    assert not re.search(r"tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+[2-9]", out), out

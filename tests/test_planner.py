@@ -37,8 +37,9 @@ GPT_13B = TransformerConfig(layers=40, hidden=5120, heads=40, vocab=50304, seq=2
 
 @pytest.fixture(scope="module")
 def plan_540b():
-    # the seeds' schedules (1F1B and interleaved); the zero-bubble ones are compared on their own below
-    return plan(PALM_540B, Cluster(gpus=4096, gpus_per_node=8, gpu_memory="80GB"), zero_bubble=False)
+    # the seeds' schedules (1F1B and interleaved) and plain TP; zero bubble and SP are compared on their own below
+    return plan(PALM_540B, Cluster(gpus=4096, gpus_per_node=8, gpu_memory="80GB"), zero_bubble=False,
+                sequence_parallel=False)
 
 
 # ------------------------------------------------------------------------------------------------------ units
@@ -215,7 +216,7 @@ def test_seed_540b_on_4096_gpus(plan_540b):
     assert recipe.split.short() == "dp=16 tp=8 pp=32 cp=1 m=128 b=1 v=1 recompute=full"
     assert recipe.step_time > 1.2 * best.step_time
 
-    sharded = plan(PALM_540B, plan_540b.cluster, shard_optimizer=True, zero_bubble=False).best
+    sharded = plan(PALM_540B, plan_540b.cluster, shard_optimizer=True, zero_bubble=False, sequence_parallel=False).best
     assert (sharded.split.dp, sharded.split.tp) == (32, 8) and sharded.step_time < best.step_time
     assert (sharded.split.pp, sharded.split.interleave, sharded.split.cp) == (8, 5, 2) and sharded.bubble < 0.025
 
@@ -333,7 +334,7 @@ def test_microbatch_fix_never_suggests_a_pipeline_of_one_stage():
 def test_zero_bubble_schedules_are_picked_when_they_win(plan_540b):
     """The zero-bubble schedules idle a third as long at 1F1B's activation memory (ZB-H1, ZBV), so the search
     picks one wherever a pipeline has a bubble to fill, and the lint offers them for a bubble over 5%."""
-    best = plan(PALM_540B, plan_540b.cluster).best
+    best = plan(PALM_540B, plan_540b.cluster, sequence_parallel=False).best
     assert best.split.zero_bubble and best.split.schedule in ("zb-h1", "zbv")
     assert best.step_time < plan_540b.best.step_time
     same = evaluate(PALM_540B, plan_540b.cluster, replace(plan_540b.best.split, zero_bubble=True))
@@ -342,3 +343,19 @@ def test_zero_bubble_schedules_are_picked_when_they_win(plan_540b):
     fix = next(f.fix for f in findings if f.rule == "microbatches")
     assert "schedule='zb-h1'" in fix and "20.0% at the same m" in fix  # (p-1)/(3m+p-1) = 3/15
     assert not [f for f in lint(Mesh(pp=4), microbatches=24, schedule="zb-h1") if f.rule == "microbatches"]
+
+
+def test_sequence_parallelism_divides_what_tp_replicates_and_the_search_takes_it():
+    """Korthikanti et al.: per layer ``10 sbh`` (16-bit) replicated under TP, split over tp with SP at the same
+    communication; the search turns it on wherever tp > 1, and ``sequence_parallel=False`` is the seeds' model."""
+    cluster = Cluster(gpus=64, gpus_per_node=8, gpu_memory="80GB")
+    split = Split(dp=8, tp=8, microbatches=8)
+    tp, sp = (evaluate(LLAMA_7B, cluster, replace(split, sequence_parallel=q)) for q in (False, True))
+    s, h, beta = LLAMA_7B.seq, LLAMA_7B.hidden, 2
+    per_layer = s * h * 10 * (1 - 1 / 8) * beta / 2
+    assert tp["t_tp"] == sp["t_tp"] and tp.step_time == sp.step_time
+    assert tp["M_activations"] - sp["M_activations"] == pytest.approx(per_layer * (LLAMA_7B.layers + 1), rel=1e-9)
+    best = plan(LLAMA_7B, cluster).ranked
+    assert all(e.split.sequence_parallel == (e.split.tp > 1) for e in best)
+    assert not any(e.split.sequence_parallel for e in plan(LLAMA_7B, cluster, sequence_parallel=False).ranked)
+    assert " sp" in best[0].split.short() or best[0].split.tp == 1

@@ -162,3 +162,26 @@ def test_dropout_on_draws_the_model_s_own_masks_and_keeps_the_replicas_identical
     results = pools.get(2).run(golden_loop.dropout_masks, {"tp": 2}, sequence_parallel=sequence_parallel)
     assert all(r["replicas_identical"] for r in results), results
     assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_auto_turns_it_on_where_it_applies_and_off_with_a_note_where_not():
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+    from autoshard.passes.sequence_parallel import ReduceScatterToSequence
+
+    builds = {}
+    for name in ("gpt", "mlp"):
+        case = build(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            builds[name] = compile_global_batch(case.model, case.inputs, Mesh(tp=2), 0,
+                                                CompileOptions(sequence_parallel="auto"), target=case.target,
+                                                loss_fn=case.loss_fn)
+    gm = builds["gpt"].programs[0].gm
+    assert any(isinstance(gm.get_submodule(n.target), ReduceScatterToSequence) for n in gm.graph.nodes
+               if n.op == "call_module")
+    assert any("sequence_parallel='auto' leaves sequence parallelism off" in note and "could not find it" in note
+               for note in builds["mlp"].notes), builds["mlp"].notes
+    with pytest.raises(ValueError, match='sequence_parallel=.yes. is not valid: pass True or False \\(or "auto"\\)'):
+        CompileOptions(sequence_parallel="yes")

@@ -193,10 +193,11 @@ class Split:
     recompute: str = "none"
     shard_optimizer: bool = False
     zero_bubble: bool = False  # ZB-H1 at interleave 1, ZBV at interleave 2
+    sequence_parallel: bool = False  # what tp replicates split over tp along the sequence
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("recompute", "shard_optimizer", "zero_bubble"):
+            if f.name not in ("recompute", "shard_optimizer", "zero_bubble", "sequence_parallel"):
                 _check_positive_int(f.name, getattr(self, f.name))
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"recompute={self.recompute!r}: use one of {', '.join(map(repr, RECOMPUTE))}")
@@ -222,4 +223,5 @@ class Split:
         """``dp=32 tp=8 pp=16 cp=1 m=64 b=1 v=4``, plus ``recompute`` when on."""
         text = (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} m={self.microbatches} "
                 f"b={self.microbatch_size} v={self.interleave}")
-        return text + (" recompute=full" if self.recompute == "full" else "") + (" zb" if self.zero_bubble else "")
+        return (text + (" recompute=full" if self.recompute == "full" else "") + (" zb" if self.zero_bubble else "")
+                + (" sp" if self.sequence_parallel else ""))

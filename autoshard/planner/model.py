@@ -19,8 +19,10 @@ Assumptions, each a term of a formula below:
   norms are replicated; kv heads are duplicated when ``tp`` exceeds them.
 - **Activations** per layer and microbatch follow Korthikanti et al., "Reducing Activation
   Recomputation in Large Transformer Models": ``10 sbh`` bytes that tensor parallelism replicates
-  (norm and block inputs, dropout masks) and ``(4 + 4 kv/a + 2 g f/h) sbh`` it shards (``34 sbh`` for
-  a plain ``f = 4h`` MLP), with attention scores never stored (flash attention). Full recomputation
+  (norm and block inputs, dropout masks; divided by tp too with sequence parallelism, ``q = 1``, which
+  moves the same bytes: its reduce-scatters and all-gathers are the all-reduces' two halves) and
+  ``(4 + 4 kv/a + 2 g f/h) sbh`` it shards (``34 sbh`` for a plain ``f = 4h`` MLP), with attention
+  scores never stored (flash attention). Full recomputation
   keeps only each layer's input (``beta sbh``) and runs the forward again in backward. The schedule
   sets how many microbatches the first stage holds: ``min(m, pp)`` for 1F1B and the zero-bubble ZB-H1
   and ZBV, ``min(m, pp + (pp-1)/v)`` stage-equivalents for interleaved 1F1B with m a multiple of pp (all
@@ -73,12 +75,13 @@ SYMBOLS: dict[str, str] = {
     "m": "microbatches per step", "v": "chunks per pipeline rank (interleave)", "b": "sequences per microbatch",
     "r": "1 with full activation recomputation", "z": "1 when the optimizer state is sharded over dp",
     "w": "1 with a zero-bubble schedule (each backward split into input and weight gradients)",
+    "q": "1 with sequence parallelism (what tp replicates split over tp along the sequence)",
     "F": "peak FLOP/s per GPU", "eta": "fraction of peak reached",
     **{f"bw_{axis}": f"bandwidth of the {axis} link (bytes/s)" for axis in ("tp", "cp", "pp", "dp")},
     **{f"lat_{axis}": f"latency of the {axis} link (s)" for axis in ("tp", "cp", "pp", "dp")},
 }
 SYM = {name: _sym(name) for name in SYMBOLS}
-for _name in ("tied", "r", "z", "w"):  # flags may be 0
+for _name in ("tied", "r", "z", "w", "q"):  # flags may be 0
     SYM[_name] = _S(_name, nonnegative=True, integer=True)
 
 
@@ -86,8 +89,8 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
     """Each quantity's formula, in the symbols and the quantities defined before it, and what it is."""
     L, h, a, kv, f, g, V, s, beta, o, tied = (SYM[k] for k in ("L", "h", "a", "kv", "f", "g", "V", "s", "beta", "o",
                                                                  "tied"))
-    dp, tp, pp, cp, m, v, b, r, z, w, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z",
-                                                                  "w", "F", "eta"))
+    dp, tp, pp, cp, m, v, b, r, z, w, q, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z",
+                                                                     "w", "q", "F", "eta"))
     Q = {name: _sym(name) for name in _ORDER}
     d, n, s_l, N_layer, N_gpu, A_keep, A_layer, k_in, t_comp, t_tp, t_cp, t_pp, t_mb, F_layer, F_head = (
         Q[k] for k in ("d", "n", "s_l", "N_layer", "N_gpu", "A_keep", "A_layer", "in_flight", "t_compute", "t_tp",
@@ -104,7 +107,7 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
         "M_weights": (beta * N_gpu, "weight bytes"),
         "M_grads": (beta * N_gpu, "gradient bytes"),
         "M_optimizer": (o * N_gpu / (1 + z * (dp - 1)), "optimizer-state bytes"),
-        "A_keep": (b * s_l * h * (10 + (4 + 4 * kv / a + 2 * g * f / h) / tp) * beta / 2,
+        "A_keep": (b * s_l * h * (10 * (1 - q + q / tp) + (4 + 4 * kv / a + 2 * g * f / h) / tp) * beta / 2,
                    "activation bytes a layer keeps for backward, per microbatch"),
         "A_layer": ((1 - r) * A_keep + r * b * s_l * h * beta, "activation bytes kept per layer and microbatch"),
         "in_flight": (Piecewise((Min(m, pp), sympy.Or(Eq(v, 1), Eq(w, 1))), (Min(m, pp + (pp - 1) / v), True)),
@@ -240,7 +243,8 @@ def inputs(config: TransformerConfig, cluster: Cluster, split: Split) -> dict[st
         "o": 8 if config.dtype_bytes >= 4 else 12, "tied": int(config.tied_embeddings),
         "dp": split.dp, "tp": split.tp, "pp": split.pp, "cp": split.cp, "m": split.microbatches,
         "v": split.interleave, "b": split.microbatch_size, "r": int(split.recompute == "full"),
-        "z": int(split.shard_optimizer), "w": int(split.zero_bubble), "F": cluster.peak_flops,
+        "z": int(split.shard_optimizer), "w": int(split.zero_bubble), "q": int(split.sequence_parallel),
+        "F": cluster.peak_flops,
         "eta": cluster.efficiency,
     }
     for axis, span in spans(split).items():

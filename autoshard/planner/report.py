@@ -216,8 +216,8 @@ def _header(data: dict) -> list[str]:
     ]
 
 
-_COLUMNS = ("  #   dp  tp  pp  cp     m   b  v zb recomp  mem GB  step s  bubble    MFU | compute    tp    cp    pp  "
-            "idle    dp")
+_COLUMNS = ("  #   dp  tp  pp  cp     m   b  v zb sp recomp  mem GB  step s  bubble    MFU | compute    tp    cp    pp"
+            "  idle    dp")
 
 
 def _table(data: dict) -> list[str]:
@@ -226,12 +226,13 @@ def _table(data: dict) -> list[str]:
         s, t = row["split"], row["breakdown_s"]
         lines.append(
             f"{row['rank']:>3}{s['dp']:>5}{s['tp']:>4}{s['pp']:>4}{s['cp']:>4}{s['microbatches']:>6}"
-            f"{s['microbatch_size']:>4}{s['interleave']:>3}{'zb' if s.get('zero_bubble') else '-':>3} "
+            f"{s['microbatch_size']:>4}{s['interleave']:>3}{'zb' if s.get('zero_bubble') else '-':>3}"
+            f"{'sp' if s.get('sequence_parallel') else '-':>3} "
             f"{s['recompute'] if s['recompute'] != 'none' else '-':<6}"
             f"{_gb(row['memory_bytes']):>8}{row['step_time_s']:>8.2f}{row['bubble']:>8.1%}{row['mfu']:>7.1%} | "
             f"{t['compute']:>7.2f}{t['tp']:>6.2f}{t['cp']:>6.2f}{t['pp']:>6.2f}{t['bubble']:>6.2f}{t['dp']:>6.2f}")
     lines.append("columns: m microbatches of b sequences, v chunks per pipeline rank, zb a zero-bubble schedule")
-    lines.append("(ZB-H1 at v=1, ZBV at v=2); times in seconds per step")
+    lines.append("(ZB-H1 at v=1, ZBV at v=2), sp sequence parallelism; times in seconds per step")
     return lines
 
 

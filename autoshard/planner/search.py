@@ -64,9 +64,10 @@ def interleaves(config: TransformerConfig, pp: int, microbatches: int) -> list[i
 
 
 def splits_of(config: TransformerConfig, mesh: Mesh, *, shard_optimizer: bool = False,
-              zero_bubble: bool = True) -> list[Split]:
+              zero_bubble: bool = True, sequence_parallel: bool = True) -> list[Split]:
     """Every split of one mesh, without recomputation: each microbatch size and interleave, and (unless
-    ``zero_bubble`` is off) the zero-bubble schedule of each interleave that has one."""
+    ``zero_bubble`` is off) the zero-bubble schedule of each interleave that has one; with sequence parallelism
+    at tp > 1 unless ``sequence_parallel`` is off."""
     per_replica = config.global_batch // mesh.dp
     out = []
     for b in divisors(per_replica):
@@ -75,8 +76,10 @@ def splits_of(config: TransformerConfig, mesh: Mesh, *, shard_optimizer: bool = 
             # zero-bubble: ZB-H1 (v = 1) and, with the 2pp - 1 microbatches that fill its V, ZBV (v = 2)
             zero = (False, True) if zero_bubble and mesh.pp > 1 and (v == 1 or (v == 2 and m >= 2 * mesh.pp - 1)) \
                 else (False,)
+            # sequence parallelism moves what tp's all-reduces move and stores less: on wherever tp > 1
             out += [Split(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, microbatches=m, interleave=v,
-                          microbatch_size=b, shard_optimizer=shard_optimizer, zero_bubble=zb) for zb in zero]
+                          microbatch_size=b, shard_optimizer=shard_optimizer, zero_bubble=zb,
+                          sequence_parallel=sequence_parallel and mesh.tp > 1) for zb in zero]
     return out
 
 
@@ -92,6 +95,7 @@ class PlanResult:
     closest: Estimate | None = None  # the smallest footprint among splits that do not fit
     shard_optimizer: bool = False
     zero_bubble: bool = True
+    sequence_parallel: bool = True
 
     @property
     def best(self) -> Estimate:
@@ -110,14 +114,15 @@ class PlanResult:
 
 
 def plan(config: TransformerConfig, cluster: Cluster, *, shard_optimizer: bool = False,
-         mesh: Mesh | None = None, zero_bubble: bool = True) -> PlanResult:
+         mesh: Mesh | None = None, zero_bubble: bool = True, sequence_parallel: bool = True) -> PlanResult:
     """Search every split of ``cluster.gpus`` (or only those of ``mesh``); raise PlanError when none fits.
-    ``zero_bubble=False`` leaves out the zero-bubble schedules (1F1B and interleaved 1F1B only)."""
+    ``zero_bubble=False`` leaves out the zero-bubble schedules (1F1B and interleaved 1F1B only);
+    ``sequence_parallel=False`` plain tensor parallelism (the seeds' memory model)."""
     meshes = [mesh] if mesh is not None else factorisations(cluster.gpus)
     if mesh is not None:
         mesh.check_world_size(cluster.gpus)
     result = PlanResult(config=config, cluster=cluster, ranked=[], shard_optimizer=shard_optimizer,
-                        zero_bubble=zero_bubble)
+                        zero_bubble=zero_bubble, sequence_parallel=sequence_parallel)
     valid = []
     for candidate in meshes:
         problems = mesh_problems(config, candidate)
@@ -141,7 +146,8 @@ def plan(config: TransformerConfig, cluster: Cluster, *, shard_optimizer: bool =
 def _best_of_mesh(config: TransformerConfig, cluster: Cluster, mesh: Mesh, shard_optimizer: bool,
                   result: PlanResult) -> Estimate | None:
     best = None
-    for split in splits_of(config, mesh, shard_optimizer=shard_optimizer, zero_bubble=result.zero_bubble):
+    for split in splits_of(config, mesh, shard_optimizer=shard_optimizer, zero_bubble=result.zero_bubble,
+                           sequence_parallel=result.sequence_parallel):
         est = evaluate(config, cluster, split)
         result.evaluated += 1
         if not est.fits:  # full recomputation trades a forward for memory: tried only where it is needed
