@@ -183,16 +183,25 @@ class _Saved:
         self.owner.release(self.ptr)
 
 
+def _storage(t: torch.Tensor):
+    """The storage holding ``t``'s bytes on this rank (a DTensor's local shard, a collective's result)."""
+    for attr in ("_local_tensor", "elem"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor):
+            return _storage(inner)
+    return t.untyped_storage()
+
+
 class SavedBytes:
     """Live bytes of the tensors autograd saves for backward (each storage once; parameters excluded)."""
 
     def __init__(self, params) -> None:
-        self.excluded = {q.untyped_storage().data_ptr() for q in params}
+        self.excluded = {_storage(q).data_ptr() for q in params}
         self.refs: dict[int, list[int]] = {}
         self.live = self.peak = self.total = 0
 
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        storage = _storage(t)
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.excluded:
             return t

@@ -3,7 +3,8 @@
     .venv/bin/python bench/sp.py            # writes bench/results_sp.md and prints it
 
 One ``torchrun --standalone --nproc-per-node 2`` job (``bench/sp_worker.py``, one thread per rank): autoshard's
-tp=2 with ``sequence_parallel`` off and on, at sequence 1024, batch 1. Reported: the median step time, the bytes
+tp=2 with ``sequence_parallel`` off and on, and PyTorch's DTensor TP + ``SequenceParallel`` (torchtitan's plan,
+``bench/sp_dtensor.py``), at sequence 1024, batch 1. Reported: the median step time, the bytes
 saved for backward at their peak per rank, and the analytic estimate of Korthikanti et al. ("Reducing Activation
 Recomputation in Large Transformer Models") per layer: TP ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes in 16-bit,
 TP+SP ``s*b*h/t*(34 + 5*a*s/h)``; here fp32 (twice the bytes) and attention that stores no scores (the fused
@@ -26,13 +27,15 @@ def table(job: dict) -> list[str]:
     t, s, shape = result["world"], result["seq"], result["shape"]
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     analytic = {"tp": 2 * s * h * (10 + 24 / t) * layers, "tp+sp": 2 * s * h / t * 34 * layers}
+    analytic["dtensor tp+sp"] = analytic["tp+sp"]
     ms = {n: v["median_ms"] for n, v in result["step_ms"].items()}
     peaks = result["saved_peak_bytes"]
     rows = ["| run | median step ms | p10–p90 ms | vs plain TP | saved-for-backward peak MiB per rank | vs plain TP "
             "(rank 0) | Korthikanti et al., fp32, no scores, layers only (MiB) |",
             "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
     for name, stats in result["step_ms"].items():
-        label = {"tp": "tp=2", "tp+sp": "tp=2, sequence_parallel=True"}[name]
+        label = {"tp": "autoshard tp=2", "tp+sp": "autoshard tp=2, sequence_parallel=True",
+                 "dtensor tp+sp": "DTensor TP + SequenceParallel (torchtitan's plan)"}[name]
         rows.append(f"| {label} | **{stats['median_ms']:.0f}** | {stats['p10_ms']:.0f}–{stats['p90_ms']:.0f} | "
                     f"{ms[name] / ms['tp']:.2f}x | {' / '.join(f'{b / 2**20:.1f}' for b in peaks[name])} | "
                     f"{peaks[name][0] / peaks['tp'][0]:.2f}x | {analytic[name] / 2**20:.1f} |")
@@ -40,7 +43,9 @@ def table(job: dict) -> list[str]:
     return [f"## HF Llama: {layers} layers, hidden {h}, {shape['num_attention_heads']} heads, MLP "
             f"{shape['intermediate_size']}, vocab {shape['vocab_size']}; sequence {s}, batch 1, fp32, AdamW", "",
             *rows, "", f"First-step losses: {losses}. The analytic ratio TP+SP / TP: "
-            f"{analytic['tp+sp'] / analytic['tp']:.2f}."]
+            f"{analytic['tp+sp'] / analytic['tp']:.2f}. autoshard with sequence parallelism against DTensor TP + SP: "
+            f"{ms['tp+sp'] / ms['dtensor tp+sp']:.2f}x the step time, "
+            f"{peaks['tp+sp'][0] / peaks['dtensor tp+sp'][0]:.2f}x the saved bytes."]
 
 
 def main() -> None:
