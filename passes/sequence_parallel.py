@@ -166,10 +166,14 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     _check_divides(plan)
     probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
     from_inputs = _from_inputs(gm)
-    return {node.name: probe.of(node.args[0]).dim for node in gm.graph.nodes
-            if node.op == "call_module" and type(gm.get_submodule(node.target)) is ReduceFromParallel
-            and isinstance(probe.of(node.args[0]), Shard) and probe.of(node.args[0]).blocks is None
-            and _feeds_residual(node, from_inputs)}
+    exits = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or type(gm.get_submodule(node.target)) is not ReduceFromParallel:
+            continue
+        where = probe.of(node.args[0])
+        if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):
+            exits[node.name] = where.dim
+    return exits
 
 
 def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None,
