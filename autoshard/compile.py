@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,7 @@ from autoshard.passes.sequence_parallel import SequenceParallelError
 from autoshard.passes.sharding import FALLBACKS
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
-from autoshard.runtime import batching, schedules
+from autoshard.runtime import batching, schedules, spread
 
 
 @dataclass
@@ -64,6 +65,10 @@ class RankBuild:
     local_specs: dict[int, tuple[list[TensorSpec], list[TensorSpec]]] = field(default_factory=dict)  # this rank's
     # stages: (received, sent) at the shapes this rank holds
     tied: dict[str, frozenset[int]] = field(default_factory=dict)  # parameter -> the pp coordinates that read it
+    spread: tuple[str, ...] = ()  # parameters stored in rows over the pp ranks, gathered for each step
+    held_bytes: list[float] = field(default_factory=list)  # parameter bytes each pp rank stores (tp shards)
+    read_bytes: float = 0.0  # the bytes of every parameter the stages read (tp shards), each counted once
+    spread_bytes: float = 0.0  # the bytes of the spread weights, whole (tp shards)
     actions: schedules.Schedule | None = None
     checks: InputChecks | None = None
     notes: list[str] = field(default_factory=list)
@@ -71,6 +76,11 @@ class RankBuild:
     @property
     def rank(self) -> int:
         return self.mesh.rank_of(**self.coords)
+
+    @property
+    def largest_held_share(self) -> float:
+        """Under pp: the most parameter bytes one pp rank stores, over the bytes of all the stages read."""
+        return max(self.held_bytes) / self.read_bytes if self.read_bytes else 0.0
 
     @property
     def training(self) -> bool:
@@ -329,9 +339,34 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | No
     for stage in build.stages:
         for name in stage.parameters:
             holders.setdefault(name, set()).add(schedules.rank_of(stage.index, p, placement))
-    build.tied = {name: frozenset(ranks) for name, ranks in sorted(holders.items()) if len(ranks) > 1}
+    holders = {name: frozenset(ranks) for name, ranks in holders.items()}
+    build.spread, build.held_bytes, nbytes = _spread(build, holders, like.spread if like else None)
+    build.read_bytes, build.spread_bytes = float(sum(nbytes.values())), float(sum(nbytes[n] for n in build.spread))
+    build.tied = {name: ranks for name, ranks in sorted(holders.items()) if len(ranks) > 1 and name not in build.spread}
     build.actions = schedules.schedule(options.schedule, p, options.microbatches, v)
     schedules.validate(build.actions, p, v, placement)
+
+
+def _spread(build: RankBuild, holders: dict[str, frozenset[int]],
+            chosen: tuple[str, ...] | None) -> tuple[tuple[str, ...], list[float], dict[str, int]]:
+    """The weights to store in rows over the pp ranks (``runtime.spread``; ``chosen`` when an earlier capture chose
+    them; none under FSDP2, which shards them over dp x cp already), the parameter bytes each pp rank stores, and
+    each parameter's bytes on a rank (its tp shard)."""
+    gm, plan, tp = build.captured.gm, build.tp_plan, build.mesh.tp
+    nbytes, rows = {}, {}
+    for name in holders:
+        param = gm.get_parameter(name)
+        placement = plan.params[name].placement if plan is not None and name in plan.params else None
+        shape = list(param.shape)
+        if isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // tp)  # padded up to a multiple of tp
+        nbytes[name] = math.prod(shape) * param.element_size()
+        rows[name] = shape[0] if shape else 0
+    p = build.mesh.pp
+    if chosen is None:
+        chosen = () if build.options.data_parallel == "fsdp" else spread.choose(
+            holders, nbytes, rows, p, balance=build.options.pipeline_balance != "time")
+    return chosen, spread.held_bytes(holders, nbytes, chosen, p), nbytes
 
 
 def _check_loss_trains(captured: Captured, model: nn.Module) -> None:

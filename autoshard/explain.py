@@ -142,6 +142,13 @@ def _pipeline(build) -> list[str]:
     for name, ranks in build.tied.items():
         names = ", ".join(build.captured.names.get(name, [name]))
         lines.append(f"  {names} is used on pp ranks {sorted(ranks)}: its gradients are summed there")
+    if build.spread:
+        shown = [", ".join(build.captured.names.get(name, [name])) for name in build.spread]
+        lines.append(f"  {len(shown)} weight(s) spread over the pp ranks (each stores its rows; gathered for each "
+                     f"step, gradients reduce-scattered): {'; '.join(shown[:6])}{' ...' if len(shown) > 6 else ''}")
+    if build.held_bytes:
+        lines.append(f"  parameters stored per pp rank {', '.join(format_bytes(b) for b in build.held_bytes)} (the "
+                     f"largest holds {build.largest_held_share:.0%} of the parameters the stages read)")
     drawn = schedules.simulate(build.actions, p, v, forward_cost=1.0, backward_cost=1.0, placement=placement)
     grid = schedules.render(build.actions, p, sim=drawn).splitlines()
     grid[build.coords["pp"]] += f"   <- rank {build.rank}"
@@ -239,6 +246,12 @@ def _per_step(build) -> list[str]:
         lines.append(f"per step: all-reduce (sum) of the loss{count} over {data} ranks ({over}): 4 B each")
     if build.tied:
         lines.append("per step: tied parameters' gradients summed over the pp ranks that use them")
+    if build.spread:
+        whole = format_bytes(build.spread_bytes)
+        lines.append(f"per step: the {len(build.spread)} spread weight(s) all-gathered over the {mesh.pp} pp ranks "
+                     f"before the first forward ({whole} whole), their gradients reduce-scattered after the last "
+                     f"backward ({whole}); each pp rank stores 1/{mesh.pp} of them, of their gradients and of the "
+                     "optimizer state")
     return lines
 
 

@@ -56,7 +56,8 @@ def test_pipeline_partition_code_per_stage_dot_files_and_the_schedule_grid(capsy
     assert re.search(r"rank 1: \.  F0 B0 F1 B1 F2 B2 F3 B3 \.\s+<- rank 1", out)
     assert "code of rank 1, stage 1 of 2; receives 2x16x48 float32 from pp rank 0:" in out
     assert "def forward(self, args_0, args_1, recv_add_2):" in out
-    assert "(stage 0)" in out and "transformer.wte.weight, lm_head.weight is used on pp ranks [0, 1]" in out
+    assert "(stage 0)" in out and "spread over the pp ranks (each stores its rows; gathered for each step, " \
+        "gradients reduce-scattered): transformer.wte.weight, lm_head.weight" in out
     assert re.search(r"1\s+pp\s+forward\s+recv\s+activations from pp rank 0\s+1\s+6\.0 KiB", out)
     assert "warning: m=4 microbatches for pp=2, the bubble is 20.0%" in out
     (path,) = tmp_path.iterdir()

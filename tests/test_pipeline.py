@@ -47,7 +47,9 @@ def test_explain_shows_stages_cuts_bubble_and_the_schedule(pools):
     assert "pipeline: 2 stages on 2 pp ranks; rank 0 (pp=0) runs stage 0" in report
     assert "schedule 1f1b, 4 microbatch(es)" in report
     assert "simulated bubble 20.0% (formula (p-1)/(m+p-1) = 20.0%)" in report
-    assert "transformer.wte.weight, lm_head.weight is used on pp ranks [0, 1]" in report
+    assert ("1 weight(s) spread over the pp ranks (each stores its rows; gathered for each step, gradients "
+            "reduce-scattered): transformer.wte.weight, lm_head.weight") in report
+    assert "the largest holds 5" in report  # of the parameters: the embedding is stored once, in halves
     assert "rank 0: F0 F1" in report
 
 

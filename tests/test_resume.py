@@ -131,3 +131,14 @@ def test_bad_checkpoints_and_optimizers_are_refused_clearly(pools, tmp_path):
 def test_a_checkpoint_written_in_the_background_holds_the_state_at_the_call(pools, tmp_path):
     for result in pools.get(2).run(golden_resume.asynchronous_save, "gpt", {"tp": 2}, str(tmp_path / "ckpt")):
         assert result == {"param": 0.0, "state": 0.0, "step": 1.0}, result
+
+
+@pytest.mark.parametrize("save,load", [({"pp": 2}, {"dp": 2}), ({"dp": 2}, {"pp": 2})],
+                         ids=["pp2-to-dp2", "dp2-to-pp2"])
+def test_weights_spread_over_pipeline_ranks_resume_under_another_mesh(pools, tmp_path, save, load):
+    """ALBERT's one shared layer is read on both pp=2 stages: each rank stores its rows of it (and of AdamW's
+    state for it); a checkpoint holds it whole, as any other mesh holds it."""
+    path = str(tmp_path / "ckpt")
+    options = lambda mesh: PP if "pp" in mesh else {}  # noqa: E731
+    first = pools.get(2).run(golden_resume.first_half, "corpus/mlm/albert", save, path, options(save))[0]
+    _check(pools.get(2).run(golden_resume.second_half, "corpus/mlm/albert", load, path, options(load)), first)

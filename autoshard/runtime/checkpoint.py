@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from autoshard.passes.placements import Shard
-from autoshard.runtime import optimizer_state
+from autoshard.runtime import optimizer_state, spread
 from autoshard.runtime.gather import gather
 from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
 
@@ -54,6 +54,11 @@ def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, as
     (``torch.distributed.checkpoint.async_save``, on a process group of its own so that training's
     collectives are not interleaved with it): returns a future whose ``result()`` waits for the write.
     """
+    with spread.of(pm).whole(pm.store, optimizer):  # the view keeps the whole tensors; training swaps in others
+        return _save(pm, path, optimizer, extra, asynchronous)
+
+
+def _save(pm, path: str, optimizer, extra: dict | None, asynchronous: bool):
     schema = optimizer_state.merged_schema(pm, optimizer) if optimizer is not None else None
     items = _parameter_items(pm)
     if optimizer is not None:
@@ -124,6 +129,17 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
     schema = training.get("optimizer") if training else None
     if optimizer is not None:
         _check_optimizer(pm, path, optimizer, schema)
+    with spread.of(pm).whole(pm.store, optimizer):  # each rank reads the whole weight, then keeps its rows
+        _read(pm, path, optimizer, schema, metadata)
+    if training:
+        pm.steps = training["steps"]
+        _restore_rng(pm, path, metadata, training)
+    extra = _read_object(path, metadata, _EXTRA)
+    return extra if extra is not None else {}
+
+
+def _read(pm, path: str, optimizer, schema, metadata) -> None:
+    """Read this rank's shards of the parameters (and of ``optimizer``'s state) from the checkpoint at ``path``."""
     items = _parameter_items(pm)
     states: dict[int, dict] = {}
     if optimizer is not None:
@@ -135,11 +151,6 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
             item.local.copy_(_read_local(pm, item, view, metadata))
     if optimizer is not None:
         _install(pm, optimizer, schema, states)
-    if training:
-        pm.steps = training["steps"]
-        _restore_rng(pm, path, metadata, training)
-    extra = _read_object(path, metadata, _EXTRA)
-    return extra if extra is not None else {}
 
 
 def _parameter_items(pm) -> list[Item]:

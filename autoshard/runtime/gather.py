@@ -14,13 +14,19 @@ import torch.distributed as dist
 
 from autoshard.passes.collectives import unshard
 from autoshard.passes.placements import Shard
+from autoshard.runtime import spread
 
 
 def full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
     """``read(parameter)`` of every parameter at full shape, keyed by all of the original model's names.
 
-    Gathered over tp; under pp every rank contributes the parameters of its stages.
+    Gathered over tp; under pp every rank contributes the parameters of its stages (and the spread ones whole).
     """
+    with spread.of(pm).whole(pm.store):
+        return _full_tensors(pm, read)
+
+
+def _full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
     store = pm.store
     names = pm.names
     mine = {target: gather(pm, target, read(store.find(target))) for target in sorted(names)

@@ -40,7 +40,8 @@ def _run(pm, build, inputs: tuple) -> list:
             return list(pm.sync.module()(build.program.gm, *args))
         return list(build.program.gm(*args))
     if not pm.sync.sharded:
-        return pm.pipeline.forward_only(build, inputs, device=pm.device)
+        with pm.pipeline.spread.whole(pm.store):
+            return pm.pipeline.forward_only(build, inputs, device=pm.device)
     pm.replica.unshard()  # FSDP2: this rank's stages read their whole (tp-local) parameters
     try:
         for program in build.programs.values():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autoshard.runtime import gather
+from autoshard.runtime import gather, spread
 from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
 
 
@@ -137,6 +137,11 @@ def merged_schema(pm, optimizer: torch.optim.Optimizer) -> Schema:
 
 def full_state_dict(pm, optimizer: torch.optim.Optimizer) -> dict:
     """The whole optimizer's state at full shapes, keyed by the model's parameter names (a collective)."""
+    with spread.of(pm).whole(pm.store, optimizer):
+        return _full_state_dict(pm, optimizer)
+
+
+def _full_state_dict(pm, optimizer: torch.optim.Optimizer) -> dict:
     schema = merged_schema(pm, optimizer)
     keys = sorted({key for state in schema.params.values() for key in state.tensors})
     full = {key: gather.full_tensors(pm, lambda p, key=key: _state_tensor(optimizer, p, key)) for key in keys}
@@ -170,6 +175,11 @@ def load_full_state_dict(pm, optimizer: torch.optim.Optimizer, state_dict: dict)
             "parameter each entry belongs to: pass torch.distributed.checkpoint.state_dict."
             "get_optimizer_state_dict(model, optimizer), keyed by the model's parameter names, or "
             "pm.optimizer_state_dict(optimizer)")
+    with spread.of(pm).whole(pm.store, optimizer):
+        _load_full_state_dict(pm, optimizer, state_dict)
+
+
+def _load_full_state_dict(pm, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     group_of = {name: g for g in state_dict["param_groups"] for name in g["params"]}
     entries = held(pm, optimizer)
     missing = [name for _, name, _, _ in entries.values() if _lookup(pm, group_of, name) is None]

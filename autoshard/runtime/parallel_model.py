@@ -155,17 +155,22 @@ class ParallelModel(nn.Module):
         self.sync.begin_pipeline_step()
         sharded = self.sync.sharded
         call = (lambda gm, *args: self.call(self.replica, gm, *args)) if sharded else self.call
+        spread = self.pipeline.spread
         try:
+            with self._guard("gathering the weights spread over pp"):
+                spread.gather(self.store)
             total = self.pipeline.run_step(self._runners[build.captured.key], [(a[:-1], a[-1]) for a in local],
                                            divisor * build.cp_copies, self._steps, call=call, reducer=self.sync.reducer,
                                            device=self.device)
+            with self._guard("gradient sums (dp x cp, tied and spread weights) and the loss sum"):
+                self.sync.finish_pipeline_step()
+                self.pipeline.sum_tied_gradients(self.store)
+                spread.scatter(self.store)
+                return self._sum_over_data(total)
         except Exception:
             self.sync.abort()
+            spread.restore(self.store)
             raise
-        with self._guard("gradient sums (dp x cp, tied weights) and the loss sum"):
-            self.sync.finish_pipeline_step()
-            self.pipeline.sum_tied_gradients(self.store)
-            return self._sum_over_data(total)
 
     def call(self, fn, *args):
         """Run a program's forward under this model's precision and activation-checkpointing options."""
@@ -217,7 +222,8 @@ class ParallelModel(nn.Module):
             for note in build.notes:
                 warnings.warn(f"autoshard: in {type(self.model).__name__}: {note}", stacklevel=4)
         if self.pipeline is not None:
-            self.pipeline.prepare(build)
+            programs = [p.gm for b in [*self._builds.values(), build] for p in b.programs.values()]
+            self.pipeline.prepare(build, self.store, programs, self.device)
         self.sync.prepare(build)
         self._builds[key] = build
         return build

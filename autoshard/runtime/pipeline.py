@@ -3,9 +3,10 @@
 The stages come compiled in a ``RankBuild`` (``autoshard.compile``): every capture is cut after the same
 nodes, so every capture places every parameter on the same rank; stage s runs on pp rank ``s % p``, or in a V
 for the V schedules (``schedules.rank_of``).
-A parameter read by stages on two ranks (a tied embedding and LM head) has one copy per rank; their
-gradients are summed over a process group of exactly those ranks before the step returns, so the
-copies stay identical.
+A parameter read by stages on two ranks (a tied embedding and LM head) is spread over the pp ranks
+(``runtime.spread``): each stores its rows, all gather it for the step and its gradient is reduce-scattered
+after. One that is not (under FSDP2) has one copy per rank; their gradients are summed over a process
+group of exactly those ranks before the step returns, so the copies stay identical.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from autoshard.compile import RankBuild
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.pipeline_split import Stage
-from autoshard.runtime import schedules
+from autoshard.runtime import schedules, spread
 from autoshard.runtime.executor import PipelineExecutor, StageRunner
 from autoshard.runtime.reducer import GradientReducer
 
@@ -40,10 +41,16 @@ class Pipeline:
         self.actions = schedules.schedule(options.schedule, self.p, options.microbatches, self.v)
         schedules.validate(self.actions, self.p, self.v, self.placement)
         self.tied: dict[str, frozenset[int]] = {}
+        self.spread = spread.NONE
         self.executor: PipelineExecutor | None = None
 
-    def prepare(self, build: RankBuild) -> None:
-        """A build was compiled: create the groups of its tied parameters (collective, on every rank)."""
+    def prepare(self, build: RankBuild, store: codegen.ParamStore, programs: list, device: torch.device) -> None:
+        """A build was compiled: create the groups of its tied parameters and, at the first build, give this rank
+        its rows of the spread weights (collective, on every rank). ``programs``: every program of this rank."""
+        if not self.spread and build.spread:
+            self.spread = spread.Spread(build.spread, self.groups.group("pp"), self.p, self.pp_index,
+                                        self.groups.ranks("pp"))
+            self.spread.setup(store, programs, device)
         for name, ranks in build.tied.items():
             self.groups.across_pp(ranks)
             self.tied.setdefault(name, ranks)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from autoshard.passes.collectives import shard
 from autoshard.passes.placements import Shard
-from autoshard.runtime import meta_buffers
+from autoshard.runtime import meta_buffers, spread
 
 
 def _entries(pm):
@@ -97,7 +97,7 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
             f"loading a state dict into {type(pm.model).__name__}: missing keys {_few(missing)}, unexpected keys "
             f"{_few(unexpected)}: pass this model's state dict (model.state_dict() or pm.state_dict()), or strict=False"
         )
-    with torch.no_grad():
+    with torch.no_grad(), spread.of(pm).whole(pm.store):
         for target, name, param, placement in _entries(pm):
             if name not in state:
                 continue
@@ -187,7 +187,8 @@ def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[s
         _rewrite_devices(gm, device)
     meta_buffers.install(pm.model, programs, values, device)
     if init is not None:
-        _initialise(pm, device, init)
+        with spread.of(pm).whole(store):  # each rank writes the whole weight, then keeps its rows
+            _initialise(pm, device, init)
     return allocated
 
 
