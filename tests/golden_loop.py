@@ -517,3 +517,43 @@ def dropout_masks(mesh_kwargs: dict, steps: int = 2, **options) -> dict:
     from autoshard.verify import _replicas_identical
 
     return {"losses": losses, "replicas_identical": _replicas_identical(pm)}
+
+
+def spread_loop(name: str, mesh_kwargs: dict, **options) -> dict:
+    """A corpus architecture whose weights are spread over the pp ranks, trained as scripts train: AdamW over two
+    weight-decay groups built from ``named_parameters()`` by ``p.dim()``, two ``step()`` calls accumulated per
+    optimizer step, global-norm clipping; against the model run whole. Returns the worst differences and the
+    share of the parameter bytes this rank stores."""
+    from corpus.architectures import build as build_corpus
+
+    case, reference = build_corpus(name), build_corpus(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+
+    def adamw(named):
+        named = list(named)
+        return torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+
+    opt, ref_opt = adamw(pm.named_parameters()), adamw(reference.named_parameters())
+    worst = {"loss": 0.0, "norm": 0.0}
+    for _ in range(2):
+        for _ in range(2):
+            loss = pm.step(*case.inputs, target=case.target)
+            ref_loss = case.loss_fn(reference(*case.inputs), case.target)
+            ref_loss.backward()
+            worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
+        norm = pm.clip_grad_norm_(0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = pm.state_dict()
+    worst["param"] = max((full[n] - p.detach()).abs().max().item() for n, p in reference.state_dict().items()
+                         if n in full and p.is_floating_point())
+    size = lambda p: p.numel() * p.element_size()  # noqa: E731
+    share = sum(size(p) for p in pm.parameters()) / sum(size(p) for p in reference.parameters())
+    return {**worst, "share": share, "spread": len(pm.latest.spread)}
