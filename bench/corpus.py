@@ -206,6 +206,13 @@ def summary(cache: dict, buildable: list[str]) -> list[str]:
         got = [rows[n][m]["status"] for n in buildable if m in rows.get(n, {})]
         counts = " | ".join(str(got.count(s)) for s in STATUSES)
         lines.append(f"| {m} | {len(got)} | {counts} | {len(buildable) - len(got)} |")
+    shares = sorted((rows[n]["pp2"]["share"], n) for n in buildable
+                    if rows.get(n, {}).get("pp2", {}).get("share") is not None)
+    if shares:
+        within = sum(share <= 0.6 for share, _ in shares)
+        median = shares[len(shares) // 2][0]
+        lines += ["", f"pp2 share: {within} of {len(shares)} at 0.60 or less; median {median:.2f}, "
+                      f"largest {shares[-1][0]:.2f} ({shares[-1][1]})."]
     return lines
 
 
@@ -220,7 +227,8 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
         "tiny architecture at that mesh: exact / wrong by the largest difference / refused with autoshard's "
         "error / crash (an internal error, a stall, or ranks that disagree). \"tp2 share\" is the bytes of the "
         "parameters the largest rank holds over the whole model's at tp=2 (0.50 is the aim); \"pp2 share\" the "
-        "same for the largest pipeline stage at pp=2. \"not run\" cells were not run yet.",
+        "same for the pp rank that stores most at pp=2 (a weight spread over the pp ranks counts its rows; 0.60 is "
+        "the bound). \"not run\" cells were not run yet.",
         "", *summary(cache, buildable), "",
         "\"tp4 share (planned)\" is planned in one process (`--planned`), over the parameters the loss uses: the "
         "share, then in brackets the most a rank should hold (1/tp, plus norm weights, biases and kv heads the degree "
