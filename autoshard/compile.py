@@ -77,6 +77,23 @@ class RankBuild:
     def rank(self) -> int:
         return self.mesh.rank_of(**self.coords)
 
+    def tp_local_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of parameter ``name``'s tp shard (padded up to a multiple of tp, as the tp pass pads it)."""
+        plan = self.tp_plan
+        placement = plan.params[name].placement if plan is not None and name in plan.params else None
+        shape = list(self.captured.gm.get_parameter(name).shape)
+        if isinstance(placement, Shard) and self.mesh.tp > 1:
+            shape[placement.dim] = -(-shape[placement.dim] // self.mesh.tp)
+        return tuple(shape)
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """The shape this rank stores of parameter ``name`` between steps: its tp shard, or that shard's rows on this
+        pp rank when the weight is spread over the pp ranks."""
+        shape = self.tp_local_shape(name)
+        if name in self.spread:
+            return (shape[0] // self.mesh.pp, *shape[1:])
+        return shape
+
     @property
     def largest_held_share(self) -> float:
         """Under pp: the most parameter bytes one pp rank stores, over the bytes of all the stages read."""
@@ -352,15 +369,10 @@ def _spread(build: RankBuild, holders: dict[str, frozenset[int]],
     """The weights to store in rows over the pp ranks (``runtime.spread``; ``chosen`` when an earlier capture chose
     them; none under FSDP2, which shards them over dp x cp already), the parameter bytes each pp rank stores, and
     each parameter's bytes on a rank (its tp shard)."""
-    gm, plan, tp = build.captured.gm, build.tp_plan, build.mesh.tp
     nbytes, rows = {}, {}
     for name in holders:
-        param = gm.get_parameter(name)
-        placement = plan.params[name].placement if plan is not None and name in plan.params else None
-        shape = list(param.shape)
-        if isinstance(placement, Shard):
-            shape[placement.dim] = -(-shape[placement.dim] // tp)  # padded up to a multiple of tp
-        nbytes[name] = math.prod(shape) * param.element_size()
+        shape = build.tp_local_shape(name)
+        nbytes[name] = math.prod(shape) * build.captured.gm.get_parameter(name).element_size()
         rows[name] = shape[0] if shape else 0
     p = build.mesh.pp
     if chosen is None:

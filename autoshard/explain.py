@@ -75,11 +75,14 @@ def _loss(build, options: CompileOptions, mesh: Mesh) -> list[str]:
 
 
 def _parameters(build) -> list[str]:
-    local = {name: p for program in build.programs.values() for name, p in program.gm.named_parameters()}
-    holder = {name: s.index for s in build.stages for name in s.parameters}
     captured, plan = build.captured, build.tp_plan
     full = dict(captured.gm.named_parameters())
-    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in local.values()}.values())
+    # what this rank stores between steps, as compiled (a spread weight's rows, also of one its stages do not read)
+    local = {name: build.stored_shape(name) for program in build.programs.values()
+             for name, _ in program.gm.named_parameters()}
+    local.update({name: build.stored_shape(name) for name in build.spread})
+    holder = {name: s.index for s in build.stages for name in s.parameters}
+    held = sum(math.prod(shape) * full[name].element_size() for name, shape in local.items())
     title = f"tensor-parallel plan over tp={build.mesh.tp}" if plan is not None else "tp=1, each whole"
     whole = sum(p.numel() * p.element_size() for p in full.values())
     even = whole / (build.mesh.tp * build.mesh.pp)
@@ -90,7 +93,8 @@ def _parameters(build) -> list[str]:
     for target, param in full.items():
         entry = plan.params.get(target) if plan is not None else None
         role, placement = (entry.role, repr(entry.placement)) if entry is not None else ("replicated", "R")
-        here = _shape(local[target].shape) if target in local else f"(stage {holder.get(target, '?')})"
+        here = _shape(local[target]) if target in local else f"(stage {holder.get(target, '?')})"
+        here += " (rows of pp)" if target in build.spread else ""
         why = _PREFIX.sub("", entry.reason) if entry is not None and entry.reason else ""
         rows.append((", ".join(captured.names.get(target, [target])), role, placement, _shape(param.shape) or
                      "scalar", here, why))
