@@ -233,8 +233,11 @@ def _per_step(build) -> list[str]:
     mesh, options, lines = build.mesh, build.options, []
     data = mesh.dp * mesh.cp
     if data > 1 and build.training:
-        params = {id(q): q for program in build.programs.values() for q in program.gm.parameters() if q.requires_grad}
-        grads = format_bytes(sum(q.numel() * q.element_size() for q in params.values()))
+        # what the dp x cp sum moves: each gradient at its tp shard's shape (a spread weight's whole, not its rows)
+        params = {name: q for program in build.programs.values() for name, q in program.gm.named_parameters()
+                  if q.requires_grad}
+        grads = format_bytes(sum(math.prod(build.tp_local_shape(name)) * q.element_size()
+                                 for name, q in params.items()))
         over = " x ".join(f"{a}={mesh.degree(a)}" for a in ("dp", "cp") if mesh.degree(a) > 1)
         if options.data_parallel == "fsdp":
             gathers = "once per step" if mesh.pp > 1 else "for each microbatch's forward and backward"
