@@ -62,13 +62,33 @@ class Context:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             return ()
-        if not all(isinstance(s, int) for s in val.shape):  # a size that depends on the data (tokens per expert)
-            raise DataDependentShape(f"{value.name} has a size that depends on the data: {tuple(val.shape)}")
-        return tuple(val.shape)
+        # a size that depends on the data (the tokens routed to an expert): a rule may split the other dims, and
+        # any use of that size itself (arithmetic, a comparison) refuses the rule: the op stays replicated
+        where = f"{value.name} has a size that depends on the data: {tuple(val.shape)}"
+        return tuple(s if isinstance(s, int) else _DataDependentSize(where) for s in val.shape)
 
 
 class DataDependentShape(ValueError):
-    """A value's size is known only when the graph runs: no rule can reason about its dims."""
+    """A value's size is known only when the graph runs: no rule can reason about that dim."""
+
+
+class _DataDependentSize:
+    """A size known only when the graph runs, in a shape a rule reads: reading its value in any way raises
+    ``DataDependentShape`` (so ``decide`` replicates the op); its position in the shape is all a rule may use."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _refuse(self, *_):
+        raise DataDependentShape(self.where)
+
+    __int__ = __index__ = __bool__ = __hash__ = __float__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = __abs__ = _refuse
+    __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = _refuse
+
+    def __repr__(self) -> str:
+        return "?"
 
 
 Rule = Callable[[fx.Node, Context], Decision]
@@ -267,6 +287,34 @@ def _pointwise_in_place(node: fx.Node, ctx: Context) -> Decision:
 
 for _name in _IN_PLACE:
     RULES[getattr(aten, _name)] = _pointwise_in_place
+
+
+@rule(aten.index_add.default)
+def _index_add(node: fx.Node, ctx: Context) -> Decision:
+    """``x.index_add(dim, index, source)`` (experts' outputs added back at their tokens' rows): element-wise in every
+    dim but ``dim``, so a split of another dim stays split, each rank adding its part. Any other case replicates."""
+    x, index, source = node.args[0], node.args[2], node.args[3]
+    dim = _dim(node.args[1], len(ctx.shape(x)))
+    placements = {ctx.of(x), ctx.of(source)}
+    shards = {p for p in placements if isinstance(p, Shard)}
+    if ctx.of(index) != R or len(shards) != 1 or any(isinstance(p, Partial) for p in placements) \
+            or next(iter(shards)).dim == dim:
+        return replicate_all(node, ctx)
+    (p,) = shards
+    return Decision(p, {v: p for v in (x, source) if ctx.of(v) != p})
+
+
+@rule(aten.index.Tensor)
+def _index(node: fx.Node, ctx: Context) -> Decision:
+    """``x[ids]`` (tokens gathered per expert, rows put back in order): integer index tensors on the leading dims
+    pick whole slices of the dims after them, so a split of a later dim stays split. Any other case replicates."""
+    x, indices = node.args[0], list(node.args[1])
+    p = ctx.of(x)
+    leading = len(indices)
+    if not isinstance(p, Shard) or p.dim < leading or any(
+            not isinstance(i, fx.Node) or i.meta["val"].dtype == torch.bool or ctx.of(i) != R for i in indices):
+        return replicate_all(node, ctx)
+    return Decision(Shard(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading), p.blocks))
 
 
 @rule(aten.index_put.default, aten.index_put_.default)
@@ -650,9 +698,10 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
         if all(b % ctx.size == 0 for b in blocks):
             return Decision(Shard(dim, blocks))
     (p,) = shards if len(shards) == 1 else (None,)
-    joined = [t for t in tensors if ctx.shape(t)[dim] != 0]
-    if p is not None and p.dim == dim and joined == [t for t in tensors if ctx.of(t) == p] and len(joined) == 1:
-        return Decision(p)  # an empty cache joined to the split sequence along it: the split, unchanged
+    if p is not None and p.dim == dim:
+        joined = [t for t in tensors if ctx.shape(t)[dim] != 0]
+        if joined == [t for t in tensors if ctx.of(t) == p] and len(joined) == 1:
+            return Decision(p)  # an empty cache joined to the split sequence along it: the split, unchanged
     if p is None or p.dim == dim:
         return replicate_all(node, ctx)
     return Decision(p, {t: p for t in tensors if ctx.of(t) != p})
@@ -682,6 +731,26 @@ def _repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     if arg(node, "dim") is None and len(ctx.shape(node.args[0])) > 1:  # repeats the flattened tensor
         return replicate_all(node, ctx)
     return Decision(p)  # repeating each of this rank's heads gives exactly its share of the repeated heads
+
+
+@rule(aten.repeat.default)
+def _repeat(node: fx.Node, ctx: Context) -> Decision:
+    """``x.repeat(...)``: a split dim repeated n times (a key's heads tiled for the queries of each routed slot,
+    JetMoE's attention experts) holds, on each rank, its part of every copy: a blocked split of n blocks."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    repeats = list(node.args[1])
+    dim = p.dim + len(repeats) - len(ctx.shape(node.args[0]))  # repeat prepends the dims it adds
+    width = ctx.shape(node.args[0])[p.dim]
+    if repeats[dim] == 1:
+        return Decision(Shard(dim, p.blocks))
+    if not ctx.pending_sums:  # tp only: a cp sequence split is contiguous chunks, never blocks
+        return replicate_all(node, ctx)
+    blocks = (p.blocks or (width,)) * repeats[dim]
+    if any(b % ctx.size for b in blocks):
+        return replicate_all(node, ctx)
+    return Decision(Shard(dim, blocks))
 
 
 @rule(aten._assert_tensor_metadata.default)

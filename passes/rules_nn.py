@@ -254,6 +254,18 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
         want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
         _mask_rows(node, ctx, want, seq, ndim)
         return Decision(Shard(seq), want)
+    blocked = {ctx.of(t) for t in (q, k, v) if isinstance(ctx.of(t), Shard) and ctx.of(t).dim == heads
+               and ctx.of(t).blocks is not None}
+    if len(blocked) == 1 and not arg(node, "enable_gqa"):
+        # heads split in blocks (keys tiled for several query groups): query head i reads key head i, so q, k and v
+        # take the same heads, the same blocks
+        (p,) = blocked
+        want = {t: p for t in (q, k, v) if ctx.of(t) != p}
+        _mask_rows(node, ctx, want, heads, ndim)
+        mask = arg(node, "attn_mask")
+        if mask in want and want[mask] != R:  # a mask per head: its heads would need the blocks too
+            return replicate_all(node, ctx)
+        return Decision(p, want)
     for dim in (heads, *range(heads)):  # attention is independent along the head and batch dims
         if any(ctx.of(t) == Shard(dim) for t in (q, k, v)):
             if dim == heads and arg(node, "enable_gqa"):

@@ -159,6 +159,8 @@ def _undetached(value):
 def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
+        if _expert_of(w) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
+            return _expert_of(w), _LINEARS[node.target][2] + 1
         return w, _LINEARS[node.target][2]
     if _is_left(node):
         return node.args[0], 0
@@ -174,6 +176,15 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
     return w, 2
 
 
+def _expert_of(w) -> fx.Node | None:
+    """The stack of expert matrices (experts, out, in) behind ``w = stack[i]``, or None."""
+    if isinstance(w, fx.Node) and w.target is aten.select.int and w.args[1] in (0, -3):
+        stack = _undetached(w.args[0])
+        if isinstance(stack, fx.Node) and stack.op == "get_attr" and len(stack.meta["val"].shape) == 3:
+            return stack
+    return None
+
+
 def _weight(node: fx.Node) -> str | None:
     w, _ = _weight_node(node)
     return w.target if isinstance(w, fx.Node) and w.op == "get_attr" else None
@@ -185,7 +196,8 @@ def _out_dim(node: fx.Node) -> int:
 
 def _in_dim(node: fx.Node) -> int:
     out = _out_dim(node)
-    return 3 - out if _stacked(node) else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
+    stacked = len(_weight_node(node)[0].meta["val"].shape) == 3
+    return 3 - out if stacked else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
 
 
 def _bias(node: fx.Node) -> str | None:
@@ -301,8 +313,10 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
         if hint is not None and blocks[hint[0]] is None and hint[0] not in hinted:
             if not hinted:
                 baseline = culprits  # the conflicts before any blocked layout: what to fall back on
-            hinted.add(hint[0])
-            blocks[hint[0]] = hint[1]
+            for c in columns:  # every expert of a stack read as W[i] is one weight: one layout
+                if _weight(c) == _weight(hint[0]):
+                    hinted.add(c)
+                    blocks[c] = hint[1]
             continue
         if baseline:
             # the blocked layouts did not help (heads viewed as (heads, head dim), not a fused projection): back

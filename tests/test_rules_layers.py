@@ -94,6 +94,12 @@ ATTENTION_CASES = [  # (args, kwargs, shard, expected placement)
                  id="gqa-heads"),
     pytest.param(qkv(), {"is_causal": True}, {0: Shard(0), 1: Shard(0), 2: Shard(0)}, Shard(0), id="batch"),
     pytest.param(qkv(), {"is_causal": True}, {0: Shard(3)}, R, id="head-dim-split-gathers"),
+    pytest.param(qkv(), {"is_causal": True}, {0: Shard(1, (2, 2)), 1: Shard(1, (2, 2)), 2: Shard(1, (2, 2))},
+                 Shard(1, (2, 2)), id="heads-in-blocks"),  # keys tiled for two query groups (JetMoE)
+    pytest.param((*qkv(), rand(B, 1, T, T, seed=3)), {}, {0: Shard(1, (2, 2)), 1: Shard(1)}, Shard(1, (2, 2)),
+                 id="heads-in-blocks-q-leads"),
+    pytest.param((*qkv(), rand(B, H, T, T, seed=3)), {}, {0: Shard(1, (2, 2)), 1: Shard(1, (2, 2)),
+                                                          2: Shard(1, (2, 2))}, R, id="heads-in-blocks-mask-per-head"),
 ]
 
 

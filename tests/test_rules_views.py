@@ -135,6 +135,20 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, 1), {"output_size": 8}, {0: Shard(1)}, Shard(1)),
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2, -3), {}, {0: Shard(1)}, Shard(1)),
     (aten.repeat_interleave.self_int, (rand(2, 4, 3), 2), {}, {0: Shard(1)}, R),
+    (aten.repeat.default, (rand(2, 4, 3), [1, 2, 1]), {}, {0: Shard(1)}, Shard(1, (4, 4))),  # heads tiled twice
+    (aten.repeat.default, (rand(2, 4, 3), [3, 1, 2]), {}, {0: Shard(1)}, Shard(1)),
+    (aten.repeat.default, (rand(2, 4, 3), [2, 1, 3, 1]), {}, {0: Shard(1)}, Shard(2, (4, 4, 4))),  # a dim prepended
+    (aten.repeat.default, (rand(2, 4, 3), [1, 2, 1]), {}, {0: Shard(1, (2, 2))}, Shard(1, (2, 2, 2, 2))),
+    (aten.index.Tensor, (rand(5, 4), [torch.tensor([3, 0, 3, 1])]), {}, {0: Shard(1)}, Shard(1)),  # tokens picked
+    (aten.index.Tensor, (rand(5, 3, 4), [torch.tensor([[3, 0], [1, 1]])]), {}, {0: Shard(2)}, Shard(3)),
+    (aten.index.Tensor, (rand(5, 3, 4), [torch.tensor([3, 0]), torch.tensor([2, 1])]), {}, {0: Shard(2)},
+     Shard(1)),
+    (aten.index.Tensor, (rand(6, 4), [torch.tensor([3, 0])]), {}, {0: Shard(0)}, R),  # the indexed dim split
+    (aten.index_add.default, (rand(5, 4), 0, torch.tensor([3, 0, 3]), rand(3, 4, seed=1)), {}, {2: Shard(1)},
+     Shard(1)),  # experts' rows added back at their tokens
+    (aten.index_add.default, (rand(5, 4), 0, torch.tensor([3, 0, 3]), rand(3, 4, seed=1)), {}, {0: Shard(1)},
+     Shard(1)),
+    (aten.index_add.default, (rand(4, 6), 1, torch.tensor([3, 0, 3]), rand(4, 3, seed=1)), {}, {2: Shard(1)}, R),
 ]
 
 

@@ -206,12 +206,30 @@ class _DataDependentRows(nn.Module):
         return self.down(torch.relu(self.up(picked))).sum(0)
 
 
-def test_values_whose_size_depends_on_the_data_stay_replicated():
+def test_a_size_that_depends_on_the_data_keeps_the_other_dims_splittable():
+    """The rows are known only when the graph runs, the features are not: the MLP is split by its features (exact
+    on JetMoE's experts in tests/test_corpus.py). A rule that reads such a size itself (the rows' count) refuses,
+    and its op stays replicated: here the boolean mask's pick."""
     x = torch.randn(6, 16)
     captured = capture(_DataDependentRows(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x[0])
-    plan = plan_tensor_parallel(captured.gm, 2)  # no rule can reason about such dims: replicated, never a crash
-    codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
-    assert any("depends on the data" in note for note in plan.notes), plan.notes
+    plan = plan_tensor_parallel(captured.gm, 2)
+    for rank in range(2):
+        codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=rank))
+    roles = _roles(plan)
+    assert roles["up.weight"] == "column" and roles["down.weight"] == "row", roles
+
+
+def test_a_rule_reading_a_size_that_depends_on_the_data_refuses():
+    from autoshard.passes.rules import Context, DataDependentShape
+
+    picked = next(n for n in capture(_DataDependentRows(), (torch.randn(6, 16),), loss_fn=lambda y, t: y.sum(),
+                                     example_target=torch.randn(16)).gm.graph.nodes
+                  if n.target is torch.ops.aten.index.Tensor)
+    rows, features = Context.shape(picked)
+    assert features == 16
+    for use in (lambda: rows == 3, lambda: rows * 2, lambda: int(rows), lambda: 4 % rows, lambda: range(rows)):
+        with pytest.raises(DataDependentShape, match="depends on the data"):
+            use()
 
 
 class _FusedQKVViewedWhole(nn.Module):
@@ -258,6 +276,8 @@ SHARDED_NOW = {
     "falcon": "x @ W.T linears round a fused q/k/v of 4 query and 2 kv heads (each a row alone)",
     "mamba": "a state-space mixer: x_proj a row inside the block, dt_proj as W @ x, the decay per channel sliced",
     "deepseek_v32": "a sparse-attention indexer computed under torch.no_grad()",
+    "jetmoe": "experts as linear(x, W[i]) over a stack, tokens per expert known only at run time; attention experts "
+              "whose keys are tiled per routed slot (repeat), their rows put back by index_add",
 }
 
 
