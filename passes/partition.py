@@ -22,6 +22,7 @@ import bisect
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 import torch
 from torch import fx
 
@@ -218,16 +219,37 @@ class _HeldBytes:
         self.total = self.prefix[-1]
         self.again = [(size[name], at) for name, at in readers.items() if at[-1] > at[0]]
         self.cache: dict[tuple[int, int], int] = {}
+        self.later: dict[int, tuple[list[int], list[int]]] = {}
 
     def __call__(self, lo: int, hi: int) -> int:
         if (lo, hi) not in self.cache:
-            held = self.prefix[hi] - self.prefix[lo]
-            for nbytes, at in self.again:
-                if at[0] < lo < hi:
-                    k = bisect.bisect_left(at, lo)
-                    held += nbytes if k < len(at) and at[k] < hi else 0
-            self.cache[lo, hi] = held
+            nexts, sums = self._read_again_from(lo)
+            self.cache[lo, hi] = self.prefix[hi] - self.prefix[lo] + sums[bisect.bisect_left(nexts, hi)]
         return self.cache[lo, hi]
+
+    def matrix(self, bounds: list[int]) -> np.ndarray:
+        """``held[a, b]``: the bytes a stage ``bounds[a]..bounds[b]-1`` holds, for every pair ``a < b`` at once."""
+        at = np.asarray(bounds)
+        prefix = np.asarray(self.prefix, dtype=np.int64)[at]
+        held = prefix[None, :] - prefix[:, None]
+        for a, lo in enumerate(bounds):
+            nexts, sums = self._read_again_from(lo)
+            if len(nexts):
+                held[a] += np.asarray(sums, dtype=np.int64)[np.searchsorted(nexts, at, side="left")]
+        return held
+
+    def _read_again_from(self, lo: int) -> tuple[list[int], list[int]]:
+        """The weights first read before ``lo`` and read again at ``lo`` or after: where each is next read, sorted,
+        and the prefix sums of their bytes in that order (a stage ``lo..hi-1`` holds those read before ``hi``). Once
+        per ``lo``: a recurrent model reads a few hundred weights again at every step of its loop."""
+        if lo not in self.later:
+            found = sorted((at[k], nbytes) for nbytes, at in self.again
+                           if at[0] < lo and (k := bisect.bisect_left(at, lo)) < len(at))
+            sums = [0]
+            for _, nbytes in found:
+                sums.append(sums[-1] + nbytes)
+            self.later[lo] = ([at for at, _ in found], sums)
+        return self.later[lo]
 
 
 def _scores(costs: list[float], memory: _HeldBytes, balance: str, stages: int):
@@ -251,6 +273,16 @@ def _scores(costs: list[float], memory: _HeldBytes, balance: str, stages: int):
             return time if balance == "time" else mem
         return max(time, mem) + (mem > BALANCED * len(spans) / stages)
 
+    def matrix(bounds: list[int]) -> np.ndarray:
+        """``score(bounds[a], bounds[b])`` for every pair ``a < b`` at once, in the same float64 operations."""
+        costs = np.asarray(prefix_cost)[np.asarray(bounds)]
+        time = (costs[None, :] - costs[:, None]) / total_cost
+        mem = memory.matrix(bounds) / total_mem
+        if balance != "both":
+            return time if balance == "time" else mem
+        return np.maximum(time, mem) + (mem > BALANCED * 1 / stages)
+
+    score.matrix = matrix
     return score
 
 
@@ -332,32 +364,50 @@ def _balanced_cuts(stage_score, candidates: list[int], nbytes: list[int], stages
                    weights: list[int]) -> list[int] | None:
     """Choose ``stages - 1`` candidate cuts minimising the largest stage score, then the bytes crossing, such that
     every stage reads a parameter (None when no choice does): a stage without one leaves its rank no weights to
-    train, whatever the cost model says."""
-    held = [0]
-    for w in weights:
-        held.append(held[-1] + w)
+    train, whatever the cost model says.
+
+    Dynamic programming over the candidates, every stage's score computed at once (``stage_score.matrix``): a
+    recurrent model has thousands of places to cut."""
+    held = np.cumsum([0, *weights])
     points = [-1, *candidates]  # position -1: before the first activation
     end = len(weights) - 1
-    # best[k][j]: (largest stage score, bytes crossing) of k stages ending at points[j]
-    best = [{0: (0.0, 0, [])}]
-    for k in range(1, stages):
-        layer = {}
+    bounds = [p + 1 for p in points] + [end + 1]  # stage (points[i], points[j]]: bounds[i]..bounds[j]-1
+    score = stage_score.matrix(bounds)
+    reads = held[np.asarray(bounds)]
+    crossing = np.asarray([nbytes[p] if p >= 0 else 0 for p in points], dtype=np.int64)
+    # best k stages ending at points[j]: the largest stage score, the bytes crossing, the point before (-1: none)
+    best, size = np.full(len(points), np.inf), np.zeros(len(points), dtype=np.int64)
+    best[0] = 0.0
+    parents = []
+    for _ in range(1, stages):
+        layer_best, layer_size = np.full(len(points), np.inf), np.zeros(len(points), dtype=np.int64)
+        parent = np.full(len(points), -1)
         for j in range(1, len(points)):
-            options = [
-                (max(prev[0], stage_score(points[i] + 1, points[j] + 1)), prev[1] + nbytes[points[j]], prev[2])
-                for i, prev in best[k - 1].items()
-                if i < j and held[points[j] + 1] > held[points[i] + 1]
-            ]
-            if options:
-                score, size, path = min(options, key=lambda o: (o[0], o[1]))
-                layer[j] = (score, size, [*path, points[j]])
-        best.append(layer)
-    finals = [
-        (max(prev[0], stage_score(points[i] + 1, end + 1)), prev[1], prev[2])
-        for i, prev in best[stages - 1].items()
-        if held[end + 1] > held[points[i] + 1]
-    ]
-    return min(finals, key=lambda o: (o[0], o[1]))[2] if finals else None
+            i = _best_before(best[:j], size[:j], score[:j, j], reads[:j] < reads[j])
+            if i is not None:
+                layer_best[j] = max(best[i], score[i, j])
+                layer_size[j], parent[j] = size[i] + crossing[j], i
+        best, size = layer_best, layer_size
+        parents.append(parent)
+    i = _best_before(best, size, score[:len(points), -1], reads[:len(points)] < reads[-1])
+    if i is None:
+        return None
+    cuts = []
+    for parent in reversed(parents):
+        cuts.append(points[i])
+        i = parent[i]
+    return cuts[::-1]
+
+
+def _best_before(best: np.ndarray, size: np.ndarray, stage: np.ndarray, valid: np.ndarray) -> int | None:
+    """The first ``i`` (a reachable, ``valid`` start) with the least ``max(best[i], stage[i])``, then least
+    ``size[i]``."""
+    scores = np.where(valid & np.isfinite(best), np.maximum(best, stage), np.inf)
+    least = scores.min(initial=np.inf)
+    if least == np.inf:
+        return None
+    tied = np.flatnonzero(scores == least)
+    return int(tied[np.argmin(size[tied])])
 
 
 def _cuts_at(order: list[fx.Node], candidates: list[int], starts: list[str], stages: int) -> list[int]:

@@ -260,7 +260,9 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
         # heads split in blocks (keys tiled for several query groups): query head i reads key head i, so q, k and v
         # take the same heads, the same blocks
         (p,) = blocked
-        want = {t: p for t in (q, k, v) if ctx.of(t) != p}
+        if any(ctx.of(t) not in (p, R) for t in (q, k, v)):  # heads laid out otherwise: not one head per head
+            return replicate_all(node, ctx)
+        want = {t: p for t in (q, k, v) if ctx.of(t) != p}  # replicated ones take their heads locally
         _mask_rows(node, ctx, want, heads, ndim)
         mask = arg(node, "attn_mask")
         if mask in want and want[mask] != R:  # a mask per head: its heads would need the blocks too

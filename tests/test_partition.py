@@ -256,3 +256,39 @@ def test_a_v_placement_balances_each_ranks_two_stages_together():
 
     loop, v = ranks(partition(gm, 4, balance="time")), ranks(partition(gm, 4, balance="time", v_shape=True))
     assert max(loop) / min(loop) > 1.3 and max(v) / min(v) < 1.02 and max(v) < max(loop)
+
+
+@pytest.mark.parametrize("balance", ["both", "time", "memory"])
+def test_the_cuts_are_the_best_of_every_choice(balance):
+    """The dynamic programme over every stage's score at once (a recurrent model has thousands of cuts to weigh)
+    finds the least largest stage score, then the fewest bytes crossing, of all choices of cuts that leave every
+    stage a weight; and the bytes each stage holds are the weights its nodes read, a tied one on every stage."""
+    import itertools
+
+    from autoshard.passes import partition as p
+
+    _, gm = _prepared("gpt")
+    order, dag = p._activation_dag(gm)
+    memory = p._HeldBytes(gm, order)
+    params = dict(gm.named_parameters())
+    read = [{s.target for s in n.all_input_nodes if s.op == "get_attr" and s.target in params} for n in order]
+    crossing = p._crossing_sets(order, dag)
+    candidates = [i for i, c in enumerate(crossing[:-1]) if len(c) == 1][:16]
+    bounds = [0, *(c + 1 for c in candidates), len(order)]
+    held = memory.matrix(bounds)
+    for a, b in itertools.combinations(range(len(bounds)), 2):
+        names = set().union(*read[bounds[a]:bounds[b]])
+        assert held[a, b] == memory(bounds[a], bounds[b]) == sum(
+            params[n].numel() * params[n].element_size() for n in names)
+    stages, weights = 4, p._weights_read(gm, order)
+    nbytes = [sum(p._bytes(n) for n in c) for c in crossing]
+    score = p._scores(p._costs(gm, order), memory, balance, stages)
+
+    def largest(cuts):
+        edges = [0, *(c + 1 for c in cuts), len(order)]
+        if any(sum(weights[lo:hi]) == 0 for lo, hi in itertools.pairwise(edges)):
+            return None
+        return max(score(lo, hi) for lo, hi in itertools.pairwise(edges)), sum(nbytes[c] for c in cuts)
+
+    every = [found for cuts in itertools.combinations(candidates, stages - 1) if (found := largest(cuts))]
+    assert largest(p._balanced_cuts(score, candidates, nbytes, stages, weights)) == min(every)

@@ -96,8 +96,9 @@ ATTENTION_CASES = [  # (args, kwargs, shard, expected placement)
     pytest.param(qkv(), {"is_causal": True}, {0: Shard(3)}, R, id="head-dim-split-gathers"),
     pytest.param(qkv(), {"is_causal": True}, {0: Shard(1, (2, 2)), 1: Shard(1, (2, 2)), 2: Shard(1, (2, 2))},
                  Shard(1, (2, 2)), id="heads-in-blocks"),  # keys tiled for two query groups (JetMoE)
-    pytest.param((*qkv(), rand(B, 1, T, T, seed=3)), {}, {0: Shard(1, (2, 2)), 1: Shard(1)}, Shard(1, (2, 2)),
+    pytest.param((*qkv(), rand(B, 1, T, T, seed=3)), {}, {0: Shard(1, (2, 2))}, Shard(1, (2, 2)),
                  id="heads-in-blocks-q-leads"),
+    pytest.param(qkv(), {}, {0: Shard(1), 1: Shard(1), 2: Shard(1, (2, 2))}, R, id="heads-in-blocks-and-not"),
     pytest.param((*qkv(), rand(B, H, T, T, seed=3)), {}, {0: Shard(1, (2, 2)), 1: Shard(1, (2, 2)),
                                                           2: Shard(1, (2, 2))}, R, id="heads-in-blocks-mask-per-head"),
 ]
