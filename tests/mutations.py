@@ -131,7 +131,7 @@ MUTANTS = (
             f"{LOOP}test_ids_and_targets_outside_the_vocabulary_raise_on_every_rank[pp2-big target]")),
     # ---------------------------------------------------------------------------------- pipeline parallelism
     Mutant("empty-stage", "passes/partition.py",
-           "if i < j and held[points[j] + 1] > held[points[i] + 1]", "if i < j",
+           "score[:j, j], reads[:j] < reads[j])", "score[:j, j], reads[:j] >= 0)",
            "the balanced partition may leave a stage that only computes the loss (no parameters to train)",
            (f"{PP}test_golden_pipeline[mlp-pp4-m4-1f1b]",
             f"{LOOP}test_a_tiny_head_leaves_no_pipeline_stage_without_parameters[pp2]")),
@@ -202,8 +202,8 @@ MUTANTS = (
            "ring attention's causal mask of global positions leaves out the diagonal",
            (f"{CP}test_golden_context_parallel_ring[gpt-2-contiguous]",)),
     Mutant("expert-row-dim", "passes/tensor_parallel.py",
-           "    return 3 - out if _stacked(node) else 1 - out",
-           "    return out if _stacked(node) else 1 - out",
+           "    return 3 - out if stacked else 1 - out",
+           "    return out if stacked else 1 - out",
            "an expert's row weight is seeded split along its output features (the experts then stay replicated)",
            ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
             "[mixtral]",)),
@@ -294,8 +294,8 @@ MUTANTS = (
            "a length the chunks do not divide loses its last tokens",
            (f"{CP}test_a_sequence_the_ranks_do_not_divide_is_split_unevenly",)),
     Mutant("pp-shared-weight-counted-once", "passes/partition.py",
-           "                    held += nbytes if k < len(at) and at[k] < hi else 0",
-           "                    held += 0",
+           "self.again = [(size[name], at) for name, at in readers.items() if at[-1] > at[0]]",
+           "self.again = []",
            "a weight held by two stages counts only on its first reader's: T5's other stage holds 0.61",
            ("tests/test_partition.py::test_a_weight_held_on_two_stages_counts_on_both_and_the_balance_sees_it",)),
     Mutant("pp-received-row-major", "passes/pipeline_split.py",
@@ -356,6 +356,32 @@ MUTANTS = (
            "window are attended",
            ("tests/test_capture.py::test_a_constant_causal_mask_becomes_is_causal_and_any_other_mask_stays"
             "[window-False]",)),
+    Mutant("index-add-x-unsliced", "passes/rules.py",
+           "    return Decision(p, {v: p for v in (x, source) if ctx.of(v) != p})\n", "    return Decision(p)\n",
+           "index_add of a split source into a replicated tensor keeps the whole tensor on each rank: the rows the "
+           "experts add back land in the wrong columns",
+           ("tests/test_rules_views.py::test_views_and_slices",)),
+    Mutant("index-split-dim-not-moved", "passes/rules.py",
+           "Shard(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading), p.blocks)",
+           "Shard(p.dim, p.blocks)",
+           "x[ids] with a 2-D index keeps the split at the input's dim number, not where the output holds it",
+           ("tests/test_rules_views.py::test_views_and_slices",)),
+    Mutant("repeat-forgets-blocks", "passes/rules.py",
+           "    blocks = (p.blocks or (width,)) * repeats[dim]", "    blocks = p.blocks",
+           "heads tiled by repeat are taken for a contiguous split: each rank pairs its queries with other heads' keys",
+           ("tests/test_rules_views.py::test_views_and_slices",)),
+    Mutant("expert-stack-dim", "passes/tensor_parallel.py",
+           "            return _expert_of(w), _LINEARS[node.target][2] + 1",
+           "            return _expert_of(w), _LINEARS[node.target][2]",
+           "linear(x, W[i]) over a stack of experts is seeded on the experts' dim: the stack's experts are split "
+           "instead of each expert's features",
+           ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
+            "[jetmoe]", "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[jetmoe-tp2]")),
+    Mutant("partition-forgets-earlier-stages", "passes/partition.py",
+           "                layer_best[j] = max(best[i], score[i, j])", "                layer_best[j] = score[i, j]",
+           "the cut search scores k stages by their last stage alone: an earlier stage may hold far more than its "
+           "share",
+           ("tests/test_partition.py::test_the_cuts_are_the_best_of_every_choice",)),
     # ------------------------------------------------------------------------------------ the harness itself
     Mutant("verify-loose", "autoshard/verify.py",
            "RTOL = 1e-4", "RTOL = 1e-2",
