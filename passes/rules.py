@@ -317,6 +317,15 @@ def _index(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading), p.blocks))
 
 
+@rule(aten.index_select.default)
+def _index_select(node: fx.Node, ctx: Context) -> Decision:
+    """``x.index_select(dim, ids)`` (XLNet's relative shift keeps the first positions): a split of another dim stays."""
+    p, ids = _one_input_shard(node, ctx), arg(node, "index")
+    if p is None or ctx.of(ids) != R or p.dim == _dim(arg(node, "dim"), len(ctx.shape(node))):
+        return replicate_all(node, ctx) if p is not None or ctx.of(ids) != R else _pointwise(node, ctx)
+    return Decision(p)
+
+
 @rule(aten.index_put.default, aten.index_put_.default)
 def _masked_put(node: fx.Node, ctx: Context) -> Decision:
     """``x[mask] = value`` with a boolean mask of ``x``'s shape and one value for every masked element: element-wise

@@ -165,6 +165,51 @@ def _baddbmm(node: fx.Node, ctx: Context) -> Decision:
     return decision
 
 
+def einsum_letters(equation: str, operands: int) -> tuple[list[str], str] | None:
+    """The subscripts of each operand of ``einsum(equation, ...)`` and of its output (implicit output: the letters
+    seen once, in alphabetical order); None for an ellipsis or a count that does not match."""
+    equation = equation.replace(" ", "")
+    if "." in equation:
+        return None
+    inputs, _, out = equation.partition("->")
+    specs = inputs.split(",")
+    if len(specs) != operands:
+        return None
+    if "->" not in equation:
+        letters = "".join(specs)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return specs, out
+
+
+@rule(aten.einsum.default)
+def _einsum(node: fx.Node, ctx: Context) -> Decision:
+    """A split subscript stays split: every operand that has it takes the same part, and the output is split along
+    it, or, when the subscript is summed over (a row: ``ibnd,hnd->ibh`` with heads split), each rank's product is a
+    summand (tp only). XLNet's attention, written in einsums over (hidden, heads, head dim) weights, so keeps its heads
+    split from the q, k, v projections to the output one."""
+    operands = list(node.args[1])
+    letters = einsum_letters(node.args[0], len(operands))
+    placements = [ctx.of(o) for o in operands]
+    if letters is None:  # an ellipsis: whole operands
+        return replicate_all(node, ctx)
+    split = {(spec[p.dim], p.blocks) for spec, p in zip(letters[0], placements, strict=True) if isinstance(p, Shard)}
+    if len(split) != 1 or any(isinstance(p, Partial) for p in placements):
+        return replicate_all(node, ctx)  # nothing split (a pending sum taken whole), or two subscripts split
+    specs, out = letters
+    ((letter, blocks),) = split
+    if any(spec.count(letter) > 1 for spec in specs) or (letter not in out and not ctx.pending_sums):
+        return replicate_all(node, ctx)
+    want: dict[fx.Node, Placement] = {}
+    for o, spec, p in zip(operands, specs, placements, strict=True):
+        d = spec.find(letter)
+        if d >= 0 and ctx.shape(o)[d] != 1:
+            if p != Shard(d, blocks):
+                want[o] = Shard(d, blocks)
+        elif not isinstance(p, Replicate):
+            want[o] = R
+    return Decision(Shard(out.index(letter), blocks) if letter in out else Partial(), want)
+
+
 def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     pa, pb = ctx.of(a), ctx.of(b)
     na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))

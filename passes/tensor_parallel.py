@@ -42,7 +42,7 @@ from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, requires_grad
 from autoshard.passes.propagate import propagate as _propagate_any_axis
 from autoshard.passes.rules import arg
-from autoshard.passes.rules_nn import is_grouped_mm
+from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
@@ -122,7 +122,7 @@ def _is_linear(node: fx.Node) -> bool:
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
         return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 2
-    return node.target in _LINEARS or _stacked(node)
+    return node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None
 
 
 def _is_left(node: fx.Node) -> bool:
@@ -157,6 +157,8 @@ def _undetached(value):
 
 
 def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
+    if (einsum := _einsum_weight(node)) is not None:
+        return einsum[0], einsum[1]
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         if _expert_of(w) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
@@ -174,6 +176,26 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
     if isinstance(w, fx.Node) and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:3]) == [1, 2]:
         return w.args[0], 1
     return w, 2
+
+
+def _einsum_weight(node: fx.Node) -> tuple[fx.Node, int, int, fx.Node] | None:
+    """``einsum(equation, [x, W])`` of a parameter ``W`` (XLNet's ``ibh,hnd->ibnd``): ``W``, its first dim that the
+    output keeps and ``x`` lacks (a column splits it: the heads), its first dim summed with ``x`` (a row splits it),
+    and ``x``; None for any other einsum."""
+    if node.target is not aten.einsum.default or len(node.args[1]) != 2:
+        return None
+    letters = einsum_letters(node.args[0], 2)
+    operands = [_undetached(o) for o in node.args[1]]
+    weights = [i for i, o in enumerate(operands) if isinstance(o, fx.Node) and o.op == "get_attr"]
+    if letters is None or len(weights) != 1:
+        return None
+    (specs, out), (i,) = letters, weights
+    spec, other = specs[i], specs[1 - i]
+    kept = [d for d, c in enumerate(spec) if c in out and c not in other]
+    summed = [d for d, c in enumerate(spec) if c not in out and c in other]
+    if len(set(spec)) != len(spec) or not kept or not summed:
+        return None
+    return operands[i], kept[0], summed[0], node.args[1][1 - i]
 
 
 def _expert_of(w) -> fx.Node | None:
@@ -195,6 +217,8 @@ def _out_dim(node: fx.Node) -> int:
 
 
 def _in_dim(node: fx.Node) -> int:
+    if (einsum := _einsum_weight(node)) is not None:
+        return einsum[2]
     out = _out_dim(node)
     stacked = len(_weight_node(node)[0].meta["val"].shape) == 3
     return 3 - out if stacked else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
@@ -238,6 +262,8 @@ def _is_free(node: fx.Node, plan: TensorParallelPlan, state: Propagation | None)
 
 def _input(node: fx.Node) -> fx.Node:
     """The activation a linear multiplies: linear(x, w, b), addmm(b, x, w) and grouped(x, w, offsets)."""
+    if (einsum := _einsum_weight(node)) is not None:
+        return einsum[3]
     if node.target not in _LINEARS:
         return node.args[1] if _is_left(node) else node.args[0]
     return arg(node, "input" if node.target is aten.linear.default else "mat1")

@@ -62,6 +62,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("mixtral", "tp4"),  # experts split four ways
     ("qwen2_moe", "tp4"),
     ("gpt_oss", "tp4"),
+    ("xlnet", "tp4"),  # attention as einsums over (hidden, heads, head dim) weights: one head per rank
     ("llama4_text", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
     ("recurrent_gemma", "pp2"),  # a balanced cut where transposed values cross

@@ -322,3 +322,21 @@ def test_a_state_space_mixer_is_split_as_megatron_splits_it():
         "in_proj.weight": "column", "x_proj.weight": "row", "dt_proj.weight": "column", "out_proj.weight": "row",
         "A_log": "sliced", "D": "sliced", "conv1d.weight": "sliced", "conv1d.bias": "sliced", "dt_proj.bias": "sliced",
     }, mixer
+
+
+def test_einsum_attention_is_split_by_heads():
+    """XLNet's attention, einsums over (hidden, heads, head dim) weights: q, k, v and the relative-position
+    projection are columns split by heads (``ibh,hnd->ibnd``), the output projection a row (``ibnd,hnd->ibh``, the
+    heads summed), and the per-head biases added to q held split, at tp=2 and at tp=4 (one head per rank)."""
+    from corpus.architectures import build as build_corpus
+
+    case = build_corpus("xlnet")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    for size in (2, 4):
+        plan = plan_tensor_parallel(captured.gm, size)
+        attention = {name.split("rel_attn.")[1]: p for name, p in plan.params.items() if "layer.0.rel_attn." in name}
+        assert {k: (p.role, p.placement) for k, p in attention.items() if p.role != "replicated"} == {
+            "q": ("column", Shard(1)), "k": ("column", Shard(1)), "v": ("column", Shard(1)),
+            "r": ("column", Shard(1)), "o": ("row", Shard(1)),
+            "r_r_bias": ("sliced", Shard(0)), "r_w_bias": ("sliced", Shard(0)),
+        }, attention
