@@ -26,7 +26,7 @@ from autoshard import meta
 from autoshard.passes.collectives import ReduceFromParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
 from autoshard.passes.placements import Partial, R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
-from autoshard.passes.rules import LOCALIZERS, arg, localizer
+from autoshard.passes.rules import LOCALIZERS, arg, is_table_lookup, localizer
 
 aten = torch.ops.aten
 _REDUCTIONS = ("none", "mean", "sum")
@@ -257,15 +257,21 @@ def _row_linear(node: fx.Node, rw: Rewriter) -> None:
     rw.replace(node, out)
 
 
-@localizer(aten.embedding.default)
+@localizer(aten.embedding.default, aten.index.Tensor)
 def _vocab_embedding(node: fx.Node, rw: Rewriter) -> None:
-    """The vocab-parallel lookup, carrying ``padding_idx`` (the rule refuses the arguments it cannot carry)."""
-    w, ids = arg(node, "weight"), arg(node, "indices")
+    """The vocab-parallel lookup, carrying ``padding_idx`` (the rule refuses the arguments it cannot carry); also of
+    ``table[ids]``, the same lookup without a padding row."""
+    if node.target is aten.index.Tensor:
+        if not is_table_lookup(node):
+            return
+        w, ids, pad = node.args[0], node.args[1][0], -1
+    else:
+        w, ids, pad = arg(node, "weight"), arg(node, "indices"), arg(node, "padding_idx")
     if rw.placement(w) != Shard(0):
         return
-    assert not arg(node, "scale_grad_by_freq") and not arg(node, "sparse"), "the embedding rule refuses these"
+    if node.target is aten.embedding.default:
+        assert not arg(node, "scale_grad_by_freq") and not arg(node, "sparse"), "the embedding rule refuses these"
     vocab = w.meta["val"].shape[0]
-    pad = arg(node, "padding_idx")
     start, end = _vocab_range(vocab, rw)
     module = VocabParallelEmbedding(vocab_start=start, vocab_end=end, num_embeddings=vocab,
                                     padding_idx=None if pad == -1 else pad, **rw.collective_args)

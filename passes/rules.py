@@ -304,6 +304,16 @@ def _index_add(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p, {v: p for v in (x, source) if ctx.of(v) != p})
 
 
+def is_table_lookup(node: fx.Node) -> bool:
+    """``table[ids]`` of a 2-D parameter by one tensor of integer ids: an embedding lookup (Whisper's positions)."""
+    if node.target is not aten.index.Tensor:
+        return False
+    x, indices = node.args[0], node.args[1]
+    return (isinstance(x, fx.Node) and x.op == "get_attr"
+            and x.meta["val"].dim() == 2 and len(indices) == 1 and isinstance(indices[0], fx.Node)
+            and not indices[0].meta["val"].dtype.is_floating_point and indices[0].meta["val"].dtype != torch.bool)
+
+
 @rule(aten.index.Tensor)
 def _index(node: fx.Node, ctx: Context) -> Decision:
     """``x[ids]`` (tokens gathered per expert, rows put back in order): integer index tensors on the leading dims
@@ -311,6 +321,8 @@ def _index(node: fx.Node, ctx: Context) -> Decision:
     x, indices = node.args[0], list(node.args[1])
     p = ctx.of(x)
     leading = len(indices)
+    if is_table_lookup(node) and p == Shard(0) and ctx.pending_sums:  # a table split by rows: vocab-parallel
+        return Decision(R, {indices[0]: R} if ctx.of(indices[0]) != R else {})
     if not isinstance(p, Shard) or p.dim < leading or any(
             not isinstance(i, fx.Node) or i.meta["val"].dtype == torch.bool or ctx.of(i) != R for i in indices):
         return replicate_all(node, ctx)

@@ -41,7 +41,7 @@ from autoshard.passes.collectives import local_indices
 from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, requires_grad
 from autoshard.passes.propagate import propagate as _propagate_any_axis
-from autoshard.passes.rules import arg
+from autoshard.passes.rules import arg, is_table_lookup
 from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
@@ -140,7 +140,24 @@ def _stacked(node: fx.Node) -> bool:
     if node.target is not aten.bmm.default:
         return False
     w, _ = _weight_node(node)
-    return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 3
+    return isinstance(w, fx.Node) and w.op == "get_attr" and (len(w.meta["val"].shape) == 3
+                                                              or _grouped_weight(node) is not None)
+
+
+def _grouped_weight(node: fx.Node) -> fx.Node | None:
+    """The 2-D parameter ``W`` (groups * out, in) of ``bmm(x, W.view(groups, out, in).transpose(1, 2))``: a grouped
+    linear, each group of features of ``x`` times its own rows of ``W`` (DeepSeek V4's grouped output projection).
+    A column splits ``W``'s rows, whole groups to a rank."""
+    w = node.args[1]
+    if node.target is not aten.bmm.default or not (isinstance(w, fx.Node) and w.target is aten.transpose.int
+                                                   and sorted(d % 3 for d in w.args[1:3]) == [1, 2]):
+        return None
+    view = w.args[0]
+    param = _undetached(view.args[0]) if isinstance(view, fx.Node) and view.target in _RESHAPES else None
+    if not (isinstance(param, fx.Node) and param.op == "get_attr" and param.meta["val"].dim() == 2):
+        return None
+    (rows, cols), shape = param.meta["val"].shape, view.meta["val"].shape
+    return param if len(shape) == 3 and shape[0] * shape[1] == rows and shape[2] == cols else None
 
 
 def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
@@ -150,10 +167,24 @@ def _weight_node(node: fx.Node) -> tuple[fx.Node | None, int]:
 
 
 def _undetached(value):
-    """The parameter behind ``value.detach()`` (a weight read inside a ``torch.no_grad()`` region)."""
-    while isinstance(value, fx.Node) and value.target is aten.detach.default:
+    """The parameter behind ``value.detach()`` (a weight read inside a ``torch.no_grad()`` region) or behind a cast
+    (``fn.float()``: hyper-connections mixing their streams in fp32)."""
+    while isinstance(value, fx.Node) and value.target in _READS:
         value = value.args[0]
     return value
+
+
+_READS = {aten.detach.default, aten.to.dtype, aten.alias.default}  # a weight read as it is, or cast
+
+
+def _cast_weight(node: fx.Node) -> bool:
+    """Whether a linear reads its weight cast (``router.float()``): an MoE router's or a hyper-connection's mix,
+    whose few outputs are read whole (a softmax, a top-k) and never open a block as its column; such a linear is
+    split alone by rows, or not at all."""
+    w = _weight_use(node)[0]
+    while isinstance(w, fx.Node) and w.target is aten.detach.default:
+        w = w.args[0]
+    return isinstance(w, fx.Node) and w.target is aten.to.dtype
 
 
 def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
@@ -172,6 +203,8 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
                 w.target is aten.transpose.int and sorted(d % 2 for d in w.args[1:3]) == [0, 1])):
             return w.args[0], 0
         return w, 1
+    if (grouped := _grouped_weight(node)) is not None:
+        return grouped, 0
     w = node.args[1]  # grouped: (experts, in, out), stored as it is or as its transpose (experts, out, in)
     if isinstance(w, fx.Node) and w.target is aten.transpose.int and sorted(d % 3 for d in w.args[1:3]) == [1, 2]:
         return w.args[0], 1
@@ -285,7 +318,7 @@ def _walk(start: list[fx.Node], grad: set[fx.Node], step) -> list[fx.Node]:
         seen.add(node)
         if len(seen) > _CONE_LIMIT:
             return []
-        if _is_linear(node) and _weight(node) is not None:
+        if _is_linear(node) and _weight(node) is not None and not _cast_weight(node):
             found.append(node)
         elif node in grad and node.op == "call_function":
             todo.extend(step(node))
@@ -404,9 +437,9 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
     tokens = max((n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and
                   isinstance(n.meta.get("val"), torch.Tensor) and not n.meta["val"].is_floating_point()), default=0)
     for node in gm.graph.nodes:
-        if node.target is not aten.embedding.default:
+        if node.target is not aten.embedding.default and not is_table_lookup(node):
             continue
-        w, ids = node.args[0], node.args[1]
+        w, ids = node.args[0], (node.args[1] if node.target is aten.embedding.default else node.args[1][0])
         if w.op != "get_attr" or w.target not in params or w.target in plan.params:
             continue
         columns = propagate(gm, {**state.seeds, w.target: Shard(1)}, plan.size, base=state)
@@ -616,9 +649,9 @@ def _is_input(ids: fx.Node) -> bool:
 
 def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[str]) -> Propagation:
     for node in gm.graph.nodes:
-        if node.target is not aten.embedding.default:
+        if node.target is not aten.embedding.default and not is_table_lookup(node):
             continue
-        w, ids = node.args[0], node.args[1]
+        w, ids = node.args[0], (node.args[1] if node.target is aten.embedding.default else node.args[1][0])
         if w.op != "get_attr" or w.target not in params or not _is_input(ids) or w.target in plan.params:
             continue
         vocab = gm.get_parameter(w.target).shape[0]

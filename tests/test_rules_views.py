@@ -143,7 +143,8 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.index.Tensor, (rand(5, 3, 4), [torch.tensor([[3, 0], [1, 1]])]), {}, {0: Shard(2)}, Shard(3)),
     (aten.index.Tensor, (rand(5, 3, 4), [torch.tensor([3, 0]), torch.tensor([2, 1])]), {}, {0: Shard(2)},
      Shard(1)),
-    (aten.index.Tensor, (rand(6, 4), [torch.tensor([3, 0])]), {}, {0: Shard(0)}, R),  # the indexed dim split
+    (aten.index.Tensor, (rand(6, 4), [torch.tensor([3, 0])]), {}, {0: Shard(0)}, R),  # a table split by rows:
+    (aten.index.Tensor, (rand(6, 4, 2), [torch.tensor([3, 0])]), {}, {0: Shard(0)}, R),  # vocab-parallel; else whole
     (aten.index_add.default, (rand(5, 4), 0, torch.tensor([3, 0, 3]), rand(3, 4, seed=1)), {}, {2: Shard(1)},
      Shard(1)),  # experts' rows added back at their tokens
     (aten.index_add.default, (rand(5, 4), 0, torch.tensor([3, 0, 3]), rand(3, 4, seed=1)), {}, {0: Shard(1)},
