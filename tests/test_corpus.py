@@ -63,6 +63,9 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("qwen2_moe", "tp4"),
     ("gpt_oss", "tp4"),
     ("xlnet", "tp4"),  # attention as einsums over (hidden, heads, head dim) weights: one head per rank
+    ("whisper", "tp4"),  # positions read as table[ids]: a vocab-parallel lookup
+    ("hy_v4", "tp4"),  # hyper-connections mixing their streams with weights read cast: rows alone
+    ("deepseek_v4", "tp2"),  # a grouped output projection (bmm over weight.view(groups, rank, in)) and its mix
     ("llama4_text", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
     ("recurrent_gemma", "pp2"),  # a balanced cut where transposed values cross
