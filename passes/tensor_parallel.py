@@ -88,6 +88,11 @@ def plan_tensor_parallel(gm: fx.GraphModule, size: int, *, indivisible: str = "e
         if columns and _is_free(row, plan, None):
             columns, row = _enclosing(gm, plan, state, columns, row, grad, order) or (columns, row)
             state = _try_region(gm, plan, state, columns, row, indivisible, blockers)
+    routers = [n for n in _linears(gm, params) if _is_free(n, plan, state) and _chooses(n)]
+    for router in routers:
+        for name in filter(None, (_weight(router), _bias(router))):
+            plan.params[name] = ParamPlan(R, "replicated", "a router: its outputs choose (top-k), so every rank "
+                                          "computes them whole and chooses as the model run whole does")
     for lone in _linears(gm, params):
         if _is_free(lone, plan, state):
             state = _try_region(gm, plan, state, [lone], None, "replicate")
@@ -280,6 +285,32 @@ def _enclosing(gm, plan, state, columns, row, grad, order):
         if _weight(later) in scratch.params and all(_weight(c) in scratch.params for c in cone):
             return cone, later
     return None
+
+
+_CHOICES = {aten.topk.default, aten.sort.default, aten.argsort.default, aten.argmax.default, aten.argmin.default}
+
+
+def _chooses(linear: fx.Node, limit: int = 40) -> bool:
+    """Whether a linear's own outputs are ranked by a top-k (or a sort, an argmax) within ``limit`` ops, through no
+    other product: an MoE router, whose logits choose the experts. Split alone, its logits would be sums of
+    per-rank parts, rounded otherwise than the whole product: a near tie could pick another expert than the model
+    run whole picks. Routers stay replicated, as Megatron keeps them. (A sparse-attention indexer ranks keys by
+    products of its outputs with others: not a router.)"""
+    seen, todo = set(), [linear]
+    while todo and len(seen) < limit:
+        node = todo.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target in _CHOICES:
+            return True
+        if node is linear or node.target not in _PRODUCTS:
+            todo.extend(node.users)
+    return False
+
+
+_PRODUCTS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+             aten.baddbmm.default, aten.einsum.default, aten.scaled_dot_product_attention.default}
 
 
 def _forward_cone(x: fx.Node, grad: set[fx.Node]) -> list[fx.Node]:

@@ -414,4 +414,9 @@ MUTANTS = (
            "        return grouped, 0", "        return grouped, 1",
            "a grouped projection's column is seeded on its input features instead of its groups' rows",
            ("tests/test_tensor_parallel_plan.py::test_grouped_projections_cast_weights_and_indexed_tables_are_split",)),
+    Mutant("router-split-alone", "passes/tensor_parallel.py",
+           "    routers = [n for n in _linears(gm, params) if _is_free(n, plan, state) and _chooses(n)]",
+           "    routers = []",
+           "a router is split alone: its all-reduced logits round otherwise and a near tie picks another expert",
+           ("tests/test_tensor_parallel_plan.py::test_a_router_stays_replicated",)),
 )

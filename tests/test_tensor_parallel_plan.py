@@ -193,6 +193,30 @@ def test_a_linear_of_a_computed_weight_is_not_taken_for_a_column():
     assert roles["router"] in ("replicated", "row"), "never a column: its few outputs are read whole"
 
 
+class _TopKRouter(nn.Module):
+    """An MLP scaled by a router's top-2 weights (no experts: the router alone is the point)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, _ = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.down(torch.relu(self.up(x))) * weights.sum(-1, keepdim=True)
+
+
+def test_a_router_stays_replicated():
+    """Split alone, a router's logits would be sums of per-rank parts, rounded otherwise than the whole product: a near
+    tie could pick another expert. It is held whole, as Megatron holds it; the MLP is split."""
+    x = torch.randn(2, 16)
+    captured = capture(_TopKRouter(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
+    plan = plan_tensor_parallel(captured.gm, 2)
+    roles = _roles(plan)
+    assert roles["up.weight"] == "column" and roles["down.weight"] == "row", roles
+    assert roles["router.weight"] == "replicated" and "router" in plan.params["model.router.weight"].reason
+
+
 class _DataDependentRows(nn.Module):
     """An MLP over the rows a mask picks (as a mixture of experts picks each expert's tokens): sizes known only
     when the graph runs."""
