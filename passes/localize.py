@@ -23,7 +23,12 @@ import torch
 from torch import fx
 
 from autoshard import meta
-from autoshard.passes.collectives import ReduceFromParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
+from autoshard.passes.collectives import (
+    CopyToParallel,
+    ReduceFromParallel,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
 from autoshard.passes.placements import Partial, R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
 from autoshard.passes.rules import LOCALIZERS, arg, is_table_lookup, localizer
@@ -218,6 +223,39 @@ def _depthwise_conv(node: fx.Node, rw: Rewriter) -> None:
         else:
             args[6] = args[6] // rw.size
         node.args = tuple(args)
+
+
+@localizer(aten.conv2d.default)
+def _row_patch_conv(node: fx.Node, rw: Rewriter) -> None:
+    """A patch embedding with this rank's rows of the kernel: the rows of every patch they read taken from the
+    image ((H / kh) patches of kh rows, this rank's kh / t of each), convolved with the patch's stride, the partial
+    products all-reduced, then the bias added once."""
+    x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
+    if rw.placement(w) != Shard(2):
+        return
+    rw.even_parts("a patch embedding's kernel rows")
+    _, channels, height, width = x.meta["val"].shape
+    kernel, kw = w.meta["val"].shape[2:]
+    rows = kernel // rw.size
+    graph = node.graph
+
+    def add(op, args) -> fx.Node:
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args)
+        new.meta.update(node.meta)
+        return new
+
+    if x in rw.grad:  # Megatron's f: each rank's gradient covers its rows of the image; summed
+        x = rw.cached(x, "f", lambda args: CopyToParallel(**args), before=node)
+    patches = add(aten.view.default, (x, [-1, channels, height // kernel, kernel, width]))
+    mine = add(aten.slice.Tensor, (patches, 3, rw.rank * rows, (rw.rank + 1) * rows))
+    image = add(aten.reshape.default, (mine, [-1, channels, height // kernel * rows, width]))
+    partial = add(aten.conv2d.default, (image, w, None, [rows, kw]))
+    out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)
+    if b is not None:
+        bias = add(aten.view.default, (add(aten.type_as.default, (b, out)), [-1, 1, 1]))
+        out = add(aten.add.Tensor, (out, bias))
+    rw.replace(node, out)
 
 
 @localizer(aten.repeat_interleave.self_int)

@@ -74,6 +74,30 @@ def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p, want)
 
 
+def is_patch_conv(node: fx.Node) -> bool:
+    """A 2-D convolution whose stride is its kernel, without padding, dilation or groups, over an image whose
+    height the kernel divides: a vision model's patch embedding, a linear over each patch's pixels."""
+    if node.op != "call_function" or node.target is not aten.conv2d.default:
+        return False
+    x, w = arg(node, "input"), arg(node, "weight")
+    shape, kernel = Context.shape(x), list(Context.shape(w)[2:])
+    return (len(shape) == 4 and len(kernel) == 2 and shape[2] % kernel[0] == 0 and arg(node, "groups") == 1
+            and list(arg(node, "stride")) == kernel and not any(arg(node, "padding"))
+            and list(arg(node, "dilation")) == [1, 1])
+
+
+@rule(aten.conv2d.default)
+def _patch_conv(node: fx.Node, ctx: Context) -> Decision:
+    """A patch embedding split by rows of its kernel (tp only): each rank convolves its rows of every patch, and one
+    all-reduce sums the products (the localizer's; the bias is added once, after it). Anything else replicates."""
+    w = arg(node, "weight")
+    others = [n for n in tensor_inputs(node) if n is not w]
+    if (ctx.of(w) == Shard(2) and ctx.pending_sums and is_patch_conv(node) and ctx.shape(w)[2] % ctx.size == 0
+            and all(ctx.of(n) == R for n in others)):
+        return Decision(R)
+    return replicate_all(node, ctx)
+
+
 @rule(aten.max.dim, aten.min.dim)
 def _reduce_with_indices(node: fx.Node, ctx: Context) -> Decision:
     """``x.max(dim)``: values and indices, both split as ``x`` when ``dim`` is not its split dim (attention sinks'

@@ -42,7 +42,7 @@ from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, requires_grad
 from autoshard.passes.propagate import propagate as _propagate_any_axis
 from autoshard.passes.rules import arg, is_table_lookup
-from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm
+from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm, is_patch_conv
 from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
@@ -127,7 +127,7 @@ def _is_linear(node: fx.Node) -> bool:
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
         return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 2
-    return node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None
+    return node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None or is_patch_conv(node)
 
 
 def _is_left(node: fx.Node) -> bool:
@@ -195,6 +195,8 @@ def _cast_weight(node: fx.Node) -> bool:
 def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
     if (einsum := _einsum_weight(node)) is not None:
         return einsum[0], einsum[1]
+    if is_patch_conv(node):  # (out channels, in channels, kernel rows, kernel columns)
+        return arg(node, "weight"), 0
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         if _expert_of(w) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
@@ -257,6 +259,8 @@ def _out_dim(node: fx.Node) -> int:
 def _in_dim(node: fx.Node) -> int:
     if (einsum := _einsum_weight(node)) is not None:
         return einsum[2]
+    if is_patch_conv(node):  # the kernel's rows: each rank reads its rows of every patch
+        return 2
     out = _out_dim(node)
     stacked = len(_weight_node(node)[0].meta["val"].shape) == 3
     return 3 - out if stacked else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)

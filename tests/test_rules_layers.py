@@ -291,6 +291,13 @@ MATMUL_CASES = [
                  id="einsum-ellipsis"),
     pytest.param(aten.einsum.default, ("ij,jk->ik", [rand(4, 6), rand(6, 8, seed=1)]), {0: Shard(0), 1: Shard(1)},
                  R, id="einsum-two-subscripts"),
+    # a vision model's patch embedding (stride = kernel): split by the kernel's rows, the products all-reduced
+    pytest.param(aten.conv2d.default, (rand(2, 3, 8, 12), rand(6, 3, 4, 4, seed=1), rand(6, seed=2), [4, 4]),
+                 {1: Shard(2)}, R, id="conv2d-patches-by-kernel-rows"),
+    pytest.param(aten.conv2d.default, (rand(2, 3, 8, 12), rand(6, 3, 4, 4, seed=1), None, [4, 4]),
+                 {1: Shard(2)}, R, id="conv2d-patches-without-bias"),
+    pytest.param(aten.conv2d.default, (rand(2, 3, 8, 12), rand(6, 3, 4, 4, seed=1), rand(6, seed=2), [2, 2]),
+                 {1: Shard(2)}, R, id="conv2d-overlapping-gathers"),
 ]
 
 

@@ -398,3 +398,16 @@ def test_grouped_projections_cast_weights_and_indexed_tables_are_split():
         "grouped": ("column", Shard(0)), "mix.weight": ("row", Shard(1)), "fn": ("column", Shard(0)),
         "positions": ("vocab", Shard(0)),
     }, params
+
+
+def test_a_patch_embedding_is_split_by_the_rows_of_its_kernel():
+    """ViT's patch embedding (a conv whose stride is its kernel: a linear over each patch's pixels) is split alone
+    by the kernel's rows, its bias added once after the sum; a rank holds about 1/tp of the model."""
+    from corpus.architectures import build as build_corpus
+
+    case = build_corpus("vision/vit")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    plan = plan_tensor_parallel(captured.gm, 4)
+    stem = {n.rsplit(".", 1)[1]: p for n, p in plan.params.items() if "patch_embeddings.projection" in n}
+    assert {k: (p.role, p.placement) for k, p in stem.items()} == {
+        "weight": ("row", Shard(2)), "bias": ("replicated", R)}
