@@ -225,7 +225,7 @@ def _depthwise_conv(node: fx.Node, rw: Rewriter) -> None:
         node.args = tuple(args)
 
 
-@localizer(aten.conv2d.default)
+@localizer(aten.conv2d.default, aten.conv2d.padding)
 def _row_patch_conv(node: fx.Node, rw: Rewriter) -> None:
     """A patch embedding with this rank's rows of the kernel: the rows of every patch they read taken from the
     image ((H / kh) patches of kh rows, this rank's kh / t of each), convolved with the patch's stride, the partial

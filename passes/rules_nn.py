@@ -77,16 +77,17 @@ def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
 def is_patch_conv(node: fx.Node) -> bool:
     """A 2-D convolution whose stride is its kernel, without padding, dilation or groups, over an image whose
     height the kernel divides: a vision model's patch embedding, a linear over each patch's pixels."""
-    if node.op != "call_function" or node.target is not aten.conv2d.default:
+    if node.op != "call_function" or node.target not in (aten.conv2d.default, aten.conv2d.padding):
         return False
-    x, w = arg(node, "input"), arg(node, "weight")
+    x, w, padding = arg(node, "input"), arg(node, "weight"), arg(node, "padding")
     shape, kernel = Context.shape(x), list(Context.shape(w)[2:])
     return (len(shape) == 4 and len(kernel) == 2 and shape[2] % kernel[0] == 0 and arg(node, "groups") == 1
-            and list(arg(node, "stride")) == kernel and not any(arg(node, "padding"))
+            and list(arg(node, "stride")) == kernel and (padding == "valid" or not isinstance(padding, str)
+                                                          and not any(padding))
             and list(arg(node, "dilation")) == [1, 1])
 
 
-@rule(aten.conv2d.default)
+@rule(aten.conv2d.default, aten.conv2d.padding)
 def _patch_conv(node: fx.Node, ctx: Context) -> Decision:
     """A patch embedding split by rows of its kernel (tp only): each rank convolves its rows of every patch, and one
     all-reduce sums the products (the localizer's; the bias is added once, after it). Anything else replicates."""

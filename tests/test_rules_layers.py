@@ -298,6 +298,8 @@ MATMUL_CASES = [
                  {1: Shard(2)}, R, id="conv2d-patches-without-bias"),
     pytest.param(aten.conv2d.default, (rand(2, 3, 8, 12), rand(6, 3, 4, 4, seed=1), rand(6, seed=2), [2, 2]),
                  {1: Shard(2)}, R, id="conv2d-overlapping-gathers"),
+    pytest.param(aten.conv2d.padding, (rand(2, 3, 8, 12), rand(6, 3, 4, 4, seed=1), rand(6, seed=2), [4, 4],
+                                       "valid"), {1: Shard(2)}, R, id="conv2d-padding-valid"),
 ]
 
 
