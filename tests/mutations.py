@@ -66,8 +66,9 @@ MUTANTS = (
            "the vocab-parallel lookup's range is off by one at its end",
            (f"{TP}test_golden_tensor_parallel[gpt-2]",)),
     Mutant("row-linear-no-all-reduce", "passes/localize.py",
-           "out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)",
-           "out = partial",
+           "        partial = add(aten.mul.Tensor, (partial, alpha))\n"
+           "    out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)",
+           "        partial = add(aten.mul.Tensor, (partial, alpha))\n    out = partial",
            "a row-parallel linear's partial sums are never all-reduced",
            (f"{TP}test_golden_tensor_parallel[gpt-2]",)),
     Mutant("copy-backward-no-all-reduce", "passes/collectives.py",
