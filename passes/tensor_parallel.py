@@ -183,9 +183,8 @@ _READS = {aten.detach.default, aten.to.dtype, aten.alias.default}  # a weight re
 
 
 def _cast_weight(node: fx.Node) -> bool:
-    """Whether a linear reads its weight cast (``router.float()``): an MoE router's or a hyper-connection's mix,
-    whose few outputs are read whole (a softmax, a top-k) and never open a block as its column; such a linear is
-    split alone by rows, or not at all."""
+    """Whether a linear reads its weight cast (``fn.float()``): a hyper-connection's mix, whose few outputs are read
+    whole and never open a block as its column; such a linear is split alone, or not at all."""
     w = _weight_use(node)[0]
     while isinstance(w, fx.Node) and w.target is aten.detach.default:
         w = w.args[0]
@@ -472,9 +471,9 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
     tokens = max((n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and
                   isinstance(n.meta.get("val"), torch.Tensor) and not n.meta["val"].is_floating_point()), default=0)
     for node in gm.graph.nodes:
-        if node.target is not aten.embedding.default and not is_table_lookup(node):
+        if (lookup := _lookup(node)) is None:
             continue
-        w, ids = node.args[0], (node.args[1] if node.target is aten.embedding.default else node.args[1][0])
+        w, ids = lookup
         if w.op != "get_attr" or w.target not in params or w.target in plan.params:
             continue
         columns = propagate(gm, {**state.seeds, w.target: Shard(1)}, plan.size, base=state)
@@ -682,11 +681,18 @@ def _is_input(ids: fx.Node) -> bool:
     return ids.op == "placeholder"
 
 
+def _lookup(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """The table and the ids of ``embedding(table, ids)`` or ``table[ids]``, or None for any other op."""
+    if node.target is aten.embedding.default:
+        return node.args[0], node.args[1]
+    return (node.args[0], node.args[1][0]) if is_table_lookup(node) else None
+
+
 def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[str]) -> Propagation:
     for node in gm.graph.nodes:
-        if node.target is not aten.embedding.default and not is_table_lookup(node):
+        if (lookup := _lookup(node)) is None:
             continue
-        w, ids = node.args[0], (node.args[1] if node.target is aten.embedding.default else node.args[1][0])
+        w, ids = lookup
         if w.op != "get_attr" or w.target not in params or not _is_input(ids) or w.target in plan.params:
             continue
         vocab = gm.get_parameter(w.target).shape[0]
