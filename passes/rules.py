@@ -652,12 +652,21 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
     sizes = tuple(int(piece.shape[dim]) for piece in pieces)
     if node.target is aten.unbind.int:
         return replicate_all(node, ctx)
-    if p.blocks == sizes:
-        if any(s % ctx.size for s in sizes):
-            reason = _indivisible(math.gcd(*sizes), ctx.size, f"(the common width of a fused projection {sizes})")
+    if p.blocks is not None and _aligned(sizes, p.blocks):  # every piece whole blocks: each rank's part of each
+        if any(b % ctx.size for b in p.blocks):
+            reason = _indivisible(math.gcd(*p.blocks), ctx.size, f"(the common width of a fused projection {sizes})")
             return replicate_all(node, ctx, conflict=reason)
-        return Decision(tuple(Shard(dim) for _ in pieces))
+        edges = list(itertools.accumulate(p.blocks, initial=0))
+        covered = [p.blocks[edges.index(a):edges.index(b)]
+                   for a, b in itertools.pairwise(itertools.accumulate(sizes, initial=0))]
+        return Decision(tuple(Shard(dim, blocks if len(blocks) > 1 else None) for blocks in covered))
     return replicate_all(node, ctx, hint=sizes if p.blocks is None and len(sizes) > 1 else None)
+
+
+def _aligned(sizes: tuple[int, ...], blocks: tuple[int, ...]) -> bool:
+    """Whether every piece of ``sizes`` starts and ends at an edge of ``blocks`` (both cover one dim)."""
+    edges = set(itertools.accumulate(blocks, initial=0))
+    return sum(sizes) == sum(blocks) and set(itertools.accumulate(sizes, initial=0)) <= edges
 
 
 @rule(aten.view_as_complex.default, aten.view_as_real.default)

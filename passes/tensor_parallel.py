@@ -29,6 +29,7 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import warnings
 
@@ -200,6 +201,8 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         if _expert_of(w) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
             return _expert_of(w), _LINEARS[node.target][2] + 1
+        if node.target is aten.linear.default and _piece_of(w) is not None:  # linear(x, W.split(sizes)[i])
+            return _piece_of(w), 0
         return w, _LINEARS[node.target][2]
     if _is_left(node):
         return node.args[0], 0
@@ -246,6 +249,48 @@ def _expert_of(w) -> fx.Node | None:
     return None
 
 
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
+def _piece_of(w, ndim: int = 2) -> fx.Node | None:
+    """The parameter ``W`` of ``ndim`` dims behind ``w = W.split(sizes)[i]`` (cut along its first dim), or None:
+    torch's MultiheadAttention cuts its packed in_proj weight and bias so when the query is not the key (a pooling
+    head's probe query)."""
+    split = w.args[0] if isinstance(w, fx.Node) and w.target is operator.getitem else None
+    if not (isinstance(split, fx.Node) and split.target in _SPLITS and arg(split, "dim") in (0, -ndim)):
+        return None
+    param = _undetached(split.args[0])
+    return param if isinstance(param, fx.Node) and param.op == "get_attr" and param.meta["val"].dim() == ndim else None
+
+
+def _packed_blocks(node: fx.Node) -> tuple[int, ...] | None:
+    """The blocks of a packed weight's rows, for a linear of one of its pieces: every piece, cut further where its
+    product is unflattened into (parts, width) (torch's ``kv.unflatten(-1, (2, E))``), so that each rank takes its
+    heads of every part. None when the linear's weight is not a piece."""
+    w = arg(node, "weight") if node.target is aten.linear.default else None
+    if _piece_of(w) is None:
+        return None
+    split, blocks = w.args[0], []
+    for i, piece in enumerate(split.meta["val"]):
+        size = int(piece.shape[0])
+        parts = {_parts(linear, size) for getter in split.users if getter.args[1] == i
+                 for linear in getter.users if linear.target is aten.linear.default and arg(linear, "weight") is getter}
+        n = parts.pop() if len(parts) == 1 else 1
+        blocks.extend([size // n] * n)
+    return tuple(blocks) if len(blocks) > 1 else None
+
+
+def _parts(linear: fx.Node, size: int) -> int:
+    """How many parts a linear's ``size`` output features are unflattened into (k and v of one product), else 1."""
+    last = len(linear.meta["val"].shape) - 1
+    for user in linear.users:
+        if user.target is aten.unflatten.int and user.args[1] in (-1, last) and len(user.args[2]) == 2:
+            n, width = user.args[2]
+            if n * width == size and n > 1:
+                return n
+    return 1
+
+
 def _weight(node: fx.Node) -> str | None:
     w, _ = _weight_node(node)
     return w.target if isinstance(w, fx.Node) and w.op == "get_attr" else None
@@ -269,6 +314,7 @@ def _bias(node: fx.Node) -> str | None:
     if node.target not in _LINEARS:
         return None
     b = _undetached(arg(node, "bias" if node.target is aten.linear.default else "self"))  # by position or keyword
+    b = _piece_of(b, 1) or b  # a piece of a packed bias, cut as its weight
     return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
 
 
@@ -360,6 +406,7 @@ def _walk(start: list[fx.Node], grad: set[fx.Node], step) -> list[fx.Node]:
 
 
 def _column_seeds(node: fx.Node, blocks) -> dict[str, Placement]:
+    blocks = blocks or _packed_blocks(node)
     seeds = {_weight(node): Shard(_out_dim(node), blocks)}
     if _bias(node):
         seeds[_bias(node)] = Shard(0, blocks)

@@ -176,6 +176,35 @@ def no_blocks(tp: int, lone: bool = False) -> tuple[list[str], bool]:
     return [str(w.message) for w in caught if "autoshard" in str(w.message)], report.ok
 
 
+class _PackedAttention(torch.nn.Module):
+    """torch's MultiheadAttention where the query is not the key, so it cuts its packed in_proj apart: a cross
+    attention of distinct query, key and value (three pieces) and a pooling head whose learned probe attends to the
+    tokens (a piece for q, one for k and v together, unflattened into two parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        self.probe = torch.nn.Parameter(torch.randn(1, 1, 16))
+        self.pool = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x, memory):
+        x = x + self.cross(x, memory, memory + 1, need_weights=False)[0]
+        pooled = self.pool(self.probe.expand(x.shape[0], -1, -1), x, x, need_weights=False)[0]
+        return self.out(pooled[:, 0])
+
+
+def packed_attention(tp: int) -> tuple[str, float]:
+    """``autoshard.verify`` at ``tp`` on a model cutting its packed in_proj apart: (the report, if not exact; the
+    share of the parameters a rank holds)."""
+    torch.manual_seed(0)
+    model = _PackedAttention()
+    x, memory, t = torch.randn(4, 6, 16), torch.randn(4, 5, 16), torch.randn(4, 3)
+    mesh = autoshard.Mesh(tp=tp)
+    report = autoshard.verify(model, mesh, (x, memory), _mse, target=t, steps=2, groups=groups_for(mesh))
+    return "" if report.ok else str(report), report.share
+
+
 def explain(name: str, mesh_kwargs: dict, code: bool = False, **options) -> str:
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)

@@ -430,4 +430,9 @@ MUTANTS = (
            "    if False:",
            "a patch embedding split by kernel rows leaves each rank the gradient of its rows of the image only",
            ("tests/test_rules_layers.py::test_matmuls[conv2d-patches-by-kernel-rows-2]",)),
+    Mutant("packed-piece-blocks-dropped", "passes/rules.py",
+           "        return Decision(tuple(Shard(dim, blocks if len(blocks) > 1 else None) for blocks in covered))",
+           "        return Decision(tuple(Shard(dim) for blocks in covered))",
+           "a piece of a packed in_proj holding k and v forgets it holds each rank's heads of both, not k then v",
+           (TP + "test_packed_in_projections_cut_apart_are_split_by_heads_and_exact[2]",)),
 )

@@ -60,3 +60,12 @@ LOSS_CASES = [("gpt", "ignore_minus_one"), ("gpt", "ignore_zero"), ("gpt", "labe
 def test_the_vocab_parallel_loss_keeps_the_cross_entropy_arguments(pools, name, loss):
     """A non-default ``ignore_index`` (its targets present) and ``label_smoothing``: exact at tp=2."""
     golden.check(pools.get(2).run(golden.golden, name, {"tp": 2}, loss=loss), {"tp": 2})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_packed_in_projections_cut_apart_are_split_by_heads_and_exact(pools, tp):
+    """torch's MultiheadAttention with a query that is not the key (a cross attention, a pooling probe) slices its
+    packed in_proj into pieces; every piece is split by heads and the model stays exact."""
+    for failed, share in pools.get(tp).run(golden.packed_attention, tp):
+        assert not failed, failed
+        assert share < 1 / tp + 0.1, share

@@ -411,3 +411,20 @@ def test_a_patch_embedding_is_split_by_the_rows_of_its_kernel():
     stem = {n.rsplit(".", 1)[1]: p for n, p in plan.params.items() if "patch_embeddings.projection" in n}
     assert {k: (p.role, p.placement) for k, p in stem.items()} == {
         "weight": ("row", Shard(2)), "bias": ("replicated", R)}
+
+
+def test_pieces_of_a_packed_in_projection_are_columns_of_one_blocked_weight():
+    """q from ``W[:E]`` and k, v from ``W[E:]`` unflattened into two parts (a pooling probe), or q, k, v from
+    ``W.chunk(3)`` (a cross attention): one column weight blocked (E, E, E), so each rank takes its heads of q, k
+    and v; the output projection is the row."""
+    from golden import _PackedAttention
+
+    x, memory = torch.randn(2, 6, 16), torch.randn(2, 5, 16)
+    captured = capture(_PackedAttention(), (x, memory), loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                       example_target=torch.randn(2, 3))
+    params = plan_tensor_parallel(captured.gm, 2).params
+    for attention in ("cross", "pool"):
+        roles = {n.split(f"{attention}.")[1]: (p.role, p.placement) for n, p in params.items() if f".{attention}." in n}
+        assert roles == {
+            "in_proj_weight": ("column", Shard(0, (16, 16, 16))), "in_proj_bias": ("column", Shard(0, (16, 16, 16))),
+            "out_proj.weight": ("row", Shard(1)), "out_proj.bias": ("replicated", R)}, roles
