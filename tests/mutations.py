@@ -434,5 +434,6 @@ MUTANTS = (
            "        return Decision(tuple(Shard(dim, blocks if len(blocks) > 1 else None) for blocks in covered))",
            "        return Decision(tuple(Shard(dim) for blocks in covered))",
            "a piece of a packed in_proj holding k and v forgets it holds each rank's heads of both, not k then v",
-           (TP + "test_packed_in_projections_cut_apart_are_split_by_heads_and_exact[2]",)),
+           ("tests/test_tensor_parallel_plan.py::test_pieces_of_a_packed_in_projection_are_columns_of_one_blocked_weight",
+            TP + "test_packed_in_projections_cut_apart_are_split_by_heads_and_exact[2]")),
 )
