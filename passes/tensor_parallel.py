@@ -450,13 +450,14 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
             continue
         culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
         hint = _hint(prop, live)
-        if hint is not None and blocks[hint[0]] is None and hint[0] not in hinted:
+        layout = None if hint is None else hint[1] if blocks[hint[0]] is None else _refined(blocks[hint[0]], hint[1])
+        if layout is not None and (hint[0] not in hinted or blocks[hint[0]] is not None):
             if not hinted:
                 baseline = culprits  # the conflicts before any blocked layout: what to fall back on
             for c in columns:  # every expert of a stack read as W[i] is one weight: one layout
                 if _weight(c) == _weight(hint[0]):
                     hinted.add(c)
-                    blocks[c] = hint[1]
+                    blocks[c] = layout
             continue
         if baseline:
             # the blocked layouts did not help (heads viewed as (heads, head dim), not a fused projection): back
@@ -636,6 +637,16 @@ def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx
             return c, (f"{width} output features of {meta.module_path(c) or c.name} do not divide over {size} ranks; "
                        f"degrees that divide {width}: {works}")
     return None
+
+
+def _refined(blocks: tuple[int, ...], pieces: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``blocks`` with the one block as wide as ``pieces`` together cut into them: a piece of a fused projection cut
+    apart again further on (Mamba2's in_proj: z, then x, B and C together through the conv, then dt). None when no
+    block, or more than one, is that wide."""
+    at = [i for i, b in enumerate(blocks) if b == sum(pieces)]
+    if len(pieces) < 2 or len(at) != 1:
+        return None
+    return (*blocks[:at[0]], *pieces, *blocks[at[0] + 1:])
 
 
 def _hint(prop: Propagation, columns) -> tuple[fx.Node, tuple] | None:

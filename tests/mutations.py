@@ -436,4 +436,9 @@ MUTANTS = (
            "a piece of a packed in_proj holding k and v forgets it holds each rank's heads of both, not k then v",
            ("tests/test_tensor_parallel_plan.py::test_pieces_of_a_packed_in_projection_are_columns_of_one_blocked_weight",
             TP + "test_packed_in_projections_cut_apart_are_split_by_heads_and_exact[2]")),
+    Mutant("fused-piece-not-cut-further", "passes/tensor_parallel.py",
+           "    return (*blocks[:at[0]], *pieces, *blocks[at[0] + 1:])", "    return None",
+           "a piece of a blocked column cut apart again (Mamba2's x, B and C) is not blocked further: the mixer is "
+           "held whole",
+           ("tests/test_tensor_parallel_plan.py::test_a_mamba2_mixer_is_split_by_heads_and_groups",)),
 )

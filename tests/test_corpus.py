@@ -66,6 +66,8 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("whisper", "tp4"),  # positions read as table[ids]: a vocab-parallel lookup
     ("hy_v4", "tp4"),  # hyper-connections mixing their streams with weights read cast: rows alone
     ("deepseek_v4", "tp2"),  # a grouped output projection (bmm over weight.view(groups, rank, in)) and its mix
+    ("mamba2", "tp4"),  # in_proj's x, B and C cut apart after the conv: one column blocked at every cut
+    ("vision/siglip", "tp2"),  # a pooling head's nn.MultiheadAttention cutting its packed in_proj into pieces
     ("llama4_text", "tp4"),
     ("roc_bert", "pp2"),  # stages held within 1.2x an even share of the parameters
     ("recurrent_gemma", "pp2"),  # a balanced cut where transposed values cross

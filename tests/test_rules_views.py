@@ -94,6 +94,10 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.split.Tensor, (rand(4, 12), 4, -1), {}, {0: QKV}, (Shard(1),) * 3),
     (aten.split.Tensor, (rand(4, 12), 4, 1), {}, {0: Shard(1)}, (R,) * 3),
     (aten.split_with_sizes.default, (rand(4, 12), [8, 4], 1), {}, {0: Shard(1, (8, 4))}, (Shard(1),) * 2),
+    # pieces of whole blocks (Mamba2's z, x B C, dt; torch's packed in_proj as q and k v): each keeps its blocks
+    (aten.split_with_sizes.default, (rand(4, 12), [2, 8, 2], 1), {}, {0: Shard(1, (2, 4, 4, 2))},
+     (Shard(1), Shard(1, (4, 4)), Shard(1))),
+    (aten.split_with_sizes.default, (rand(4, 12), [6, 6], 1), {}, {0: Shard(1, (4, 4, 4))}, (R, R)),
     (aten.split_with_sizes.default, (rand(4, 12), [1, 3]), {}, {0: Shard(1)}, (Shard(1),) * 2),
     (aten.chunk.default, (rand(4, 12), 3, -1), {}, {0: QKV}, (Shard(1),) * 3),
     (aten.chunk.default, (rand(4, 12), 2, 1), {}, {0: Shard(0)}, (Shard(0),) * 2),

@@ -348,6 +348,25 @@ def test_a_state_space_mixer_is_split_as_megatron_splits_it():
     }, mixer
 
 
+def test_a_mamba2_mixer_is_split_by_heads_and_groups():
+    """Mamba2's in_proj makes z, then x, B and C together (cut apart again after the depthwise conv), then dt: one
+    column blocked at every cut, so each rank takes its heads of z, x and dt and its groups of B and C; the conv,
+    the per-head decay, skip and dt bias and the gated norm held split; out_proj the row."""
+    from corpus.architectures import build as build_corpus
+
+    case = build_corpus("mamba2")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    plan = plan_tensor_parallel(captured.gm, 2)
+    mixer = {name.split("mixer.")[1]: (p.role, p.placement) for name, p in plan.params.items()
+             if "layers.0.mixer." in name}
+    xbc = (128, 1024, 1024)  # x of 8 heads of 16, B and C of 8 groups of a state of 128
+    assert mixer == {
+        "in_proj.weight": ("column", Shard(0, (128, *xbc, 8))), "conv1d.weight": ("sliced", Shard(0, xbc)),
+        "conv1d.bias": ("sliced", Shard(0, xbc)), "dt_bias": ("sliced", Shard(0)), "A_log": ("sliced", Shard(0)),
+        "D": ("sliced", Shard(0)), "norm.weight": ("sliced", Shard(0)), "out_proj.weight": ("row", Shard(1)),
+    }, mixer
+
+
 def test_einsum_attention_is_split_by_heads():
     """XLNet's attention, einsums over (hidden, heads, head dim) weights: q, k, v and the relative-position
     projection are columns split by heads (``ibh,hnd->ibnd``), the output projection a row (``ibnd,hnd->ibh``, the
