@@ -289,6 +289,9 @@ def _row_linear(node: fx.Node, rw: Rewriter) -> None:
     partial = add(aten.linear.default if linear else aten.mm.default, (x, w))
     if alpha != 1:
         partial = add(aten.mul.Tensor, (partial, alpha))
+    if isinstance(rw.placement(node), Partial):  # left pending: summed where a reader needs it whole
+        rw.replace(node, partial)
+        return
     out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)
     if b is not None:
         out = add(aten.add.Tensor, (out, add(aten.type_as.default, (b, out))), {"alpha": beta} if beta != 1 else {})

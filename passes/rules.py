@@ -250,6 +250,8 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
             shards.add((p.dim + out_ndim - len(ctx.shape(n)), p.blocks))
     if len(shards) > 1:
         return replicate_all(node, ctx)
+    if not shards and _scales_a_sum(node, ctx):
+        return Decision(Partial())
     if not shards:
         return Decision(R, {n: R for n in inputs if isinstance(ctx.of(n), Partial)})
     ((dim, blocks),) = shards
@@ -264,6 +266,18 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
         elif isinstance(p, Partial):
             want[n] = R
     return Decision(Shard(dim, blocks), want)
+
+
+def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
+    """``a * b`` or ``a / b`` of a pending sum ``a`` and a whole ``b`` (experts' outputs weighted by their routing
+    weights, tp only): the sum of the scaled summands, so the sum may stay pending. ``b``'s gradient is then a sum
+    over the ranks too (Megatron's f, put in where the placements are applied)."""
+    if not ctx.pending_sums or node.target not in (aten.mul.Tensor, aten.div.Tensor):
+        return False
+    operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    sums = [a for a in operands if isinstance(ctx.of(a), Partial)]
+    return (len(sums) == 1 and all(ctx.of(a) == R for a in operands if a is not sums[0])
+            and (node.target is aten.mul.Tensor or sums[0] is node.args[0]))
 
 
 for _name in _POINTWISE:
@@ -289,12 +303,18 @@ for _name in _IN_PLACE:
     RULES[getattr(aten, _name)] = _pointwise_in_place
 
 
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
 @rule(aten.index_add.default)
 def _index_add(node: fx.Node, ctx: Context) -> Decision:
     """``x.index_add(dim, index, source)`` (experts' outputs added back at their tokens' rows): element-wise in every
     dim but ``dim``, so a split of another dim stays split, each rank adding its part. Any other case replicates."""
     x, index, source = node.args[0], node.args[2], node.args[3]
     dim = _dim(node.args[1], len(ctx.shape(x)))
+    if (ctx.pending_sums and isinstance(ctx.of(source), Partial) and ctx.of(x) == R and ctx.of(index) == R
+            and x.target in _ZEROS and len(x.users) == 1):
+        return Decision(Partial())  # summands added into zeros: each rank's rows a summand, reduced once after
     placements = {ctx.of(x), ctx.of(source)}
     shards = {p for p in placements if isinstance(p, Shard)}
     if ctx.of(index) != R or len(shards) != 1 or any(isinstance(p, Partial) for p in placements) \
@@ -718,6 +738,8 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     tensors = [t for t in node.args[0] if not (len(ctx.shape(t)) == 1 and ctx.shape(t)[0] == 0 and ndim != 1)]
     dim = _dim(arg(node, "dim"), ndim)
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
+    if ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors):
+        return Decision(Partial())  # pending sums joined (each expert's row-parallel product): one sum, reduced once
     if not shards:
         return _pointwise(node, ctx)
     if (ctx.pending_sums and len(tensors) > 1  # tp only: a cp sequence split is contiguous chunks, never blocks

@@ -19,6 +19,8 @@ from autoshard.passes.collectives import CopyToParallel, GatherFromParallel, Red
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.propagate import Propagation
 
+aten = torch.ops.aten
+
 FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
 
 
@@ -40,7 +42,9 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
         if decision.fallback:
             _refuse_lost_writes(node, prop, style.name)
             gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name, decision.reason))
-        sharded = _has_shard(prop.of(node))
+        # an op split by ranks, or a pending sum scaled by a whole value: the whole value's gradient sums over ranks
+        sharded = _has_shard(prop.of(node)) or (isinstance(prop.of(node), Partial)
+                                                and node.target in (aten.mul.Tensor, aten.div.Tensor))
         for value, dst in decision.want.items():
             if prop.of(value) != dst:
                 new = _redistribute(rw, value, prop.of(value), dst, node, style)

@@ -441,4 +441,9 @@ MUTANTS = (
            "a piece of a blocked column cut apart again (Mamba2's x, B and C) is not blocked further: the mixer is "
            "held whole",
            ("tests/test_tensor_parallel_plan.py::test_a_mamba2_mixer_is_split_by_heads_and_groups",)),
+    Mutant("scaled-sum-weights-grad-not-summed", "passes/sharding.py",
+           "        sharded = _has_shard(prop.of(node)) or (isinstance(prop.of(node), Partial)",
+           "        sharded = _has_shard(prop.of(node)) or (False",
+           "experts' pending sums scaled by routing weights: the weights' gradient is each rank's part, not the sum",
+           ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[jetmoe-tp2]",)),
 )

@@ -325,6 +325,38 @@ def test_partial_inputs_are_summed_first():
     assert decision.out == R and decision.want == {node.args[0]: R}
 
 
+def test_experts_row_products_are_summed_once_after_their_combine():
+    """JetMoE's experts: each expert's row-parallel product (a pending sum) joined by ``cat``, scaled by the
+    routing weights and added into zeros at the tokens' rows stays pending until the combined output is read, one
+    all-reduce per layer (tp only); a pending sum times another, or divided into, is summed first."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes.rules import Context, decide
+
+    def combine(a, b, w, rows, x):
+        joined = aten.cat.default([aten.linear.default(a, x), aten.linear.default(b, x)])
+        scaled = aten.mul.Tensor(joined, w)
+        return aten.index_add.default(aten.zeros.default([4, 6], dtype=torch.float32), 0, rows, scaled), scaled
+    rows = torch.tensor([0, 1, 1, 3, 0])
+    gm = make_fx(combine, pre_dispatch=True)(rand(3, 4), rand(2, 4, seed=1), rand(5, 1, seed=2), rows,
+                                             rand(6, 4, seed=3))
+    nodes = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    products = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+    placements = {n: P for n in products}
+    for target in (aten.cat.default, aten.mul.Tensor, aten.index_add.default):
+        node = nodes[target]
+        decision = decide(node, Context(2, placements, pending_sums=True))
+        assert decision.out == P and not decision.want, (target, decision)
+        placements[node] = decision.out
+        assert decide(node, Context(2, placements)).out != P, "only tp leaves sums pending"
+    product = decide(nodes[aten.mul.Tensor], Context(2, {**placements, nodes[aten.mul.Tensor].args[1]: P},
+                                                     pending_sums=True))
+    assert product.out == R and set(product.want.values()) == {R}, product
+    row = decide(products[0], Context(2, {products[0].args[0]: Shard(1), products[0].args[1]: Shard(1)},
+                                      pending_sums=True))
+    assert row.out == P, "a row product read only by a join is left pending"
+
+
 # ------------------------------------------------------------------------- attention over a split sequence
 
 TQ = 8  # the sequence: 2 ranks x 2 chunks of 2 under load balance
