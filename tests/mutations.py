@@ -66,9 +66,9 @@ MUTANTS = (
            "the vocab-parallel lookup's range is off by one at its end",
            (f"{TP}test_golden_tensor_parallel[gpt-2]",)),
     Mutant("row-linear-no-all-reduce", "passes/localize.py",
-           "        partial = add(aten.mul.Tensor, (partial, alpha))\n"
+           "        rw.replace(node, partial)\n        return\n"
            "    out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)",
-           "        partial = add(aten.mul.Tensor, (partial, alpha))\n    out = partial",
+           "        rw.replace(node, partial)\n        return\n    out = partial",
            "a row-parallel linear's partial sums are never all-reduced",
            (f"{TP}test_golden_tensor_parallel[gpt-2]",)),
     Mutant("copy-backward-no-all-reduce", "passes/collectives.py",
@@ -446,4 +446,9 @@ MUTANTS = (
            "        sharded = _has_shard(prop.of(node)) or (False",
            "experts' pending sums scaled by routing weights: the weights' gradient is each rank's part, not the sum",
            ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[jetmoe-tp2]",)),
+    Mutant("experts-join-reduced-per-expert", "passes/rules.py",
+           "    if ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors):",
+           "    if False:",
+           "experts' pending sums are all-reduced one by one before their join: top_k times the bytes, a call each",
+           ("tests/test_tensor_parallel_plan.py::test_experts_joined_by_cat_are_all_reduced_once_per_layer",)),
 )

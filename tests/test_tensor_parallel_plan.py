@@ -367,6 +367,26 @@ def test_a_mamba2_mixer_is_split_by_heads_and_groups():
     }, mixer
 
 
+def test_experts_joined_by_cat_are_all_reduced_once_per_layer():
+    """JetMoE's experts (``F.linear(x_i, weight[i])`` per expert, joined by ``cat``, scaled by the routing weights,
+    added into zeros at the tokens' rows): one all-reduce per mixture, of the tokens' rows, not one per expert of
+    the tokens x top-k rows."""
+    from corpus.architectures import build as build_corpus
+
+    from autoshard.passes.collectives import ReduceFromParallel
+
+    case = build_corpus("jetmoe")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan_tensor_parallel(captured.gm, 2), tp_rank=0)).gm
+    reduced = [node.args[0] for node in gm.graph.nodes
+               if node.op == "call_module" and isinstance(gm.get_submodule(node.target), ReduceFromParallel)]
+    mixtures = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.index_add.default
+                and n.meta["val"].shape[0] == case.inputs[0].numel()]
+    assert len(mixtures) == 4, mixtures  # two layers, each with a mixture of attention heads and of MLPs
+    combines = [a for a in reduced if a.target is torch.ops.aten.index_add.default]
+    assert len(combines) == 4 and len(reduced) == 5, reduced  # and the vocab-parallel embedding's
+
+
 def test_einsum_attention_is_split_by_heads():
     """XLNet's attention, einsums over (hidden, heads, head dim) weights: q, k, v and the relative-position
     projection are columns split by heads (``ibh,hnd->ibnd``), the output projection a row (``ibnd,hnd->ibh``, the
