@@ -268,16 +268,40 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(dim, blocks), want)
 
 
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+_CARRIES = {aten.cat.default, aten.mul.Tensor, aten.div.Tensor}
+
+
+def sum_reaches_zeros(node: fx.Node, depth: int = 4) -> bool:
+    """Whether every reader of ``node`` carries it on (a ``cat``, a scale) to an ``index_add`` of it into zeros whose
+    result nothing adds into again: JetMoE's experts' products, joined, weighted by the routing weights and added
+    back at their tokens' rows. Along such a path a pending sum may stay pending and be reduced once, on the
+    tokens' rows; a reader without a rule for pending sums would have it reduced first, a fallback."""
+    if not node.users or depth == 0:
+        return False
+    return all(_adds_into_zeros(user, node) or (user.target in _CARRIES and sum_reaches_zeros(user, depth - 1))
+               for user in node.users)
+
+
+def _adds_into_zeros(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` is ``zeros.index_add(dim, index, source)``, the zeros read by nothing else and the result
+    added into by nothing."""
+    x = node.args[0] if node.target is aten.index_add.default else None
+    return (isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and node.args[3] is source
+            and x is not source and not any(user.target is aten.index_add.default for user in node.users))
+
+
 def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
-    """``a * b`` or ``a / b`` of a pending sum ``a`` and a whole ``b`` (experts' outputs weighted by their routing
-    weights, tp only): the sum of the scaled summands, so the sum may stay pending. ``b``'s gradient is then a sum
-    over the ranks too (Megatron's f, put in where the placements are applied)."""
+    """``a * b`` or ``a / b`` of a pending sum ``a`` and a whole ``b`` on its way to an ``index_add`` into zeros
+    (experts' outputs weighted by their routing weights, tp only): the sum of the scaled summands, so the sum may
+    stay pending. ``b``'s gradient is then a sum over the ranks too (Megatron's f, put in where the placements are
+    applied)."""
     if not ctx.pending_sums or node.target not in (aten.mul.Tensor, aten.div.Tensor):
         return False
     operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
     sums = [a for a in operands if isinstance(ctx.of(a), Partial)]
     return (len(sums) == 1 and all(ctx.of(a) == R for a in operands if a is not sums[0])
-            and (node.target is aten.mul.Tensor or sums[0] is node.args[0]))
+            and (node.target is aten.mul.Tensor or sums[0] is node.args[0]) and sum_reaches_zeros(node))
 
 
 for _name in _POINTWISE:
@@ -303,17 +327,14 @@ for _name in _IN_PLACE:
     RULES[getattr(aten, _name)] = _pointwise_in_place
 
 
-_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
-
-
 @rule(aten.index_add.default)
 def _index_add(node: fx.Node, ctx: Context) -> Decision:
     """``x.index_add(dim, index, source)`` (experts' outputs added back at their tokens' rows): element-wise in every
     dim but ``dim``, so a split of another dim stays split, each rank adding its part. Any other case replicates."""
     x, index, source = node.args[0], node.args[2], node.args[3]
     dim = _dim(node.args[1], len(ctx.shape(x)))
-    if (ctx.pending_sums and isinstance(ctx.of(source), Partial) and ctx.of(x) == R and ctx.of(index) == R
-            and x.target in _ZEROS and len(x.users) == 1):
+    if (ctx.pending_sums and isinstance(ctx.of(source), Partial) and ctx.of(index) == R
+            and _adds_into_zeros(node, source)):
         return Decision(Partial())  # summands added into zeros: each rank's rows a summand, reduced once after
     placements = {ctx.of(x), ctx.of(source)}
     shards = {p for p in placements if isinstance(p, Shard)}
@@ -738,7 +759,8 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     tensors = [t for t in node.args[0] if not (len(ctx.shape(t)) == 1 and ctx.shape(t)[0] == 0 and ndim != 1)]
     dim = _dim(arg(node, "dim"), ndim)
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
-    if ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors):
+    if (ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors)
+            and sum_reaches_zeros(node)):
         return Decision(Partial())  # pending sums joined (each expert's row-parallel product): one sum, reduced once
     if not shards:
         return _pointwise(node, ctx)

@@ -24,6 +24,7 @@ from autoshard.passes.rules import (
     refuse,
     replicate_all,
     rule,
+    sum_reaches_zeros,
     tensor_inputs,
 )
 
@@ -156,7 +157,7 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
         want = {} if px == Shard(x_last) else {x: Shard(x_last)}
         if b is not None and ctx.of(b) != R:
             want[b] = R
-        if b is None and ctx.pending_sums and node.users and all(u.target is aten.cat.default for u in node.users):
+        if b is None and ctx.pending_sums and sum_reaches_zeros(node):
             return Decision(Partial(), want)  # experts' products joined (JetMoE's): summed once, after the join
         return Decision(R, want)
     if b is not None and ctx.of(b) != R or isinstance(px, Partial):

@@ -336,7 +336,7 @@ def test_experts_row_products_are_summed_once_after_their_combine():
     def combine(a, b, w, rows, x):
         joined = aten.cat.default([aten.linear.default(a, x), aten.linear.default(b, x)])
         scaled = aten.mul.Tensor(joined, w)
-        return aten.index_add.default(aten.zeros.default([4, 6], dtype=torch.float32), 0, rows, scaled), scaled
+        return aten.index_add.default(aten.zeros.default([4, 6], dtype=torch.float32), 0, rows, scaled)
     rows = torch.tensor([0, 1, 1, 3, 0])
     gm = make_fx(combine, pre_dispatch=True)(rand(3, 4), rand(2, 4, seed=1), rand(5, 1, seed=2), rows,
                                              rand(6, 4, seed=3))
@@ -354,7 +354,11 @@ def test_experts_row_products_are_summed_once_after_their_combine():
     assert product.out == R and set(product.want.values()) == {R}, product
     row = decide(products[0], Context(2, {products[0].args[0]: Shard(1), products[0].args[1]: Shard(1)},
                                       pending_sums=True))
-    assert row.out == P, "a row product read only by a join is left pending"
+    assert row.out == P, "a row product on its way to the zeros is left pending"
+    gm.graph.output_node().args = ((nodes[aten.index_add.default], nodes[aten.mul.Tensor]),)
+    # the scaled products read elsewhere too (here: returned), as a loop of experts adding each into the last
+    # one's sum: reduced before the scale, as any reader without a rule for pending sums would have them
+    assert decide(nodes[aten.mul.Tensor], Context(2, placements, pending_sums=True)).out == R
 
 
 # ------------------------------------------------------------------------- attention over a split sequence
