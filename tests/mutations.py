@@ -447,8 +447,8 @@ MUTANTS = (
            "experts' pending sums scaled by routing weights: the weights' gradient is each rank's part, not the sum",
            ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[jetmoe-tp2]",)),
     Mutant("experts-join-reduced-per-expert", "passes/rules.py",
-           "    if ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors):",
-           "    if False:",
+           "            and sum_reaches_zeros(node)):",
+           "            and False):",
            "experts' pending sums are all-reduced one by one before their join: top_k times the bytes, a call each",
            ("tests/test_tensor_parallel_plan.py::test_experts_joined_by_cat_are_all_reduced_once_per_layer",)),
 )
