@@ -269,7 +269,8 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
 
 
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
-_CARRIES = {aten.cat.default, aten.mul.Tensor, aten.div.Tensor}
+SCALES = (aten.mul.Tensor, aten.div.Tensor)  # ops that may scale a pending sum (see ``_scales_a_sum``)
+_CARRIES = {aten.cat.default, *SCALES}
 
 
 def sum_reaches_zeros(node: fx.Node, depth: int = 4) -> bool:
@@ -296,7 +297,7 @@ def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
     (experts' outputs weighted by their routing weights, tp only): the sum of the scaled summands, so the sum may
     stay pending. ``b``'s gradient is then a sum over the ranks too (Megatron's f, put in where the placements are
     applied)."""
-    if not ctx.pending_sums or node.target not in (aten.mul.Tensor, aten.div.Tensor):
+    if not ctx.pending_sums or node.target not in SCALES:
         return False
     operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
     sums = [a for a in operands if isinstance(ctx.of(a), Partial)]

@@ -18,8 +18,7 @@ from autoshard.passes import localize
 from autoshard.passes.collectives import CopyToParallel, GatherFromParallel, ReduceFromParallel, ScatterToParallel
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.propagate import Propagation
-
-aten = torch.ops.aten
+from autoshard.passes.rules import SCALES
 
 FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
 
@@ -43,8 +42,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
             _refuse_lost_writes(node, prop, style.name)
             gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name, decision.reason))
         # an op split by ranks, or a pending sum scaled by a whole value: the whole value's gradient sums over ranks
-        sharded = _has_shard(prop.of(node)) or (isinstance(prop.of(node), Partial)
-                                                and node.target in (aten.mul.Tensor, aten.div.Tensor))
+        sharded = _has_shard(prop.of(node)) or (isinstance(prop.of(node), Partial) and node.target in SCALES)
         for value, dst in decision.want.items():
             if prop.of(value) != dst:
                 new = _redistribute(rw, value, prop.of(value), dst, node, style)
