@@ -172,7 +172,8 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
 
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
     if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
-        tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group)
+        tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group,
+                             mark_entries=sharding.sp_plan is not None)
     exits = region_exits(gm, sharding.sp_plan) if sharding.sp_plan is not None else None
     if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
         context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,

@@ -215,7 +215,6 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
             _swap(gm, node, marked)
             entries.append((node, module))
     prop = propagate(gm, {}, size, pending_sums=True, sequence=plan.seq_len)
-    _check_detached(gm, prop)
     attention = ContextParallelPlan(size, {}, plan.seq_len, False, "gather")
     rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm), axis="sp",
                            localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention,
@@ -268,18 +267,6 @@ def _from_inputs(gm: fx.GraphModule) -> set[fx.Node]:
         if node.op == "placeholder" or any(n in found for n in node.all_input_nodes):
             found.add(node)
     return found
-
-
-def _check_detached(gm: fx.GraphModule, prop) -> None:
-    """Refuse a split value detached (a ``torch.no_grad()`` region inlined, HRM's cycles run without gradients):
-    such graphs measured wrong under sequence parallelism and are refused until that is understood."""
-    for node in gm.graph.nodes:
-        if node.target is aten.detach.default and isinstance(prop.of(node), Shard):
-            where = (node.meta.get("stack_trace") or "").strip().splitlines()[-1:] or [node.name]
-            raise SequenceParallelError(
-                f"sequence parallelism would split a value the model detaches ({where[0].strip()}: a torch.no_grad() "
-                "region or .detach() between the tensor-parallel regions); that is not supported yet: use "
-                "sequence_parallel=False for this model")
 
 
 def _is_exit(node: fx.Node) -> bool:

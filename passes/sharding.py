@@ -29,6 +29,9 @@ class AxisStyle:
     gather: Callable[..., torch.nn.Module] = GatherFromParallel
     scatter: Callable[..., torch.nn.Module] = ScatterToParallel
     needs_copy: Callable[[fx.Node], bool] = lambda value: True
+    # Megatron's f also where no gradient flows (a no_grad region, a detached value): sequence parallelism reads
+    # the f's as the tp regions' entries, where it gathers the sequence
+    copy_without_grad: bool = False
     check: Callable[[fx.Node, Shard], None] = lambda value, placement: None  # raises where the axis cannot move it
 
 
@@ -46,18 +49,23 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
         for value, dst in decision.want.items():
             if prop.of(value) != dst:
                 new = _redistribute(rw, value, prop.of(value), dst, node, style)
-                if sharded and dst == R and value in rw.grad and style.needs_copy(value):
+                if sharded and dst == R and _flows(value, rw, style) and style.needs_copy(value):
                     new = rw.cached(new, "f", lambda a: CopyToParallel(**a), node)  # gathered, then used per rank
                 node.replace_input_with(rw.current(value), new)
         if sharded:
             for value in list(node.all_input_nodes):
                 original = rw.original(value)
-                if original not in prop.placements or prop.of(original) != R or original not in rw.grad:
+                if original not in prop.placements or prop.of(original) != R or not _flows(original, rw, style):
                     continue
                 if decision.want.get(original, R) == R and style.needs_copy(original):
                     node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
         localize.localize(node, rw)
     _local_metadata(gm, prop, rw)
+
+
+def _flows(value: fx.Node, rw: localize.Rewriter, style: AxisStyle) -> bool:
+    """Whether an f on ``value`` is wanted: where its gradient flows, or everywhere when the style asks so."""
+    return value in rw.grad or style.copy_without_grad
 
 
 def _has_shard(placement) -> bool:

@@ -768,15 +768,21 @@ def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[st
 # ------------------------------------------------------------------------------------------------- applying
 
 
-def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
-    """Rewrite ``gm`` into what tp rank ``rank`` runs: collectives inserted, sizes local, parameters sharded."""
+def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: int, group=None,
+                         mark_entries: bool = False) -> fx.GraphModule:
+    """Rewrite ``gm`` into what tp rank ``rank`` runs: collectives inserted, sizes local, parameters sharded.
+
+    ``mark_entries`` (sequence parallelism follows): every entry of a region gets Megatron's f, also where no
+    gradient flows (a ``torch.no_grad()`` region inlined), so that the sequence is gathered there too. Without
+    it a region run without gradients would read the sequence split while its weights are split by heads: each
+    rank would hold its heads of its own tokens only, and gathering the keys would join other ranks' heads."""
     size = plan.size
     if size == 1:
         return gm
     prop = propagate(gm, plan.placements(), size)
     rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm),
                            localizers={aten.dropout.default: localize.dropout_of_part})
-    apply_placements(gm, prop, rw, AxisStyle("tp"))
+    apply_placements(gm, prop, rw, AxisStyle("tp", copy_without_grad=mark_entries))
     _shard_parameters(gm, plan, rank)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

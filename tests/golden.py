@@ -205,6 +205,39 @@ def packed_attention(tp: int) -> tuple[str, float]:
     return "" if report.ok else str(report), report.share
 
 
+class _CycledWithoutGrad(torch.nn.Module):
+    """HRM's recurrence: a state cycled through one block, the first pass under ``torch.no_grad()`` and the second
+    with gradients, through the same weights; then a second block and the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import GPT, GPTConfig
+
+        self.gpt = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab=64, seq=16, ffn=64))
+        self.init = torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, ids):
+        t = self.gpt.transformer
+        x = t.wte(ids) + t.wpe(torch.arange(ids.shape[1]))
+        state = self.init.expand_as(x).contiguous()
+        with torch.no_grad():
+            state = t.h[0](state + x)
+        state = t.h[0](state + x)
+        return self.gpt.lm_head(t.ln_f(t.h[1](x + state)))
+
+
+def cycles_without_grad(tp: int, **options) -> tuple[str, float]:
+    """``autoshard.verify`` at ``tp`` on a model that runs a block once without gradients, then again with them:
+    (the report, if not exact; the share of the parameters a rank holds)."""
+    torch.manual_seed(0)
+    model = _CycledWithoutGrad()
+    ids, target = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    mesh = autoshard.Mesh(tp=tp)
+    report = autoshard.verify(model, mesh, (ids,), _cross_entropy(), target=target, steps=2,
+                              groups=groups_for(mesh), **options)
+    return "" if report.ok else str(report), report.share
+
+
 def explain(name: str, mesh_kwargs: dict, code: bool = False, **options) -> str:
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)

@@ -451,4 +451,8 @@ MUTANTS = (
            "            and False):",
            "experts' pending sums are all-reduced one by one before their join: top_k times the bytes, a call each",
            ("tests/test_tensor_parallel_plan.py::test_experts_joined_by_cat_are_all_reduced_once_per_layer",)),
+    Mutant("no-grad-entry-unmarked", "passes/tensor_parallel.py",
+           'AxisStyle("tp", copy_without_grad=mark_entries)', 'AxisStyle("tp")',
+           "a tp region run under torch.no_grad() gets no f, so sequence parallelism keeps its sequence split there",
+           ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_where_a_block_also_runs_without_gradients[2]",)),
 )

@@ -77,6 +77,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("falcon_mamba", "pp2zbv"),  # a stage hands on a weight as it is (D.float() of a float D)
     ("falcon", "tp2sp"),  # keys and values one row-parallel product makes whole stay all-reduced
     ("deepseek_v3", "tp2sp"),  # low-rank attention projections and routed experts on split tokens
+    ("zaya", "tp2sp"),  # a router's probabilities detached on split tokens
 ]
 
 
