@@ -41,7 +41,7 @@ from autoshard.passes.context_parallel import ContextParallelPlan, _attention
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.propagate import propagate, requires_grad
 from autoshard.passes.rules import RULES, Decision
-from autoshard.passes.sharding import AxisStyle, apply_placements
+from autoshard.passes.sharding import IDLE_F, AxisStyle, apply_placements
 
 aten = torch.ops.aten
 
@@ -194,7 +194,10 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     _check_divides(plan)
     by_name = {node.name: node for node in gm.graph.nodes}
     exits = [(by_name[name], dim) for name, dim in exits.items()]
+    idle = _idle_entries(gm)
     if not exits and stage:
+        _drop(gm, idle)
+        gm.recompile()
         return gm
     if not exits:
         raise SequenceParallelError(
@@ -223,6 +226,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     # a region's exit reduce-scatters partial sums: its input's gradient comes back whole, so no f before it
     apply_placements(gm, prop, rw, AxisStyle("sp", needs_copy=lambda value: not all(_is_exit(u) for u in value.users)))
     _fuse_entries(gm, group, size, rank)
+    _drop(gm, idle)
     for node, module in entries:
         _swap(gm, node, module)
     gm.graph.eliminate_dead_code()
@@ -277,6 +281,21 @@ def _is_exit(node: fx.Node) -> bool:
 def _swap(gm: fx.GraphModule, node: fx.Node, module: torch.nn.Module) -> None:
     owner, _, attr = node.target.rpartition(".")
     setattr(gm.get_submodule(owner) if owner else gm, attr, module)
+
+
+def _idle_entries(gm: fx.GraphModule) -> list[fx.Node]:
+    """The f's tensor parallelism put where no gradient flows (see ``tensor_parallel_pass``'s ``mark_entries``)."""
+    return [node for node in gm.graph.nodes if node.meta.get(IDLE_F)]
+
+
+def _drop(gm: fx.GraphModule, entries: list[fx.Node]) -> None:
+    """Once the sequence is gathered at them, these f's have nothing left to do (one fused into its gather is
+    gone already)."""
+    live = set(gm.graph.nodes)
+    for node in entries:
+        if node in live:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
 
 
 def _fuse_entries(gm: fx.GraphModule, group, size: int, rank: int) -> None:

@@ -21,6 +21,7 @@ from autoshard.passes.propagate import Propagation
 from autoshard.passes.rules import SCALES
 
 FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
+IDLE_F = "autoshard_idle_f"  # key of node.meta: an f put where no gradient flows, only to mark a region's entry
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
             if prop.of(value) != dst:
                 new = _redistribute(rw, value, prop.of(value), dst, node, style)
                 if sharded and dst == R and _flows(value, rw, style) and style.needs_copy(value):
-                    new = rw.cached(new, "f", lambda a: CopyToParallel(**a), node)  # gathered, then used per rank
+                    new = _f(rw, new, node, idle=value not in rw.grad)  # gathered, then used per rank
                 node.replace_input_with(rw.current(value), new)
         if sharded:
             for value in list(node.all_input_nodes):
@@ -58,7 +59,7 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
                 if original not in prop.placements or prop.of(original) != R or not _flows(original, rw, style):
                     continue
                 if decision.want.get(original, R) == R and style.needs_copy(original):
-                    node.replace_input_with(value, rw.cached(value, "f", lambda a: CopyToParallel(**a), node))
+                    node.replace_input_with(value, _f(rw, value, node, idle=original not in rw.grad))
         localize.localize(node, rw)
     _local_metadata(gm, prop, rw)
 
@@ -66,6 +67,14 @@ def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewrite
 def _flows(value: fx.Node, rw: localize.Rewriter, style: AxisStyle) -> bool:
     """Whether an f on ``value`` is wanted: where its gradient flows, or everywhere when the style asks so."""
     return value in rw.grad or style.copy_without_grad
+
+
+def _f(rw: localize.Rewriter, value: fx.Node, consumer: fx.Node, *, idle: bool) -> fx.Node:
+    """Megatron's f on ``value``; ``idle`` where no gradient flows back through it (marked ``IDLE_F``)."""
+    node = rw.cached(value, "f", lambda a: CopyToParallel(**a), consumer)
+    if idle:
+        node.meta[IDLE_F] = True
+    return node
 
 
 def _has_shard(placement) -> bool:
