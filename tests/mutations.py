@@ -455,4 +455,8 @@ MUTANTS = (
            'AxisStyle("tp", copy_without_grad=mark_entries)', 'AxisStyle("tp")',
            "a tp region run under torch.no_grad() gets no f, so sequence parallelism keeps its sequence split there",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_where_a_block_also_runs_without_gradients[2]",)),
+    Mutant("grad-f-taken-for-idle", "passes/sharding.py",
+           "_f(rw, value, node, idle=original not in rw.grad)", "_f(rw, value, node, idle=True)",
+           "sequence parallelism drops Megatron's f also where a gradient flows: replicated inputs' gradients unsummed",
+           ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_with_a_pipeline[gpt-1f1b]",)),
 )
