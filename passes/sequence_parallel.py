@@ -161,8 +161,13 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     the inputs) and reaches the residual stream."""
     size = plan.size
     if not plan.inputs or plan.values:
+        by_name = {node.name: node for node in gm.graph.nodes}
+        inside = [meta.source_line(by_name[name]) or name for name in plan.values if name in by_name]
+        where = (f"; here the split that reaches attention starts inside the model, at {inside[0]}" if inside
+                 else "")
         raise SequenceParallelError("sequence parallelism needs the sequence as a dim of the model's inputs (token "
-                                    "ids, or embeddings of shape (batch, sequence, ...)); use sequence_parallel=False")
+                                    f"ids, or embeddings of shape (batch, sequence, ...)){where}; use "
+                                    "sequence_parallel=False")
     _check_divides(plan)
     probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
     from_inputs = _from_inputs(gm)

@@ -8,6 +8,8 @@ import golden_loop
 import pytest
 import torch
 
+import autoshard
+
 import golden
 from launcher import WorkerError
 from models import build
@@ -94,6 +96,23 @@ def test_a_region_s_all_reduce_becomes_a_reduce_scatter_and_its_f_an_all_gather_
 def test_a_model_without_a_sequence_is_told_sequence_parallelism_does_not_apply(pools):
     with pytest.raises(WorkerError, match="sequence parallelism splits the sequence over tp and could not find it"):
         pools.get(2).run(golden.golden, "mlp", {"tp": 2}, sequence_parallel=True)
+
+
+def test_a_sequence_made_inside_the_model_is_refused_naming_where_it_starts():
+    """An image model's tokens are patches joined to a class token in the graph, not an input's dim: the refusal
+    names the line where the split would start."""
+    from corpus import build as build_architecture
+
+    from autoshard.compile import compile_global_batch
+    from autoshard.options import CompileOptions
+    from autoshard.passes.sequence_parallel import SequenceParallelError
+
+    case = build_architecture("vision/vit")
+    refused = pytest.raises(SequenceParallelError, match=r"starts inside the model, at .*torch\.cat")
+    with refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(tp=2), 0, CompileOptions(sequence_parallel=True),
+                             target=case.target, loss_fn=case.loss_fn)
 
 
 @pytest.mark.parametrize("name,schedule", [("gpt", "1f1b"), ("hf_llama", "1f1b"), ("llama", "zbv")])
