@@ -163,7 +163,7 @@ def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> list[fx.Node]:
     return inserted
 
 
-def _remove_splits(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
+def remove_splits(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
     for node in markers:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -199,7 +199,7 @@ def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, in
             if _splits_attention(gm, {}, size, length):
                 return {node.name: dim}
         finally:
-            _remove_splits(gm, markers)
+            remove_splits(gm, markers)
     return {}
 
 

@@ -37,7 +37,7 @@ from autoshard.passes.collectives import (
     ScatterToParallel,
     _ParallelOp,
 )
-from autoshard.passes.context_parallel import ContextParallelPlan, _attention
+from autoshard.passes.context_parallel import ContextParallelPlan, _attention, insert_splits, remove_splits
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.propagate import propagate, requires_grad
 from autoshard.passes.rules import RULES, Decision
@@ -160,16 +160,15 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     node name -> the sequence dim of the value they sum. Those whose value carries the sequence (propagated from
     the inputs) and reaches the residual stream."""
     size = plan.size
-    if not plan.inputs or plan.values:
-        by_name = {node.name: node for node in gm.graph.nodes}
-        inside = [meta.source_line(by_name[name]) or name for name in plan.values if name in by_name]
-        where = (f"; here the split that reaches attention starts inside the model, at {inside[0]}" if inside
-                 else "")
+    if not plan.inputs and not plan.values:
         raise SequenceParallelError("sequence parallelism needs the sequence as a dim of the model's inputs (token "
-                                    f"ids, or embeddings of shape (batch, sequence, ...)){where}; use "
-                                    "sequence_parallel=False")
+                                    "ids, or embeddings of shape (batch, sequence, ...)); use sequence_parallel=False")
     _check_divides(plan)
-    probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+    markers = insert_splits(gm, plan.values)  # a sequence made inside the model (patches and a class token)
+    try:
+        probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+    finally:
+        remove_splits(gm, markers)
     from_inputs = _from_inputs(gm)
     exits = {}
     for node in gm.graph.nodes:

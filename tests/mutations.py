@@ -459,4 +459,8 @@ MUTANTS = (
            "_f(rw, value, node, idle=original not in rw.grad)", "_f(rw, value, node, idle=True)",
            "sequence parallelism drops Megatron's f also where a gradient flows: replicated inputs' gradients unsummed",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_with_a_pipeline[gpt-1f1b]",)),
+    Mutant("sp-inner-sequence-unseeded", "passes/sequence_parallel.py",
+           "markers = insert_splits(gm, plan.values)", "markers = []",
+           "sequence parallelism looks for the sequence only at the inputs: an image model's patches are not found",
+           ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_on_an_image_model_whose_sequence_starts_at_its_patches",)),
 )

@@ -98,9 +98,16 @@ def test_a_model_without_a_sequence_is_told_sequence_parallelism_does_not_apply(
         pools.get(2).run(golden.golden, "mlp", {"tp": 2}, sequence_parallel=True)
 
 
-def test_a_sequence_made_inside_the_model_is_refused_naming_where_it_starts():
-    """An image model's tokens are patches joined to a class token in the graph, not an input's dim: the refusal
-    names the line where the split would start."""
+def test_golden_sequence_parallel_on_an_image_model_whose_sequence_starts_at_its_patches(pools):
+    """The tokens are made inside the model (a strided conv's patches), not an input's dim: the regions whose
+    sums carry them are found from there, as context parallelism finds its split."""
+    results = pools.get(2).run(golden.vision_golden, {"tp": 2}, sequence_parallel=True)
+    golden.check(results, {"tp": 2})
+    assert "ReduceScatterToSequence" in results[0]["modules"], results[0]["modules"]
+
+
+def test_a_class_token_sequence_tp_does_not_divide_is_refused():
+    """ViT's 16 patches and its class token make 17 tokens, which 2 ranks cannot split evenly."""
     from corpus import build as build_architecture
 
     from autoshard.compile import compile_global_batch
@@ -108,7 +115,7 @@ def test_a_sequence_made_inside_the_model_is_refused_naming_where_it_starts():
     from autoshard.passes.sequence_parallel import SequenceParallelError
 
     case = build_architecture("vision/vit")
-    refused = pytest.raises(SequenceParallelError, match=r"starts inside the model, at .*torch\.cat")
+    refused = pytest.raises(SequenceParallelError, match=r"sequence of 17 tokens .* does not divide it")
     with refused, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compile_global_batch(case.model, case.inputs, autoshard.Mesh(tp=2), 0, CompileOptions(sequence_parallel=True),
