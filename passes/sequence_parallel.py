@@ -242,10 +242,11 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
 def _check_divides(plan: ContextParallelPlan) -> None:
     if plan.seq_len % plan.size:
         works = [t for t in range(2, plan.seq_len + 1) if plan.seq_len % t == 0][:6]
+        fix = "an input size that makes" if plan.values else "a sequence length of"  # tokens made inside the model
         raise SequenceParallelError(
-            f"sequence parallelism splits the sequence of {plan.seq_len} tokens (each cp rank's, under context "
-            f"parallelism) over tp={plan.size} ranks, which does not divide it: use a sequence length divisible by "
-            f"{plan.size}, a tp degree in {works}, or sequence_parallel=False")
+            f"sequence parallelism splits the sequence of {plan.seq_len} tokens (under context parallelism, each cp "
+            f"rank's) over tp={plan.size} ranks, which does not divide it: use {fix} a multiple of {plan.size} "
+            f"tokens, a tp degree in {works}, or sequence_parallel=False")
 
 
 _THROUGH = {aten.type_as.default, aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
