@@ -199,10 +199,10 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
         return arg(node, "weight"), 0
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
-        if _expert_of(w) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
-            return _expert_of(w), _LINEARS[node.target][2] + 1
-        if node.target is aten.linear.default and _piece_of(w) is not None:  # linear(x, W.split(sizes)[i])
-            return _piece_of(w), 0
+        if (stack := _expert_of(w)) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
+            return stack, _LINEARS[node.target][2] + 1
+        if node.target is aten.linear.default and (packed := _piece_of(w)) is not None:  # linear(x, W.split(s)[i])
+            return packed, 0
         return w, _LINEARS[node.target][2]
     if _is_left(node):
         return node.args[0], 0
