@@ -210,7 +210,8 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     A pipeline stage's inputs received from the previous stage count as such: their gradient is sent back, so a
     collective's backward twin on them (the all-reduce behind Megatron's f) must not be left out. A value the
     model computes with gradients off (``torch.no_grad()``, captured as ``wrap_with_set_grad_enabled(False,
-    ...)``, or inlined with its inputs detached) does not.
+    ...)``, or inlined with its inputs detached) does not. A collective another axis put in (a rank's graph after
+    tensor parallelism, which context and sequence parallelism rewrite again) passes the gradient on like any op.
     """
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     found: set[fx.Node] = set()
@@ -220,7 +221,7 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
             found.add(node)
         elif node.op == "call_function" and (_grad_disabled(node) or node.target is torch.ops.aten.detach.default):
             continue
-        elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):
+        elif node.op in ("call_function", "call_module") and any(n in found for n in node.all_input_nodes):
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor) or val.is_floating_point():
                 found.add(node)

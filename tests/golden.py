@@ -238,6 +238,37 @@ def cycles_without_grad(tp: int, **options) -> tuple[str, float]:
     return "" if report.ok else str(report), report.share
 
 
+class _SequenceSummary(torch.nn.Module):
+    """A block's output summed over the sequence (a mean over positions, no parameter on the way) gating every
+    token: the summary is whole on every rank while the tokens it gates are split by sequence parallelism."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 32, bias=False))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.mlp(h)  # a block on the residual stream: its sum is reduce-scattered to the split tokens
+        summary = self.down(torch.relu(self.up(self.ln(h)))).mean(dim=1, keepdim=True)
+        return self.head(h * torch.sigmoid(summary))
+
+
+def sequence_summary(tp: int, **options) -> str:
+    """``autoshard.verify`` at ``tp`` on ``_SequenceSummary``: the report, if not exact."""
+    torch.manual_seed(0)
+    model = _SequenceSummary()
+    ids, target = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    mesh = autoshard.Mesh(tp=tp)
+    report = autoshard.verify(model, mesh, (ids,), _cross_entropy(), target=target, steps=2,
+                              groups=groups_for(mesh), **options)
+    return "" if report.ok else str(report)
+
+
 def explain(name: str, mesh_kwargs: dict, code: bool = False, **options) -> str:
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)

@@ -463,4 +463,9 @@ MUTANTS = (
            "markers = insert_splits(gm, plan.values)", "markers = []",
            "sequence parallelism looks for the sequence only at the inputs: an image model's patches are not found",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_on_an_image_model_whose_sequence_starts_at_its_patches",)),
+    Mutant("grad-stops-at-collectives", "passes/propagate.py",
+           'elif node.op in ("call_function", "call_module") and any(n in found for n in node.all_input_nodes):',
+           'elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):',
+           "a value computed from another axis's collective by parameter-free ops is taken for one without gradient",
+           ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_where_a_whole_summary_gates_split_tokens",)),
 )

@@ -33,6 +33,15 @@ def test_golden_sequence_parallel_where_a_block_also_runs_without_gradients(pool
         assert share < 1 / tp + 0.2, share
 
 
+def test_golden_sequence_parallel_where_a_whole_summary_gates_split_tokens(pools):
+    """A block's output averaged over the sequence stays all-reduced (whole on every rank) and gates the tokens
+    sequence parallelism splits: each rank's gradient of it is its own tokens' part, summed over the ranks by an f.
+    The f was missing where the summary came from a collective through parameter-free ops only: the gradients of
+    the block's weights were each rank's half (5e-3 off)."""
+    for rank, report in enumerate(pools.get(2).run(golden.sequence_summary, 2, sequence_parallel=True)):
+        assert not report, f"rank {rank}:\n{report}"
+
+
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_golden_sequence_parallel_with_data_parallel(pools, name, data_parallel):
