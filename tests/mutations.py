@@ -372,8 +372,8 @@ MUTANTS = (
            "heads tiled by repeat are taken for a contiguous split: each rank pairs its queries with other heads' keys",
            ("tests/test_rules_views.py::test_views_and_slices",)),
     Mutant("expert-stack-dim", "passes/tensor_parallel.py",
-           "            return _expert_of(w), _LINEARS[node.target][2] + 1",
-           "            return _expert_of(w), _LINEARS[node.target][2]",
+           "            return stack, _LINEARS[node.target][2] + 1",
+           "            return stack, _LINEARS[node.target][2]",
            "linear(x, W[i]) over a stack of experts is seeded on the experts' dim: the stack's experts are split "
            "instead of each expert's features",
            ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
