@@ -229,13 +229,18 @@ class _CycledWithoutGrad(torch.nn.Module):
 def cycles_without_grad(tp: int, **options) -> tuple[str, float]:
     """``autoshard.verify`` at ``tp`` on a model that runs a block once without gradients, then again with them:
     (the report, if not exact; the share of the parameters a rank holds)."""
+    report = _verify_on_tokens(_CycledWithoutGrad, tp, **options)
+    return "" if report.ok else str(report), report.share
+
+
+def _verify_on_tokens(make, tp: int, **options):
+    """``autoshard.verify`` at ``tp``, 2 steps, of ``make()`` (seeded) on a batch of 2 x 16 ids below 64."""
     torch.manual_seed(0)
-    model = _CycledWithoutGrad()
+    model = make()
     ids, target = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     mesh = autoshard.Mesh(tp=tp)
-    report = autoshard.verify(model, mesh, (ids,), _cross_entropy(), target=target, steps=2,
-                              groups=groups_for(mesh), **options)
-    return "" if report.ok else str(report), report.share
+    return autoshard.verify(model, mesh, (ids,), _cross_entropy(), target=target, steps=2, groups=groups_for(mesh),
+                            **options)
 
 
 class _SequenceSummary(torch.nn.Module):
@@ -260,12 +265,7 @@ class _SequenceSummary(torch.nn.Module):
 
 def sequence_summary(tp: int, **options) -> str:
     """``autoshard.verify`` at ``tp`` on ``_SequenceSummary``: the report, if not exact."""
-    torch.manual_seed(0)
-    model = _SequenceSummary()
-    ids, target = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    mesh = autoshard.Mesh(tp=tp)
-    report = autoshard.verify(model, mesh, (ids,), _cross_entropy(), target=target, steps=2,
-                              groups=groups_for(mesh), **options)
+    report = _verify_on_tokens(_SequenceSummary, tp, **options)
     return "" if report.ok else str(report)
 
 
