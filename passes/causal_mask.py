@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard.passes.writes import writers
+
 aten = torch.ops.aten
 
 # ops that read only the shape, dtype and device of their first input
@@ -75,8 +77,8 @@ def _constant(gm: fx.GraphModule, node: fx.Node, values: dict) -> torch.Tensor |
     if node in values:
         return values[node]
     values[node] = None  # until shown constant
-    if node.op == "placeholder":
-        return None
+    if node.op == "placeholder" or writers(node):
+        return None  # a value written in place after its op (a mask built row by row) is not what the op computes
     if node.op == "get_attr":
         attr = getattr(gm, node.target, None)
         if isinstance(attr, torch.nn.Parameter) or not isinstance(attr, torch.Tensor):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autoshard.passes.writes import closure
+
 aten = torch.ops.aten
 
 # op -> (position of reduction, position of ignore_index, position of weight) in its arguments
@@ -86,15 +88,9 @@ def token_count_graph(gm: fx.GraphModule, loss: TokenLoss) -> fx.GraphModule:
 
 
 def ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node it is computed from."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
+    """``node``, every node it is computed from, and every in-place write into those (a target built as
+    ``labels[:, :-1] = ids[:, 1:]``)."""
+    return closure([node])
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:

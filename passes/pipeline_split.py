@@ -21,6 +21,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.propagate import requires_grad
+from autoshard.passes.writes import base_of, closure, writers, written_arguments
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,32 @@ def split_pipeline(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int
     if missing:
         raise ValueError(f"no stage given for nodes {missing[:5]}: every activation needs one")
     crossing = _crossing(activations, stage_of, num_stages)
+    state_writes = _state_writes(nodes, grad, stage_of)
     stages = []
     for index in range(num_stages):
         receives = crossing[index - 1] if index > 0 else []
         sends = crossing[index] if index < num_stages - 1 else []
-        stage_gm = _stage_graph(gm, nodes, grad, stage_of, index, receives, sends)
+        writes = [w for w, stage in state_writes.items() if stage == index]
+        stage_gm = _stage_graph(gm, nodes, grad, stage_of, index, receives, sends, writes)
         by_name = {n.name: n for n in nodes}
         stages.append(Stage(index, stage_gm, receives, sends, _specs(by_name, receives), _specs(by_name, sends)))
     return stages
+
+
+def _state_writes(nodes: list[fx.Node], grad: set[fx.Node], stage_of: dict[str, int]) -> dict[fx.Node, int]:
+    """The stage of each write into the model's state (a buffer) that no gradient flows through: BatchNorm's
+    ``num_batches_tracked += 1``, which nothing in the graph may read. It runs on one stage, the first that holds an
+    activation of the module it came from (else the first stage), once per step as in the model run whole."""
+    stages_of_module: dict[str, int] = {}
+    for node in nodes:
+        if node.name in stage_of:
+            stages_of_module.setdefault(meta.module_path(node), stage_of[node.name])
+    found = {}
+    for node in nodes:
+        written = written_arguments(node)
+        if node not in grad and written and all(base_of(w).op == "get_attr" for w in written):
+            found[node] = stages_of_module.get(meta.module_path(node), 0)
+    return found
 
 
 def _crossing(activations: list[fx.Node], stage_of: dict[str, int], num_stages: int) -> list[list[str]]:
@@ -119,7 +138,7 @@ def activation_readers(node: fx.Node, is_activation) -> list[fx.Node]:
     return found
 
 
-def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphModule:
+def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends, writes) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in nodes:
@@ -130,14 +149,14 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
         source = by_name[name]
         env[source] = graph.placeholder(f"recv_{name}")
         env[source].meta = {**source.meta, meta.RECEIVED: name}
-        if _written_in_place(source):
+        if writers(source):
             # the model updates it, or a view of it, in place (``hidden *= scale``, ``x[..., :k].copy_(y)``),
             # which a received leaf that requires grad refuses: the stage works on a copy, whose gradient still
             # reaches the received value
             received = env[source]
             env[source] = graph.call_function(torch.ops.aten.clone.default, (received,))
             env[source].meta = {**source.meta}
-    wanted = _needed(nodes, grad, stage_of, index, sends, by_name)
+    wanted = _needed(nodes, grad, stage_of, index, sends, by_name, writes)
     for node in nodes:
         if node in env or node.op in ("placeholder", "output") or node not in wanted:
             continue
@@ -153,50 +172,32 @@ def _stage_graph(gm, nodes, grad, stage_of, index, receives, sends) -> fx.GraphM
     return stage
 
 
-def _written_in_place(value: fx.Node) -> bool:
-    """Whether an op writes in place into ``value`` or into a view of it."""
-    from autoshard.passes.rules import is_view
-
-    todo, seen = [value], set()
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for user in v.users:
-            if user.op == "call_function" and user.args and user.args[0] is v:
-                if _writes_first_argument(user):
-                    return True
-                if is_view(user):  # a write into it writes ``value``
-                    todo.append(user)
-    return False
-
-
-def _writes_first_argument(node: fx.Node) -> bool:
-    """Whether ``node`` is an op that updates its first argument in place (``mul_``, ``add_``, ``copy_``)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
-
-
-def _needed(nodes, grad, stage_of, index, sends, by_name) -> set[fx.Node]:
-    """This stage's activations, plus the parameters and parameter-free values they read."""
+def _needed(nodes, grad, stage_of, index, sends, by_name, writes) -> set[fx.Node]:
+    """This stage's activations and writes into the model's state, plus the parameters and parameter-free values they
+    read, and every write into those (a mask built by slice assignments: its ``fill_``s have no users, and a walk
+    back from the readers misses them)."""
     own = {n for n in nodes if n.name in stage_of and stage_of[n.name] == index}
-    todo = list(own) + [by_name[s] for s in sends]
+    roots = list(own) + list(writes) + [by_name[s] for s in sends]
     if not sends:
-        todo += [n for n in nodes if n.op == "output"]
-    needed: set[fx.Node] = set()
-    while todo:
-        node = todo.pop()
-        if node in needed:
-            continue
-        needed.add(node)
-        for source in node.all_input_nodes:
-            if source in grad and source.op == "call_function" and stage_of.get(source.name) != index:
-                continue  # an activation of another stage: received, not recomputed
-            todo.append(source)
+        roots += [n for n in nodes if n.op == "output"]
+
+    def elsewhere(node: fx.Node) -> bool:  # an activation of another stage: received, not recomputed
+        return node in grad and node.op == "call_function" and stage_of.get(node.name) != index
+
+    def admit(writer: fx.Node) -> bool:  # another stage's update of its own activation (``h *= scale``) is its own
+        return not (elsewhere(writer) and all(base_of(v) in grad for v in written_arguments(writer)))
+
+    needed = closure(roots, lambda node: [s for s in node.all_input_nodes if not elsewhere(s)], admit)
+    passed_on = {by_name[s] for s in sends}  # received from the stage before and handed on as they are
+    foreign = [n for n in nodes if n in needed and elsewhere(n) and n not in passed_on]
+    if foreign:
+        node = foreign[0]
+        line = meta.source_line(node)
+        raise ValueError(
+            f"pipeline stage {index} reads a value that {node.name} ({node.target}{', ' + line if line else ''}) "
+            f"writes in place, and that write is computed from stage {stage_of.get(node.name)}'s activations: a "
+            "stage recomputes the values it reads but cannot recompute another stage's write. Cut the pipeline "
+            "elsewhere (pp=1 runs it), or write the value without an in-place op")
     return needed
 
 

@@ -114,7 +114,8 @@ def test_capture_rejects_a_loss_without_target():
 
 class _MaskedAttention(nn.Module):
     """Attention under a mask built in the graph: ``kind`` "causal" (the triangle, boolean or additive with the
-    dtype's lowest value), "window" (causal within 4 tokens) or "padding" (read from an input)."""
+    dtype's lowest value), "window" (causal within 4 tokens), "padding" (read from an input) or "prefix" (the
+    triangle, then its first 3 keys opened to every query by an in-place write: a prefix LM)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -132,12 +133,14 @@ class _MaskedAttention(nn.Module):
             mask = mask & keep[:, None, None, :].bool()
         elif self.kind == "additive":
             mask = torch.zeros(t, t).masked_fill(~mask, torch.finfo(torch.float32).min)
+        elif self.kind == "prefix":
+            mask[:, :3] = True  # the triangle alone is what its op computes; the write makes it another mask
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.transpose(1, 2).reshape(x.shape[0], t, 8)
 
 
 @pytest.mark.parametrize("kind,causal", [("causal", True), ("additive", True), ("window", False),
-                                         ("padding", False)])
+                                         ("padding", False), ("prefix", False)])
 def test_a_constant_causal_mask_becomes_is_causal_and_any_other_mask_stays(kind, causal):
     """Traced, a model builds the causal mask its eager run never makes; attention kernels then convert and save it
     per layer (L x S floats each). A mask that reads no input value and is the triangle becomes ``is_causal``;
