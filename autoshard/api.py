@@ -27,7 +27,7 @@ def parallelize(
     tp_indivisible: str = "error", schedule: str = "1f1b", chunks: int = 1, pipeline_starts: list[str] | None = None,
     cp_attention: str = "gather", cp_load_balance: bool = False, mixed_precision: str | None = None,
     activation_checkpointing: bool = False, tp_plan=None, data_parallel: str = "ddp", pipeline_balance: str = "both",
-    sequence_parallel: bool | str = False,
+    sequence_parallel: bool | str = False, batch_norm: str = "unsharded",
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -45,7 +45,7 @@ def parallelize(
             (``microbatches``, ``local_batch``, ``timeout``, ``tp_indivisible``, ``schedule``, ``chunks``,
             ``pipeline_starts``, ``cp_attention``, ``cp_load_balance``, ``mixed_precision``,
             ``activation_checkpointing``, ``tp_plan``, ``data_parallel``, ``pipeline_balance``,
-            ``sequence_parallel``) as keyword arguments, documented there.
+            ``sequence_parallel``, ``batch_norm``) as keyword arguments, documented there.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -60,6 +60,7 @@ def parallelize(
         cp_load_balance=cp_load_balance, mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing, tp_plan=tp_plan, data_parallel=data_parallel,
         timeout=timeout, pipeline_balance=pipeline_balance, sequence_parallel=sequence_parallel,
+        batch_norm=batch_norm,
     )
     options = _one_set_of_options(options, given)
     mesh = _mesh(mesh, model, example_inputs, options)

@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autoshard import codegen
+from autoshard import codegen, meta
 from autoshard.capture import Captured, capture
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
@@ -47,6 +47,8 @@ from autoshard.passes.sharding import FALLBACKS
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 from autoshard.runtime import batching, schedules, spread
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -204,6 +206,7 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
     """Everything the rank at ``coords`` runs for ``captured``; ``like`` is the model's first build, if any."""
     coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
     build = RankBuild(captured, mesh, coords, options, programs={})
+    _check_batch_norm(captured, mesh, options, build.notes if like is None else [])
     build.tp_plan = _tp_plan(captured, mesh, options, like, build.notes)
     build.cp_plan = _cp_plan(captured, mesh, options, like)
     if build.cp_plan is not None and build.cp_plan.note and like is None:
@@ -391,6 +394,38 @@ def _check_loss_trains(captured: Captured, model: nn.Module) -> None:
             "autograd Function that runs its forward without gradients and recomputes in backward, such as "
             "reversible layers), so autoshard cannot train it; replace that part by plain modules"
         )
+
+
+_BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5,
+                aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
+
+
+def _check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> None:
+    """A BatchNorm in training mode normalises with the statistics of the batch it sees. Where a rank or a
+    microbatch sees part of the batch, those differ from the model's run whole: refused (``batch_norm="unsharded"``)
+    before any collective, naming the layers and what works, or said once (``"local"``)."""
+    layers = sorted({meta.module_path(n).removeprefix("model.") or n.name for n in captured.gm.graph.nodes
+                     if n.op == "call_function" and n.target in _BATCH_NORMS
+                     and len(n.args) > _BATCH_NORMS[n.target] and n.args[_BATCH_NORMS[n.target]] is True})
+    parts = [why for why, on in (
+        (f"dp={mesh.dp} gives each rank 1/{mesh.dp} of the batch", mesh.dp > 1),
+        (f"cp={mesh.cp} gives each rank 1/{mesh.cp} of the sequence", mesh.cp > 1),
+        (f"microbatches={options.microbatches} normalise each microbatch alone", options.microbatches > 1),
+        (f"sequence parallelism gives each tp rank 1/{mesh.tp} of the tokens",
+         mesh.tp > 1 and options.sequence_parallel is True),
+    ) if on]
+    if not layers or not parts:
+        return
+    shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+    if options.batch_norm == "local":
+        notes.append(f"BatchNorm in training mode ({shown}) keeps each rank's and each microbatch's own statistics "
+                     f"(batch_norm='local'): {'; '.join(parts)}, so it normalises otherwise than the model run whole")
+        return
+    raise ValueError(
+        f"BatchNorm in training mode ({shown}) normalises with the statistics of the batch it sees, and here "
+        f"{'; '.join(parts)}: the training would differ from the model run whole. Run it with dp=1, cp=1 and one "
+        "microbatch (tp and pp keep the whole batch), put the BatchNorm layers in eval mode, or pass "
+        "batch_norm='local' to keep each rank's own statistics as DDP does")
 
 
 def _leading_dim(node: fx.Node) -> int | None:

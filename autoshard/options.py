@@ -23,6 +23,7 @@ CHOICES = {
     "mixed_precision": (None, "bf16"),
     "data_parallel": ("ddp", "fsdp"),
     "pipeline_balance": ("both", "time", "memory"),
+    "batch_norm": ("unsharded", "local"),
 }
 _MEANINGS = {
     "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
@@ -30,6 +31,8 @@ _MEANINGS = {
                     "'alltoall' (all-to-all the sequence split into a head split for attention)",
     "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
+    "batch_norm": "'unsharded' (the statistics of the whole batch, as the model run whole; refused where a rank "
+                  "sees part of it) or 'local' (each rank's and each microbatch's own statistics, as DDP keeps them)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
@@ -79,6 +82,10 @@ class CompileOptions:
         ``fully_shard`` over dp x cp: parameters, gradients and optimizer state sharded). Under pipeline
         parallelism a rank's parameters stay gathered for the step (one all-gather per step, not per
         microbatch) and gradients are reduce-scattered after its last backward.
+    batch_norm: what a BatchNorm in training mode normalises with where a rank or a microbatch sees only part of
+        the batch (dp, cp, microbatches, sequence parallelism): ``"unsharded"`` (the default) wants the whole
+        batch's statistics, as the model run whole computes them, and refuses such a mesh naming the layers;
+        ``"local"`` keeps each rank's and each microbatch's own statistics (DDP's behaviour), said once.
     """
 
     microbatches: int = 1
@@ -96,6 +103,7 @@ class CompileOptions:
     tp_plan: object = None  # a TensorParallelPlan to apply instead of the one the compiler finds
     data_parallel: str = "ddp"
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    batch_norm: str = "unsharded"
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():

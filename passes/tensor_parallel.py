@@ -488,10 +488,27 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
 
 
 def _accepts(prop: Propagation, state: Propagation) -> bool:
-    """Whether ``prop`` gathers no split value and falls back no more than ``state`` did, without conflicts."""
+    """Whether ``prop`` gathers no split value and falls back no more than ``state`` did, without conflicts, and
+    every weight it splits divides over the ranks (a table of 2 heads' biases is not split 4 ways)."""
     gathers, fallbacks, conflicts = cost(prop, prop.changed)
     old = cost(state, prop.changed)
-    return gathers <= old[0] and fallbacks <= old[1] and not conflicts
+    return gathers <= old[0] and fallbacks <= old[1] and not conflicts and _seeds_divide(prop, state)
+
+
+def _seeds_divide(prop: Propagation, state: Propagation) -> bool:
+    """Whether every weight ``prop`` splits anew has, along the split dim, blocks the degree divides."""
+    for node in prop.changed:
+        placement = prop.seeds.get(node.target) if node.op == "get_attr" else None
+        if not isinstance(placement, Shard) or state.seeds.get(node.target) == placement:
+            continue
+        try:
+            size = node.graph.owning_module.get_parameter(node.target).shape[placement.dim]
+        except AttributeError:  # not a parameter: nothing of it is stored split
+            continue
+        blocks = placement.blocks or (size,)
+        if sum(blocks) != size or any(block % prop.size for block in blocks):
+            return False
+    return True
 
 
 def _try_lone_row(plan: TensorParallelPlan, state: Propagation, row: fx.Node) -> Propagation:

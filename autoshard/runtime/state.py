@@ -80,8 +80,30 @@ def state_dict(pm) -> dict[str, torch.Tensor]:
             out[key] = full[name]
         else:
             out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    if pm.mesh.pp > 1:  # a buffer one stage updates (BatchNorm's running statistics) is current on its rank only
+        everyone: list = [None] * pm.mesh.pp
+        dist.all_gather_object(everyone, {k: out[k].cpu() for k in _written_buffers(pm) if k in out},
+                               group=pm.groups.group("pp"))
+        mine = _written_buffers(pm)
+        for part in everyone:
+            out.update({k: v.to(out[k].device) for k, v in part.items() if k not in mine})
     out._metadata = getattr(own, "_metadata", None)  # the modules' versions, which load_state_dict reads
     return out
+
+
+def _written_buffers(pm) -> set[str]:
+    """The state-dict keys of the buffers this rank's programs write in place."""
+    from autoshard.passes.writes import base_of, written_arguments
+
+    keys = set()
+    for build in pm.builds:
+        for program in build.programs.values():
+            for node in program.gm.graph.nodes:
+                for value in written_arguments(node):
+                    base = base_of(value)
+                    if base.op == "get_attr":
+                        keys.add(base.target.removeprefix("model."))
+    return keys
 
 
 def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> None:
