@@ -5,6 +5,7 @@
     .venv/bin/python bench/corpus.py --only llama gpt2   # some architectures
     .venv/bin/python bench/corpus.py --limit 20          # the first 20 architectures
     .venv/bin/python bench/corpus.py --planned           # only the planned tp=2 / tp=4 parameter shares (minutes)
+    .venv/bin/python bench/corpus.py --writes            # only the writes sweep (tests/corpus/writes.py; minutes)
 
 Every architecture of ``tests/corpus`` (every causal LM of the installed transformers, a few masked-LM and
 encoder-decoder families, torch's own transformer modules) is first built and trained eagerly at tiny size;
@@ -47,6 +48,7 @@ WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balan
         "pp2zbv": "the zero-bubble V schedule, 4 microbatches (4 stages: the backward split into input and weight "
                   "gradients)",
         "tp2sp": "sequence parallelism: the sequence split over tp between the tensor-parallel regions"}
+WRITES = ("pp2", "pp2zbv", "dp2xtp2xpp2", "cp2", "tp2sp")  # the meshes the writes sweep builds every rank of
 PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)
 SLACK = 0.02  # above 1/tp and what is replicated on purpose
 TIMEOUT = {2: 480.0, 4: 600.0, 8: 900.0}  # seconds before a cell counts as stalled, by world size
@@ -163,6 +165,33 @@ def planned_share(name: str, tp: int) -> dict:
             "allowed": 1 / tp + whole / total * (1 - 1 / tp) + SLACK}
 
 
+def writes_of(name: str) -> dict:
+    """The writes sweep of ``name`` at every mesh of ``WRITES`` (one process, nothing run)."""
+    from corpus.architectures import build
+    from corpus.writes import sweep
+
+    found = {}
+    for label in WRITES:
+        case = build(name)
+        found[label] = sweep(case.model, case.inputs, case.target, case.loss_fn, *cells.MESHES[label])
+    return found
+
+
+def writes_summary(cache: dict, buildable: list[str]) -> list[str]:
+    swept = [n for n in buildable if n in cache.get("writes", {})]
+    if not swept:
+        return []
+    rows = [cache["writes"][n][m] for n in swept for m in WRITES]
+    lost = [(n, m, cache["writes"][n][m]["lost"]) for n in swept for m in WRITES if cache["writes"][n][m].get("lost")]
+    written = [n for n in swept if any(cache["writes"][n][m].get("writers") for m in WRITES)]
+    lines = [f"The writes sweep (`--writes`: every rank's program at {', '.join(WRITES)}, built in one process): "
+             f"{len(swept)} architectures, {len(written)} of them with in-place writes in the capture, "
+             f"{sum(r.get('programs', 0) for r in rows)} programs checked, {sum(1 for r in rows if 'error' in r)} "
+             f"meshes refused, **{sum(len(x) for _, _, x in lost)} writes lost**."]
+    lines += [f"- {n} at {m}: {x[0]}" for n, m, x in lost]
+    return lines
+
+
 def planned_summary(cache: dict, buildable: list[str]) -> list[str]:
     lines = []
     for tp in PLANNED:
@@ -233,7 +262,7 @@ def write_table(cache: dict, every: list[str], path: Path) -> None:
         "\"tp4 share (planned)\" is planned in one process (`--planned`), over the parameters the loss uses: the "
         "share, then in brackets the most a rank should hold (1/tp, plus norm weights, biases and kv heads the degree "
         "does not divide held whole, plus 2%), with ! where the share is above it. Planned the same way:", "",
-        *planned_summary(cache, buildable), "",
+        *planned_summary(cache, buildable), "", *writes_summary(cache, buildable), "",
         "| architecture | " + " | ".join(ORDER) + " | tp2 share | pp2 share | tp4 share (planned) |",
         "|---|" + "---|" * (len(ORDER) + 3),
     ]
@@ -272,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recheck", action="store_true", help="build and train the selection eagerly again")
     parser.add_argument("--planned", action="store_true",
                         help="only plan the selection at tp=2 and tp=4 and record each rank's parameter share")
+    parser.add_argument("--writes", action="store_true",
+                        help="only sweep the selection for in-place writes its rank programs lose")
     parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
     parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
     args = parser.parse_args(argv)
@@ -284,6 +315,14 @@ def main(argv: list[str] | None = None) -> None:
         for name in buildable:
             cache.setdefault("planned", {})[name] = {f"tp{tp}": planned_share(name, tp) for tp in PLANNED}
             print(f"planned {name:28s} {cache['planned'][name]}", flush=True)
+            save(cache, args.cache)
+            write_table(cache, every, args.out)
+        return
+    if args.writes:
+        for name in buildable:
+            cache.setdefault("writes", {})[name] = writes_of(name)
+            print(f"writes {name:28s} " + " ".join(f"{m}:{r.get('writers', 'refused')}/{len(r.get('lost', []))}"
+                                                   for m, r in cache["writes"][name].items()), flush=True)
             save(cache, args.cache)
             write_table(cache, every, args.out)
         return

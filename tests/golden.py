@@ -513,6 +513,134 @@ def masked_golden(kind: str, mesh_kwargs: dict, seq: int = 16, **options) -> dic
             "parameters": names, "steps": 3, "share": report.share, "modules": modules}
 
 
+class WrittenMaskDecoder(MaskedDecoder):
+    """A decoder that builds what it reads by in-place writes, as models written outside transformers do: a
+    sliding-window mask filled row by row with slice assignments (``fill_`` of views of a ``full(-inf)``, none of
+    which has a user of its own), positions scaled in place, a mask widened by ``masked_fill_`` and a bias row set
+    by ``index_put_``; logits soft-capped, so a lost write gives NaN (an all-masked row) rather than a small error."""
+
+    def __init__(self, **sizes) -> None:
+        super().__init__("window", **sizes)
+        self.positions = torch.nn.Embedding(16, self.embed.embedding_dim)
+
+    def mask(self, extra: torch.Tensor, t: int):
+        mask = torch.full((t, t), float("-inf"), device=extra.device)
+        for i in range(t):
+            mask[i, max(0, i - self.WINDOW + 1):i + 1] = 0
+        first = torch.zeros(t, t, dtype=torch.bool, device=extra.device)
+        first[:, 0] = True  # every query also sees the first token (an attention sink)
+        mask.masked_fill_(first, 0.0)
+        return mask
+
+    def forward(self, idx, extra):
+        b, t = idx.shape
+        steps = torch.arange(t, device=idx.device)
+        steps.index_put_((torch.tensor([0], device=idx.device),), torch.tensor(1, device=idx.device))
+        steps.sub_(1)  # position 0 and 1 share an embedding: the writes change what the table is read at
+        h = self.embed(idx) + self.positions(steps)[None]
+        mask = self.mask(extra, t)
+        for qkv, out, mlp in zip(self.qkv, self.out, self.mlp, strict=True):
+            q, k, v = (x.view(b, t, self.heads, -1).transpose(1, 2) for x in qkv(h).chunk(3, dim=-1))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            h = h + out(a.transpose(1, 2).reshape(b, t, -1))
+            h = h + mlp(h)
+        logits = self.head(h)
+        return 30.0 * torch.tanh(logits / 30.0)
+
+
+def _shifted_by_writes(output, target):
+    """Cross-entropy against the next token, the labels shifted by an in-place write into a tensor of ignored
+    ids (the loss's tokens are counted from a graph cut out of the capture: the write must be in it)."""
+    labels = torch.full_like(target, IGNORE_INDEX)
+    labels[:, :-1] = target[:, 1:]
+    return F.cross_entropy(output.reshape(-1, output.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def written_mask_golden(mesh_kwargs: dict, microbatches: int = 1, **options) -> dict:
+    """``autoshard.verify`` of ``WrittenMaskDecoder`` with labels shifted in place: every in-place write kept where
+    its value is read."""
+    torch.manual_seed(0)
+    model = WrittenMaskDecoder()
+    idx, extra, target = masked_data("window")
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(model, mesh, (idx, extra), _shifted_by_writes, target=target,
+                              microbatches=microbatches, groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(model.named_parameters())), "steps": 3, "share": report.share}
+
+
+class SmallResNet(torch.nn.Module):
+    """Two residual blocks of conv -> BatchNorm -> ReLU over 8x8 images, pooled into a classifier (the convs
+    without bias, as a BatchNorm follows each: a bias there has a gradient of zero, measured only as noise)."""
+
+    def __init__(self, width: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        conv = lambda a, b: torch.nn.Conv2d(a, b, 3, padding=1, bias=False)  # noqa: E731 - a BatchNorm follows
+        self.stem = torch.nn.Sequential(conv(3, width), torch.nn.BatchNorm2d(width))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(conv(width, width), torch.nn.BatchNorm2d(width), torch.nn.ReLU(), conv(width, width),
+                                torch.nn.BatchNorm2d(width)) for _ in range(2))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, pixels):
+        h = torch.relu(self.stem(pixels))
+        for block in self.blocks:
+            h = torch.relu(h + block(h))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def resnet_golden(mesh_kwargs: dict, **options) -> dict:
+    """``autoshard.verify`` of ``SmallResNet`` in training mode, and its BatchNorm running statistics after the
+    steps against the unsharded model's."""
+    g = torch.Generator().manual_seed(5)
+    pixels, target = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    torch.manual_seed(0)
+    report = autoshard.verify(SmallResNet(), mesh, (pixels,), F.cross_entropy, target=target,
+                              groups=groups_for(mesh), **options)
+    torch.manual_seed(0)
+    model, reference = SmallResNet(), SmallResNet()
+    reference.load_state_dict(model.state_dict())
+    pm = autoshard.parallelize(model, mesh, example_inputs=(pixels,), loss_fn=F.cross_entropy, target=target,
+                               groups=groups_for(mesh), **options)
+    for _ in range(2):
+        pm.step(pixels, target=target)
+        F.cross_entropy(reference(pixels), target).backward()
+    state, expected = pm.state_dict(), reference.state_dict()
+    stats = [k for k in expected if "running" in k or "num_batches" in k]
+    offs = {k: float((state[k].double() - expected[k].double()).abs().max()) for k in stats}
+    off = max(offs.values())
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(SmallResNet().named_parameters())), "steps": 3, "share": report.share,
+            "running_stats": len(stats), "stats_off": off, "worst_stat": max(offs, key=offs.get)}
+
+
+class SharedBiasDecoder(MaskedDecoder):
+    """A decoder whose attention adds a learned relative-position bias with fewer heads than attention has
+    (``bias_heads`` columns, each shared by ``heads // bias_heads`` adjacent heads, T5-style buckets)."""
+
+    def __init__(self, heads: int = 8, bias_heads: int = 2, buckets: int = 8) -> None:
+        super().__init__("full", heads=heads)
+        self.bias = torch.nn.Embedding(buckets, bias_heads)
+
+    def mask(self, extra: torch.Tensor, t: int):
+        positions = torch.arange(t, device=extra.device)
+        buckets = (positions[None, :] - positions[:, None]).clamp(-4, 3) + 4  # (T, T) in [0, 8)
+        bias = self.bias(buckets).permute(2, 0, 1)  # (bias heads, T, T)
+        return bias.repeat_interleave(self.heads // self.bias.embedding_dim, dim=0)[None]  # (1, heads, T, T)
+
+
+def shared_bias_golden(mesh_kwargs: dict, **options) -> dict:
+    """``autoshard.verify`` of ``SharedBiasDecoder`` and where its plan put the bias table."""
+    torch.manual_seed(0)
+    idx, extra, target = masked_data("full")
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(SharedBiasDecoder(), mesh, (idx, extra), _cross_entropy(ignore_index=IGNORE_INDEX),
+                              target=target, groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(SharedBiasDecoder().named_parameters())), "steps": 3, "share": report.share}
+
+
 class PatchViT(torch.nn.Module):
     """A vision transformer: no input carries a sequence; the tokens are an image's patches (a strided conv),
     torch's ``nn.TransformerEncoder`` attends over them, a mean over the tokens feeds the classifier. With

@@ -31,6 +31,7 @@ LOSS_ARGS = TP + "test_the_vocab_parallel_loss_keeps_the_cross_entropy_arguments
 LOOP = "tests/test_training_loop.py::"
 CLIPPING = COMPOSED + "test_global_norm_clipping_and_adamw_match_the_unsharded_model"
 RESUME = "tests/test_resume.py::"
+WRITES = "tests/test_lost_writes.py::"
 
 MUTANTS = (
     # ------------------------------------------------------------------ the four that once survived the suite
@@ -170,9 +171,32 @@ MUTANTS = (
            "if target in tied and pp_index not in tied[target]:",
            "global-norm clipping counts a tied weight (held whole on two stages under FSDP2) once per stage",
            (f"{COMPOSED}test_fsdp_clipping_and_adamw_match_the_unsharded_model[dp2xpp2]",)),
+    # ------------------------------------------------------------------------------- writes nothing reads back
+    Mutant("writer-dropped-by-pipeline-split", "passes/writes.py",
+           "            todo.extend(writers(node))", "            pass",
+           "a walk back through inputs keeps a mask's full(-inf) and drops the fill_s into its views",
+           (f"{WRITES}test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[pp2]",)),
+    Mutant("state-write-on-no-stage", "passes/pipeline_split.py",
+           "    roots = list(own) + list(writes) + [by_name[s] for s in sends]",
+           "    roots = list(own) + [by_name[s] for s in sends]",
+           "BatchNorm's num_batches_tracked += 1, read by nothing, is run by no pipeline stage",
+           (f"{WRITES}test_batch_norm_trains_exactly_where_every_rank_sees_the_whole_batch[pp2]",)),
+    Mutant("written-mask-taken-for-causal", "passes/causal_mask.py",
+           '    if node.op == "placeholder" or writers(node):', '    if node.op == "placeholder":',
+           "a causal triangle widened by an in-place write (a prefix LM) becomes is_causal=True",
+           ("tests/test_capture.py::test_a_constant_causal_mask_becomes_is_causal_and_any_other_mask_stays"
+            "[prefix-False]",)),
+    Mutant("table-split-by-a-degree-that-does-not-divide", "passes/tensor_parallel.py",
+           "and not conflicts and _seeds_divide(prop, state)", "and not conflicts",
+           "a bias table of 2 heads is column-split over tp=4 and the first step fails inside autoshard",
+           (f"{WRITES}test_a_table_the_degree_does_not_divide_is_not_split_by_it",)),
+    Mutant("batch-norm-stats-per-rank-unsaid", "autoshard/compile.py",
+           "    if not layers or not parts:", "    if True:",
+           "BatchNorm in training normalises with each dp rank's statistics without a word",
+           (f"{WRITES}test_batch_norm_in_training_is_refused_where_a_rank_sees_part_of_the_batch[dp2]",)),
     # ------------------------------------------------------------------------ found running the corpus at pp
     Mutant("pp-in-place-received", "passes/pipeline_split.py",
-           "        if _written_in_place(source):",
+           "        if writers(source):",
            "        if False:",
            "a stage updates its received activation (a leaf that requires grad) in place: one rank fails",
            (f"{LOOP}test_a_stage_that_updates_a_received_activation_in_place_is_exact[m1]",)),

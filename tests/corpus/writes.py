@@ -1,0 +1,45 @@
+"""The writes sweep: does every rank's program keep every in-place write into the values it keeps?
+
+For one model at one mesh, in one process and without running anything: the training capture at the mesh's
+microbatch, every distinct rank's build (dp ranks build alike), and for each of its programs the writes of the
+capture into values the program keeps that the program lost (``passes.writes.lost_writes``). A count of the
+capture's writers says how much the sweep had to look at.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+from autoshard.compile import capture_for_training, compile_rank
+from autoshard.mesh import Mesh
+from autoshard.options import CompileOptions
+from autoshard.passes.writes import lost_writes, written_arguments
+from autoshard.runtime import batching
+
+
+def sweep(model, inputs: tuple, target, loss_fn, degrees: dict, options: dict) -> dict:
+    """``{"writers": n, "programs": k, "lost": [...]}`` for ``model`` at ``degrees``, or ``{"error": ...}`` where
+    autoshard refuses the mesh (the corpus cell says the same)."""
+    mesh = Mesh(**degrees)
+    compile_options = CompileOptions(**options)
+    values = (*inputs, target)
+    if mesh.dp > 1:
+        values = batching.split(values, mesh.dp)[0]
+    values = batching.split(values, compile_options.microbatches)[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
+            writers = sum(1 for node in captured.gm.graph.nodes if written_arguments(node))
+            lost, programs, first = [], 0, None
+            for pp, tp, cp in itertools.product(range(mesh.pp), range(mesh.tp), range(mesh.cp)):
+                build = compile_rank(captured, mesh, {"pp": pp, "tp": tp, "cp": cp}, compile_options, like=first)
+                first = first or build
+                for stage, program in build.programs.items():
+                    programs += 1
+                    lost += [f"pp{pp} tp{tp} cp{cp} stage {stage}: {line}" for line in lost_writes(captured.gm,
+                                                                                                 program.gm)]
+    except Exception as e:  # noqa: BLE001 - a refusal is the corpus cell's business; the sweep records it
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    return {"writers": writers, "programs": programs, "lost": lost}
