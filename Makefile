@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 8
 
-.PHONY: setup demo test bench lint mutate corpus clean
+.PHONY: setup demo test test-quick test-full bench lint mutate corpus clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,14 @@ demo: setup
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
+# Tiers (tests/tiers.py): quick on every change, the CI tier (what .ci/run runs), full before resolving.
 test: setup
+	$(PY) -m pytest -q -m "not full"
+
+test-quick: setup
+	$(PY) -m pytest -q -m quick
+
+test-full: setup
 	$(PY) -m pytest -q
 
 bench: setup

@@ -29,3 +29,14 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the tier run on every change (make test-quick)")
+    config.addinivalue_line("markers", "full: run only by make test-full (see tests/tiers.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import tiers
+
+    tiers.assign(items)

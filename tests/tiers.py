@@ -1,0 +1,83 @@
+"""Which tier each test runs in: ``quick`` (every change), the CI tier (``make test``) and ``full`` (everything).
+
+The CI tier is every test but those marked ``full``. A distributed matrix (a parametrized test on the worker
+pools) runs in CI as a covering set, not as its cross product: cells are taken, in collection order, while each
+adds a parameter value (a model, a mesh, a schedule, a microbatch count), or in a zoo matrix (a ``name``
+parameter) a configuration of the other parameters, that no cell taken before had: every model, every zoo
+configuration and every value runs at least once; the rest of the matrix is marked ``full``. Every test a seeded
+bug of ``mutations.py`` names stays in the CI tier whatever the covering says, so ``make mutate`` judges the
+tier CI runs. ``FULL_ONLY`` lists the few whole tests moved out by hand, each with what in the CI tier covers
+its code path.
+
+``quick`` is the single-process files (rules, planner, schedules, partition, options, CLI) plus ``QUICK_GOLDENS``:
+one golden per axis on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mutations import MUTANTS
+
+QUICK_FILES = {
+    "test_rules_views.py", "test_rules_layers.py", "test_rules_embedding_loss.py", "test_schedules.py",
+    "test_planner.py", "test_partition.py", "test_mesh.py", "test_cost.py", "test_cli.py", "test_inspect_cli.py",
+    "test_split_backward.py", "test_cutting_inputs.py", "test_capture.py", "test_models.py", "test_tiers.py",
+}
+QUICK_GOLDENS = {
+    "tests/test_tensor_parallel.py::test_golden_tensor_parallel[gpt-2]",
+    "tests/test_data_parallel.py::test_golden_data_parallel[gpt-dp2-m2]",
+    "tests/test_pipeline.py::test_golden_pipeline[gpt-pp2-m4-1f1b]",
+    "tests/test_context_parallel.py::test_golden_context_parallel_gather[gpt-2-balanced]",
+    "tests/test_sequence_parallel.py::test_golden_sequence_parallel[gpt-2]",
+    "tests/test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[pp2]",
+}
+# whole tests run only in the full tier -> what in the CI tier runs the same code path
+FULL_ONLY = {
+    "tests/test_demo.py::test_the_example_with_fsdp_over_a_pipeline":
+        "test_composition.py's FSDP2 goldens over a pipeline; the demo under torchrun stays in CI",
+    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-tp2]":
+        "the qwen3_next-cp2 cell, and the tp plan of qwen3_next in test_tensor_parallel_plan.py",
+    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
+        "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
+    **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
+       "its tp plan in test_tensor_parallel_plan.py, and the tp=4 golden cells of mixtral, qwen2_moe and whisper"
+       for cell in ("mamba2-tp4", "gpt_oss-tp4", "llama4_text-tp4", "xlnet-tp4")},
+}
+_CORPUS = "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused"
+
+
+def mutant_tests() -> set[str]:
+    return {test for mutant in MUTANTS for test in mutant.tests}
+
+
+def assign(items: list) -> None:
+    """Mark each collected item ``quick`` or ``full`` (the CI tier is the rest)."""
+    keep = mutant_tests()
+    seen: dict[object, set] = {}
+    for item in items:
+        nodeid = item.nodeid
+        if item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS:
+            item.add_marker(pytest.mark.quick)
+        if nodeid in keep or nodeid.partition("[")[0] in keep or nodeid in QUICK_GOLDENS:  # a test named whole
+            _covers(item, seen.setdefault(item.function, set()))  # counts as covering what it runs
+            continue
+        if nodeid in FULL_ONLY:
+            item.add_marker(pytest.mark.full)
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "pools" not in item.fixturenames or nodeid.startswith(_CORPUS):
+            continue  # single tests, single-process matrices and the corpus sample (one cell per family) stay
+        if not _covers(item, seen.setdefault(item.function, set())):
+            item.add_marker(pytest.mark.full)
+
+
+def _covers(item, seen: set) -> bool:
+    """Whether ``item`` adds a parameter value (or, in a zoo matrix, a combination of its parameters other than the
+    model) not yet in ``seen``; records what it adds."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    features = {(k, repr(v)) for k, v in params.items()}
+    if "name" in params:  # a zoo matrix: every configuration once, on a model that changes from cell to cell
+        features.add(("others", tuple(sorted((k, repr(v)) for k, v in params.items() if k != "name"))))
+    new = features - seen
+    seen |= features
+    return bool(new)
