@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta
 from autoshard.capture import Captured
+from autoshard.passes.batch_norm import batch_norm_pass
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
@@ -88,6 +89,7 @@ class Sharding:
     cp_rank: int = 0
     cp_group: object = None
     sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
+    batch_norm: tuple[int, int, object] | None = None  # (size, rank, group) of the dp ranks a BatchNorm syncs over
     training: bool = True
     keep_outputs: bool = False  # a pipeline stage that hands its activations on
     stage: bool = False  # the graph is one pipeline stage
@@ -118,11 +120,17 @@ def build_stages(
     mine: list[int],
     *,
     store: ParamStore | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[Stage], dict[int, RankProgram], dict[int, tuple[list[TensorSpec], list[TensorSpec]]]]:
     """Every stage of the pipeline (to know what crosses each cut, at global shapes), the programs of this
-    rank's stages, and what each of them receives and sends at the shapes this rank holds."""
+    rank's stages, and what each of them receives and sends at the shapes this rank holds. Under ``autocast``
+    (the programs run under autocast to that dtype) what crosses a cut has the dtype autocast gives it."""
     whole = prepare(captured)
     stages = split_pipeline(whole, stage_of, num_stages)
+    dtypes = autocast_dtypes(whole, autocast) if autocast is not None else {}
+    for stage in stages:
+        stage.receive_specs = _with_dtypes(stage.receive_specs, stage.receives, dtypes)
+        stage.send_specs = _with_dtypes(stage.send_specs, stage.sends, dtypes)
     programs, local = {}, {}
     for index in mine:
         stage = stages[index]
@@ -131,10 +139,32 @@ def build_stages(
                         if n.op == "placeholder" and meta.RECEIVED in n.meta}
         received = _specs([placeholders[name] for name in stage.receives], stage.receive_specs)
         output = next(n for n in stage.gm.graph.nodes if n.op == "output")
-        local[index] = (received, _specs(list(output.args[0]), stage.send_specs) if stage.sends else [])
+        sent = _specs(list(output.args[0]), stage.send_specs) if stage.sends else []
+        local[index] = (_with_dtypes(received, stage.receives, dtypes), _with_dtypes(sent, stage.sends, dtypes))
         out_spec = getattr(captured.gm, "_out_spec", None) if index == num_stages - 1 else None
         programs[index] = RankProgram(stage.gm, out_spec)
     return stages, programs, local
+
+
+def autocast_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each of ``gm``'s values when it runs under autocast to ``dtype`` (the capture records them
+    without autocast: a conv's output is float32 there and bf16 at run time), by fake tensors, on a copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(n.meta["val"]) for n in copied.graph.nodes if n.op == "placeholder"]
+    device = next((v.device.type for v in (n.meta.get("val") for n in gm.graph.nodes)
+                   if isinstance(v, torch.Tensor)), "cpu")
+    with torch.autocast(device, dtype=dtype):
+        FakeTensorProp(copied, mode).propagate(*inputs)
+    return {n.name: n.meta["val"].dtype for n in copied.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def _with_dtypes(specs: list[TensorSpec], names: list[str], dtypes: dict[str, torch.dtype]) -> list[TensorSpec]:
+    return [dataclasses.replace(spec, dtype=dtypes.get(name, spec.dtype))
+            for spec, name in zip(specs, names, strict=True)]
 
 
 def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Sharding:
@@ -184,6 +214,9 @@ def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> 
             sp_plan = dataclasses.replace(sp_plan, seq_len=len(sharding.cp_plan.positions(sharding.cp_rank)))
         sequence_parallel_pass(gm, sp_plan, rank=sharding.tp_rank, group=sharding.tp_group, stage=sharding.stage,
                                exits=exits)
+    if sharding.batch_norm is not None:
+        size, rank, group = sharding.batch_norm
+        batch_norm_pass(gm, group=group, size=size, rank=rank)
     if store is not None:
         store.adopt(gm)
 

@@ -206,7 +206,7 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
     """Everything the rank at ``coords`` runs for ``captured``; ``like`` is the model's first build, if any."""
     coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
     build = RankBuild(captured, mesh, coords, options, programs={})
-    _check_batch_norm(captured, mesh, options, build.notes if like is None else [])
+    syncs = _check_batch_norm(captured, mesh, options, build.notes if like is None else [])
     build.tp_plan = _tp_plan(captured, mesh, options, like, build.notes)
     build.cp_plan = _cp_plan(captured, mesh, options, like)
     if build.cp_plan is not None and build.cp_plan.note and like is None:
@@ -217,6 +217,7 @@ def compile_rank(captured: Captured, mesh: Mesh, coords: dict[str, int], options
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
         cp_group=groups.group("cp") if groups is not None and mesh.cp > 1 else None,
         training=captured.with_loss,
+        batch_norm=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None) if syncs else None,
     )
     try:
         _programs(build, sharding, like, store)
@@ -354,7 +355,8 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, like: RankBuild | No
     placement = schedules.placement_of(options.schedule)
     mine = [s for s in range(build.num_stages) if schedules.rank_of(s, p, placement) == build.coords["pp"]]
     build.stages, build.programs, build.local_specs = codegen.build_stages(
-        build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store)
+        build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store,
+        autocast=torch.bfloat16 if options.mixed_precision == "bf16" and build.captured.with_loss else None)
     holders: dict[str, set[int]] = {}
     for stage in build.stages:
         for name in stage.parameters:
@@ -400,32 +402,43 @@ _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, a
                 aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
 
 
-def _check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> None:
-    """A BatchNorm in training mode normalises with the statistics of the batch it sees. Where a rank or a
-    microbatch sees part of the batch, those differ from the model's run whole: refused (``batch_norm="unsharded"``)
-    before any collective, naming the layers and what works, or said once (``"local"``)."""
-    layers = sorted({meta.module_path(n).removeprefix("model.") or n.name for n in captured.gm.graph.nodes
-                     if n.op == "call_function" and n.target in _BATCH_NORMS
-                     and len(n.args) > _BATCH_NORMS[n.target] and n.args[_BATCH_NORMS[n.target]] is True})
+def _check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:
+    """A BatchNorm in training mode normalises with the statistics of the batch it sees. Under dp with
+    ``batch_norm="unsharded"`` they are computed over the dp group (``passes.batch_norm``: whether to, returned).
+    Where a microbatch or a cp or sp rank sees part of the batch no rank can compute them: refused before any
+    collective, naming the layers and what works, or said once (``"local"``)."""
+    found = [n for n in captured.gm.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORMS
+             and len(n.args) > _BATCH_NORMS[n.target] and n.args[_BATCH_NORMS[n.target]] is True]
+    layers = sorted({meta.module_path(n).removeprefix("model.") or n.name for n in found})
+    syncs = options.batch_norm == "unsharded" and all(n.target is aten.batch_norm.default for n in found)
     parts = [why for why, on in (
-        (f"dp={mesh.dp} gives each rank 1/{mesh.dp} of the batch", mesh.dp > 1),
+        (f"dp={mesh.dp} gives each rank 1/{mesh.dp} of the batch", mesh.dp > 1 and not syncs),
         (f"cp={mesh.cp} gives each rank 1/{mesh.cp} of the sequence", mesh.cp > 1),
-        (f"microbatches={options.microbatches} normalise each microbatch alone", options.microbatches > 1),
+        (f"microbatches={options.microbatches} normalise each microbatch alone (a microbatch cannot pass the "
+         "layer before every microbatch of the step has reached it)", options.microbatches > 1),
         (f"sequence parallelism gives each tp rank 1/{mesh.tp} of the tokens",
          mesh.tp > 1 and options.sequence_parallel is True),
     ) if on]
-    if not layers or not parts:
-        return
+    if not layers:
+        return False
     shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
     if options.batch_norm == "local":
-        notes.append(f"BatchNorm in training mode ({shown}) keeps each rank's and each microbatch's own statistics "
-                     f"(batch_norm='local'): {'; '.join(parts)}, so it normalises otherwise than the model run whole")
-        return
-    raise ValueError(
-        f"BatchNorm in training mode ({shown}) normalises with the statistics of the batch it sees, and here "
-        f"{'; '.join(parts)}: the training would differ from the model run whole. Run it with dp=1, cp=1 and one "
-        "microbatch (tp and pp keep the whole batch), put the BatchNorm layers in eval mode, or pass "
-        "batch_norm='local' to keep each rank's own statistics as DDP does")
+        if parts:
+            notes.append(f"BatchNorm in training mode ({shown}) keeps each rank's and each microbatch's own "
+                         f"statistics (batch_norm='local'): {'; '.join(parts)}, so it normalises otherwise than the "
+                         "model run whole")
+        return False
+    if parts:
+        raise ValueError(
+            f"BatchNorm in training mode ({shown}) normalises with the statistics of the batch it sees, and here "
+            f"{'; '.join(parts)}: the training would differ from the model run whole. Run it with cp=1 and one "
+            "microbatch (dp sums the statistics over its ranks; tp and pp keep the whole batch), put the BatchNorm "
+            "layers in eval mode, or pass batch_norm='local' to keep each rank's own statistics as DDP does")
+    if mesh.dp > 1:
+        notes.append(f"BatchNorm in training mode ({shown}) computes the whole batch's statistics over the "
+                     f"{mesh.dp} dp ranks (one all-gather of each layer's per-channel statistics, as SyncBatchNorm)")
+        return True
+    return False
 
 
 def _leading_dim(node: fx.Node) -> int | None:

@@ -31,8 +31,9 @@ _MEANINGS = {
                     "'alltoall' (all-to-all the sequence split into a head split for attention)",
     "mixed_precision": "None (fp32) or 'bf16' (bfloat16 autocast)",
     "data_parallel": "'ddp' (replicas) or 'fsdp' (FSDP2 fully_shard over dp x cp)",
-    "batch_norm": "'unsharded' (the statistics of the whole batch, as the model run whole; refused where a rank "
-                  "sees part of it) or 'local' (each rank's and each microbatch's own statistics, as DDP keeps them)",
+    "batch_norm": "'unsharded' (the statistics of the whole batch, as the model run whole: summed over the dp "
+                  "ranks as SyncBatchNorm does, refused where a microbatch or a cp or sp rank sees part of it) or "
+                  "'local' (each rank's and each microbatch's own statistics, as DDP keeps them)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
@@ -83,9 +84,12 @@ class CompileOptions:
         parallelism a rank's parameters stay gathered for the step (one all-gather per step, not per
         microbatch) and gradients are reduce-scattered after its last backward.
     batch_norm: what a BatchNorm in training mode normalises with where a rank or a microbatch sees only part of
-        the batch (dp, cp, microbatches, sequence parallelism): ``"unsharded"`` (the default) wants the whole
-        batch's statistics, as the model run whole computes them, and refuses such a mesh naming the layers;
-        ``"local"`` keeps each rank's and each microbatch's own statistics (DDP's behaviour), said once.
+        the batch (dp, cp, microbatches, sequence parallelism): ``"unsharded"`` (the default) computes the whole
+        batch's statistics, as the model run whole does: under dp each rank's statistics are gathered over the dp
+        group and combined (SyncBatchNorm's semantics, running statistics included); a mesh where a microbatch or
+        a cp or sp rank sees part of the batch is refused naming the layers (a microbatch cannot pass the layer
+        before every microbatch of the step has reached it); ``"local"`` keeps each rank's and each microbatch's
+        own statistics (DDP's behaviour), said once.
     """
 
     microbatches: int = 1

@@ -42,8 +42,9 @@ class TensorSpec:
         return TensorSpec(tuple(val.shape), val.dtype, None if order == tuple(range(val.dim())) else order)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sender's tensor in the order the receiver's buffer has."""
-        return (tensor if self.order is None else tensor.permute(self.order)).contiguous()
+        """The sender's tensor in the order and dtype the receiver's buffer has (a dtype the sender did not predict
+        is cast, never sent as bytes of another width)."""
+        return (tensor if self.order is None else tensor.permute(self.order)).to(self.dtype).contiguous()
 
     def allocate(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A buffer to receive into, and the value it holds in the sender's dims."""

@@ -32,7 +32,11 @@ def _returns_alias(node: fx.Node) -> bool:
 
 def written_arguments(node: fx.Node) -> list[fx.Node]:
     """The arguments ``node`` writes into in place (``Tensor(a!)`` in its schema, and the running statistics of
-    ``aten.batch_norm`` in training, whose schema does not say it updates them)."""
+    ``aten.batch_norm`` in training, whose schema does not say it updates them; a module's by its ``writes``, the
+    positions of the arguments it updates)."""
+    if node.op == "call_module":
+        positions = getattr(node.graph.owning_module.get_submodule(node.target), "writes", ())
+        return [node.args[i] for i in positions if i < len(node.args) and isinstance(node.args[i], fx.Node)]
     schema = getattr(node.target, "_schema", None)
     if node.target is aten.batch_norm.default:
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)

@@ -99,3 +99,27 @@ def padding_embedding(name: str, mesh_kwargs: dict) -> dict:
                                target=fresh.target, groups=groups_for(mesh))
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences),
             "sharded": sorted(m.__name__ for m in _modules(pm))}
+
+
+def resnet_bf16(mesh_kwargs: dict) -> dict:
+    """A ResNet (its BatchNorm in training) in bf16: every activation a pipeline cut carries is bf16 under
+    autocast (a conv's output), where the capture, made without autocast, records float32."""
+    import torch.nn.functional as F
+
+    from golden import SmallResNet
+
+    g = torch.Generator().manual_seed(5)
+    pixels, target = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    torch.manual_seed(0)
+    model, amp = SmallResNet(), SmallResNet()
+    amp.load_state_dict(model.state_dict())
+    pm = autoshard.parallelize(model, mesh, example_inputs=(pixels,), loss_fn=F.cross_entropy, target=target,
+                               groups=groups_for(mesh), mixed_precision="bf16")
+    loss = pm.step(pixels, target=target)
+    grads = pm.gradients()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp_loss = F.cross_entropy(amp(pixels), target)
+    amp_loss.backward()
+    return {"loss": loss.item(), "amp_loss": amp_loss.item(),
+            "grad_error": {n: _relative(grads[n], p.grad) for n, p in amp.named_parameters()}}

@@ -52,3 +52,35 @@ def test_bf16_matches_eager_autocast(pools, name, mesh, options):
         assert r["grad_error"][worst] <= GRAD_RTOL, f"{worst}: {where}"
         # and it made a difference: the parallel gradients are not the float32 ones
         assert max(r["fp32_grad_error"].values()) > 1e-3, where
+
+
+@pytest.mark.parametrize("world,mesh", [(2, {"pp": 2}), (2, {"dp": 2})], ids=["pp2", "dp2"])
+def test_bf16_activations_cross_a_pipeline_cut_as_bf16(pools, world, mesh):
+    """A conv's output is bf16 under autocast and float32 in the capture: the stage that received it into a
+    float32 buffer read two bf16 values as one float (loss 1.617 for 1.721, then NaN). Nothing here rounds
+    otherwise than eager autocast (no partial sums), so the loss is eager's to float32 rounding: a cut that
+    carried float32 values would give the next stage's non-autocast ops float32 inputs (5e-4 off)."""
+    for rank, r in enumerate(pools.get(world).run(golden_amp.resnet_bf16, mesh)):
+        assert abs(r["loss"] - r["amp_loss"]) <= 1e-5, f"rank {rank}: {r}"
+        worst = max(r["grad_error"], key=r["grad_error"].get)
+        assert r["grad_error"][worst] <= GRAD_RTOL, f"rank {rank}: {worst}: {r}"
+
+
+def test_a_pipeline_cut_carries_what_autocast_computes_at_half_the_bytes():
+    import torch
+    import torch.nn.functional as F
+
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+
+    from golden import SmallResNet
+
+    pixels, target = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    build = compile_global_batch(SmallResNet(), (pixels,), Mesh(pp=2), 0, CompileOptions(mixed_precision="bf16"),
+                                 target=target, loss_fn=F.cross_entropy)
+    received, sent = build.local_specs[0]
+    assert sent and {spec.dtype for spec in sent} == {torch.bfloat16}, sent
+    whole = compile_global_batch(SmallResNet(), (pixels,), Mesh(pp=2), 0, CompileOptions(),
+                                 target=target, loss_fn=F.cross_entropy)
+    assert {spec.dtype for spec in whole.local_specs[0][1]} == {torch.float32}
