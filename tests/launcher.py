@@ -53,7 +53,7 @@ class WorkerPool:
         self.world_size = world_size
         self.logs = Path(tempfile.mkdtemp(prefix=f"autoshard-pool{world_size}-"))
         self._ids = itertools.count()
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -154,6 +154,27 @@ def _user_lines(stack_dump: str) -> str:
     """The frames of a faulthandler dump, innermost first, without the worker loop's own frames."""
     lines = [line for line in stack_dump.splitlines() if line.strip()]
     return "\n".join(lines[-40:])
+
+
+def _context():
+    """Fork each worker from a server that imported torch, autoshard and transformers once (``pool_preload``);
+    spawn where the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["pool_preload"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), before) if p)
+    try:  # the server imports ``pool_preload`` from here (Python 3.11's fork server ignores the parent's sys.path)
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
 
 
 def _worker(rank, world_size, port, path, tasks, results, logs) -> None:

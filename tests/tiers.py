@@ -36,7 +36,11 @@ FULL_ONLY = {
     "tests/test_demo.py::test_the_example_with_fsdp_over_a_pipeline":
         "test_composition.py's FSDP2 goldens over a pipeline; the demo under torchrun stays in CI",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-tp2]":
-        "the qwen3_next-cp2 cell, and the tp plan of qwen3_next in test_tensor_parallel_plan.py",
+        "the tp plan of qwen3_next in test_tensor_parallel_plan.py and its spread pp2 loop in test_spread.py",
+    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-cp2]":
+        "the cp2 cells of rwkv (a recurrence on the gathered sequence) and jetmoe, and qwen3_next's spread pp2 loop",
+    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen2_moe-tp4]":
+        "the mixtral-tp4 cell (experts split four ways) and the qwen2_moe-tp2 cell (its shared expert)",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
         "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
     **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
