@@ -51,6 +51,18 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def written_state(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors of ``gm``'s module (buffers: BatchNorm's running statistics, a step counter) that running it
+    updates in place, each once."""
+    targets = dict.fromkeys(base.target for node in gm.graph.nodes for base in map(base_of, written_arguments(node))
+                            if base.op == "get_attr")
+    found = []
+    for target in targets:
+        owner, _, name = target.rpartition(".")
+        found.append(getattr(gm.get_submodule(owner) if owner else gm, name))
+    return found
+
+
 def base_of(value: fx.Node) -> fx.Node:
     """The value ``value`` views (itself when it views nothing)."""
     while _returns_alias(value):

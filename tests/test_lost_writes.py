@@ -140,10 +140,15 @@ def test_batch_norm_over_a_group_of_one_is_torchs_batch_norm(shape, affine, dtyp
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("world,mesh", [(2, {"pp": 2}), (2, {"tp": 2}), (2, {"dp": 2}), (4, {"dp": 2, "pp": 2})],
-                         ids=["pp2", "tp2", "dp2", "dp2xpp2"])
-def test_batch_norm_trains_exactly_with_the_whole_batchs_statistics(pools, world, mesh):
-    results = pools.get(world).run(golden.resnet_golden, mesh)
+@pytest.mark.parametrize("world,mesh,options", [
+    (2, {"pp": 2}, {}), (2, {"tp": 2}, {}), (2, {"dp": 2}, {}), (4, {"dp": 2, "pp": 2}, {}),
+    (2, {"dp": 2}, {"activation_checkpointing": True}), (2, {"pp": 2}, {"activation_checkpointing": True}),
+    (2, {"dp": 2}, {"data_parallel": "fsdp"}),
+], ids=["pp2", "tp2", "dp2", "dp2xpp2", "dp2-checkpointed", "pp2-checkpointed", "dp2-fsdp"])
+def test_batch_norm_trains_exactly_with_the_whole_batchs_statistics(pools, world, mesh, options):
+    """Checkpointed: the recomputation in backward ran the forward's in-place updates again (running statistics
+    updated twice, num_batches_tracked 2 ahead after 2 steps)."""
+    results = pools.get(world).run(golden.resnet_golden, mesh, **options)
     exact = "dp" not in mesh  # dp combines each rank's statistics: equal to rounding
     for result in results:
         assert result["ok"], result["report"]

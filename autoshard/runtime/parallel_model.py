@@ -21,13 +21,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch import nn
+from torch import fx, nn
 
 from autoshard import codegen
 from autoshard.capture import capture, shapes_of
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
+from autoshard.passes.writes import written_state
 from autoshard.runtime import batching, gather, inference
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, stall_guard
@@ -177,7 +178,9 @@ class ParallelModel(nn.Module):
         bf16 = self.options.mixed_precision == "bf16"
         with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             if self.options.activation_checkpointing:
-                return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+                state = written_state(fn if isinstance(fn, fx.GraphModule) else args[0])
+                return torch.utils.checkpoint.checkpoint(
+                    fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _restored(state)))
             return fn(*args)
 
     def microbatch_views(self, inputs: tuple, target: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
@@ -374,3 +377,16 @@ class ParallelModel(nn.Module):
         from autoshard.runtime import state
 
         return state.materialize(self, device, buffers=buffers, init=init)
+
+
+@contextlib.contextmanager
+def _restored(state: list[torch.Tensor]):
+    """Activation checkpointing's recomputation runs the forward again: the buffers the forward updated in place
+    (BatchNorm's running statistics, its step counter) are put back as the forward left them, not updated twice."""
+    saved = [t.detach().clone() for t in state]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(state, saved, strict=True):
+                tensor.copy_(value)

@@ -82,9 +82,8 @@ def state_dict(pm) -> dict[str, torch.Tensor]:
             out[key] = value.detach() if isinstance(value, torch.Tensor) else value
     if pm.mesh.pp > 1:  # a buffer one stage updates (BatchNorm's running statistics) is current on its rank only
         everyone: list = [None] * pm.mesh.pp
-        dist.all_gather_object(everyone, {k: out[k].cpu() for k in _written_buffers(pm) if k in out},
-                               group=pm.groups.group("pp"))
         mine = _written_buffers(pm)
+        dist.all_gather_object(everyone, {k: out[k].cpu() for k in mine if k in out}, group=pm.groups.group("pp"))
         for part in everyone:
             out.update({k: v.to(out[k].device) for k, v in part.items() if k not in mine})
     out._metadata = getattr(own, "_metadata", None)  # the modules' versions, which load_state_dict reads
