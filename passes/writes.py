@@ -114,9 +114,13 @@ def closure(roots: Iterable[fx.Node], inputs: Callable[[fx.Node], Iterable[fx.No
 
 def lost_writes(original: fx.GraphModule, program: fx.GraphModule) -> list[str]:
     """The writes of ``original`` that ``program`` (a rank's program made from it) lost: for each value the
-    program keeps (a node of the same name), every write into it in ``original`` must be in the program too, by
-    name and op. Returns one line per lost write; empty when every kept value keeps its writers."""
+    program keeps (a node of the same name), every write into it in ``original`` that comes before a read the
+    program keeps must be in the program too, by name and op. A write after the program's last read of the value
+    is another program's (a pipeline stage that sends the value before the write, the next one writing into what it
+    receives; whether some program keeps it is the caller's check, see ``dropped_writes``). One line per lost
+    write; empty when every kept value keeps its writers."""
     kept = {node.name: node for node in program.graph.nodes}
+    order = {node.name: i for i, node in enumerate(original.graph.nodes)}
     lost = []
     for node in original.graph.nodes:
         for value in written_arguments(node):
@@ -124,6 +128,24 @@ def lost_writes(original: fx.GraphModule, program: fx.GraphModule) -> list[str]:
             if base.name not in kept or base.op == "placeholder":
                 continue  # a value this program does not compute (or an input, written where it is computed)
             copy = kept.get(node.name)
-            if copy is None or copy.target is not node.target:
+            if copy is not None and copy.target is node.target:
+                continue
+            reads = [user for alias in aliases(base) for user in alias.users
+                     if user.name in kept and user.op != "output" and user is not node]
+            if any(order[user.name] > order[node.name] for user in reads):
                 lost.append(f"{node.name} ({node.target}) writes into {base.name}, which the program keeps")
     return lost
+
+
+def dropped_writes(original: fx.GraphModule, programs: Iterable[fx.GraphModule]) -> list[str]:
+    """The writes of ``original`` into values some of ``programs`` (the stages of one pipeline) keep that none of
+    them runs."""
+    programs = list(programs)
+    names = {node.name: node.target for program in programs for node in program.graph.nodes}
+    dropped = []
+    for node in original.graph.nodes:
+        for value in written_arguments(node):
+            base = base_of(value)
+            if base.name in names and base.op != "placeholder" and names.get(node.name) is not node.target:
+                dropped.append(f"{node.name} ({node.target}) writes into {base.name}, which no program runs")
+    return dropped

@@ -173,3 +173,44 @@ def test_a_table_the_degree_does_not_divide_is_not_split_by_it():
 
 def test_a_table_the_degree_does_not_divide_trains_exactly_at_tp4(pools):
     golden.check(pools.get(4).run(golden.shared_bias_golden, {"tp": 4}), {"tp": 4})
+
+
+def _graph_without(gm, names: set[str]):
+    """A copy of ``gm`` without the nodes ``names`` (a stand-in for a stage program: nodes keep their names)."""
+    import copy
+
+    from torch import fx
+
+    graph = copy.deepcopy(gm.graph)
+    for node in reversed(list(graph.nodes)):
+        if node.name in names:
+            node.replace_all_uses_with(next(iter(node.all_input_nodes))) if node.users else None
+            graph.erase_node(node)
+    return fx.GraphModule(gm, graph)
+
+
+def test_a_write_after_a_stages_last_read_belongs_to_the_next_stage_and_some_stage_must_run_it():
+    """olmo_hybrid at pp2: stage 0 computes a zeros_like and sends it; stage 1 writes its last row into what it
+    receives and reads it. Stage 0 lost nothing; a pipeline where no stage runs the write did."""
+    from torch import fx
+
+    from autoshard.passes.writes import dropped_writes, lost_writes
+
+    aten = torch.ops.aten
+
+    def f(x):
+        buf = aten.zeros_like.default(x)
+        aten.copy_.default(aten.select.int(buf, 0, 0), aten.mul.Tensor(x[0], 2))
+        return aten.reshape.default(buf, [-1])
+
+    gm = fx.symbolic_trace(f)
+    names = [n.name for n in gm.graph.nodes]
+    write = next(n for n in names if n.startswith("copy_"))
+    select = next(n for n in names if n.startswith("select"))
+    read = next(n for n in names if n.startswith("reshape"))
+    sender = _graph_without(gm, {write, select, read})  # keeps buf, returns it: the write comes after
+    assert lost_writes(gm, sender) == []
+    assert dropped_writes(gm, [sender]) and write in dropped_writes(gm, [sender])[0]
+    assert dropped_writes(gm, [sender, gm]) == []
+    reader = _graph_without(gm, {write})  # reads buf after the write without running it
+    assert lost_writes(gm, reader) and write in lost_writes(gm, reader)[0]
