@@ -245,8 +245,9 @@ MUTANTS = (
     Mutant("ring-mask-diagonal", "passes/ring_attention.py",
            "s = s.masked_fill(qpos[:, None] < kpos[None, :], float(\"-inf\"))",
            "s = s.masked_fill(qpos[:, None] <= kpos[None, :], float(\"-inf\"))",
-           "ring attention's causal mask of global positions leaves out the diagonal",
-           (f"{CP}test_golden_context_parallel_ring[gpt-2-contiguous]",)),
+           "ring attention's causal mask of global positions leaves out the diagonal (the blockwise path: keys and "
+           "values of different head sizes, multi-head latent attention)",
+           ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[deepseek_v3-cp2ring]",)),
     Mutant("expert-row-dim", "passes/tensor_parallel.py",
            "    return 3 - out if stacked else 1 - out",
            "    return out if stacked else 1 - out",
@@ -387,8 +388,10 @@ MUTANTS = (
     Mutant("sp-scatters-keys", "passes/sequence_parallel.py",
            "        if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):",
            "        if isinstance(where, Shard) and where.blocks is None:",
-           "Falcon's keys and values (made whole by one all-reduce) are reduce-scattered: their gradient loses a sum",
-           ("tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[falcon-tp2sp]",)),
+           "Falcon's keys and values (made whole by one all-reduce) are reduce-scattered and gathered back: the same "
+           "sums at six more collectives",
+           ("tests/test_sequence_parallel.py::test_sums_that_feed_attention_stay_all_reduced_and_only_the_residual_"
+            "streams_are_scattered", "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[falcon-tp2sp]")),
     Mutant("dropout-local-draw", "passes/localize.py",
            "    if not train or not p or not isinstance(where, Shard) or where.blocks is not None:",
            "    if True:",

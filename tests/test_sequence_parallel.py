@@ -230,3 +230,28 @@ def test_auto_turns_it_on_where_it_applies_and_off_with_a_note_where_not():
                for note in builds["mlp"].notes), builds["mlp"].notes
     with pytest.raises(ValueError, match='sequence_parallel=.yes. is not valid: pass True or False \\(or "auto"\\)'):
         CompileOptions(sequence_parallel="yes")
+
+
+def test_sums_that_feed_attention_stay_all_reduced_and_only_the_residual_streams_are_scattered():
+    """Falcon at tp2sp: its keys and values, which one row-parallel product makes whole, are read by attention,
+    not added to the residual stream. Reduce-scattered and gathered back they would be the same sums at six more
+    collectives (7 reduce-scatters where one, the block's exit, is needed)."""
+    import warnings
+
+    from corpus import cells
+    from corpus.architectures import build
+
+    from autoshard.compile import capture_for_training, compile_rank
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+    from autoshard.passes.sequence_parallel import ReduceScatterToSequence
+
+    degrees, options = cells.MESHES["tp2sp"]
+    case = build("falcon")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture_for_training(case.model, case.inputs, case.target, case.loss_fn)
+        gm = compile_rank(captured, Mesh(**degrees), {"tp": 0}, CompileOptions(**options)).programs[0].gm
+    scatters = [n for n in gm.graph.nodes if n.op == "call_module"
+                and isinstance(gm.get_submodule(n.target), ReduceScatterToSequence)]
+    assert len(scatters) == 1, gm.code
