@@ -31,3 +31,12 @@ def test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis(
     axes = {golden.split("::")[0] for golden in tiers.QUICK_GOLDENS}
     assert {"tests/test_tensor_parallel.py", "tests/test_data_parallel.py", "tests/test_pipeline.py",
             "tests/test_context_parallel.py", "tests/test_sequence_parallel.py"} <= axes
+
+
+def test_every_mutants_original_text_is_in_its_file_once():
+    """A mutant whose text a change rewrote judges nothing (``make mutate`` reports it stale): caught here, on
+    every change, instead of at the next mutation run."""
+    from mutations import MUTANTS
+
+    stale = [(m.name, m.file) for m in MUTANTS if (ROOT / m.file).read_text().count(m.original) != 1]
+    assert not stale, stale
