@@ -211,7 +211,7 @@ MUTANTS = (
            ("tests/test_mixed_precision.py::test_bf16_activations_cross_a_pipeline_cut_as_bf16[pp2]",
             "tests/test_mixed_precision.py::test_a_pipeline_cut_carries_what_autocast_computes_at_half_the_bytes")),
     Mutant("checkpoint-recompute-updates-state-again", "autoshard/runtime/parallel_model.py",
-           "context_fn=lambda: (contextlib.nullcontext(), _restored(state)))",
+           "context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))",
            "context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()))",
            "activation checkpointing's recomputation updates BatchNorm's running statistics a second time",
            (f"{WRITES}test_batch_norm_trains_exactly_with_the_whole_batchs_statistics[pp2-checkpointed]",)),

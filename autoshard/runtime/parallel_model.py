@@ -180,7 +180,7 @@ class ParallelModel(nn.Module):
             if self.options.activation_checkpointing:
                 state = written_state(fn if isinstance(fn, fx.GraphModule) else args[0])
                 return torch.utils.checkpoint.checkpoint(
-                    fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _restored(state)))
+                    fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))
             return fn(*args)
 
     def microbatch_views(self, inputs: tuple, target: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
@@ -379,14 +379,18 @@ class ParallelModel(nn.Module):
         return state.materialize(self, device, buffers=buffers, init=init)
 
 
-@contextlib.contextmanager
-def _restored(state: list[torch.Tensor]):
+class _Restored:
     """Activation checkpointing's recomputation runs the forward again: the buffers the forward updated in place
-    (BatchNorm's running statistics, its step counter) are put back as the forward left them, not updated twice."""
-    saved = [t.detach().clone() for t in state]
-    try:
-        yield
-    finally:
+    (BatchNorm's running statistics, its step counter) are put back as the forward left them, not updated twice.
+    Reusable: a split backward (input, then weight gradients) may recompute more than once."""
+
+    def __init__(self, state: list[torch.Tensor]) -> None:
+        self.state, self.saved = state, []
+
+    def __enter__(self) -> None:
+        self.saved.append([t.detach().clone() for t in self.state])
+
+    def __exit__(self, *exc) -> None:
         with torch.no_grad():
-            for tensor, value in zip(state, saved, strict=True):
+            for tensor, value in zip(self.state, self.saved.pop(), strict=True):
                 tensor.copy_(value)
