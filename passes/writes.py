@@ -51,13 +51,17 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def written_targets(gm: fx.GraphModule) -> list[str]:
+    """The attributes of ``gm`` (buffers: BatchNorm's running statistics, a step counter) that running it updates in
+    place, each once, by their ``get_attr`` target."""
+    return list(dict.fromkeys(base.target for node in gm.graph.nodes
+                              for base in map(base_of, written_arguments(node)) if base.op == "get_attr"))
+
+
 def written_state(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """The tensors of ``gm``'s module (buffers: BatchNorm's running statistics, a step counter) that running it
-    updates in place, each once."""
-    targets = dict.fromkeys(base.target for node in gm.graph.nodes for base in map(base_of, written_arguments(node))
-                            if base.op == "get_attr")
+    """The tensors of ``written_targets(gm)``."""
     found = []
-    for target in targets:
+    for target in written_targets(gm):
         owner, _, name = target.rpartition(".")
         found.append(getattr(gm.get_submodule(owner) if owner else gm, name))
     return found

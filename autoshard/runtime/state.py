@@ -92,17 +92,10 @@ def state_dict(pm) -> dict[str, torch.Tensor]:
 
 def _written_buffers(pm) -> set[str]:
     """The state-dict keys of the buffers this rank's programs write in place."""
-    from autoshard.passes.writes import base_of, written_arguments
+    from autoshard.passes.writes import written_targets
 
-    keys = set()
-    for build in pm.builds:
-        for program in build.programs.values():
-            for node in program.gm.graph.nodes:
-                for value in written_arguments(node):
-                    base = base_of(value)
-                    if base.op == "get_attr":
-                        keys.add(base.target.removeprefix("model."))
-    return keys
+    return {target.removeprefix("model.") for build in pm.builds for program in build.programs.values()
+            for target in written_targets(program.gm)}
 
 
 def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> None:
