@@ -9,10 +9,10 @@ NPROC ?= 8
 
 .PHONY: setup demo test test-quick test-full bench lint mutate corpus clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -180,8 +180,11 @@ def _pending_mean(node: fx.Node, rw: Rewriter) -> None:
     node.target, node.args, node.kwargs = aten.div.Tensor, (total, count), {}
 
 
-@localizer(aten.split.Tensor, aten.split_with_sizes.default)
+@localizer(aten.split.Tensor, aten.split_with_sizes.default, aten.tensor_split.indices)
 def _split(node: fx.Node, rw: Rewriter) -> None:
+    """Pieces along the split dim (whole blocks of it, as the rule kept them split): their sizes, or the indices
+    they start at, over this rank's part. ``tensor_split`` into a number of sections needs nothing: equal whole
+    blocks stay equal."""
     source = rw.placement(node.args[0])
     if not isinstance(source, Shard):
         return

@@ -678,7 +678,8 @@ def _whole_slice(node: fx.Node, size: int) -> bool:
     return slice_bounds(node, size) == (0, size)  # x[:, :], x[:, -n:] of a dim of n
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.tensor_split.indices, aten.tensor_split.sections,
+      aten.chunk.default, aten.unbind.int)
 def _split(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     pieces = node.meta["val"]
@@ -833,6 +834,14 @@ def _metadata_assert(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 -
     """Export's check of a value's dtype and device after ``x.to(dtype)`` (a float32 norm): it reads no data and
     is removed before code is generated, so any placement passes it. Without this rule every such check on a
     sharded value (QK-norm inside attention) asked for a gather, and the whole attention stayed replicated."""
+    return Decision(R)
+
+
+@rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
+def _new_factory(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 - every rule's signature
+    """``x.new_zeros(size)``: a fresh tensor of the size given, whole on every rank; ``x`` lends it only its dtype
+    and device, so any placement of ``x`` passes. Without this rule a state-space scan's unused initial state
+    (``A.new_zeros(batch, *A.shape)``) asked for the decay per channel whole."""
     return Decision(R)
 
 

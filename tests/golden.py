@@ -205,6 +205,61 @@ def packed_attention(tp: int) -> tuple[str, float]:
     return "" if report.ok else str(report), report.share
 
 
+class _SelectiveScan(torch.nn.Module):
+    """A Mamba-style mixer written the way a library with pluggable scan kernels writes it: the decay computed
+    twice (once for a fused kernel that is absent), the scan's inputs cut along the sequence into the part scanned
+    at once and the part stepped (``tensor_split``, here none stepped), an initial state made from the decay that
+    nothing reads (``A.new_zeros``), a scan of one piece joined (``cat``), then a head."""
+
+    def __init__(self, width: int = 32, inner: int = 64, state: int = 8, rank: int = 4, kernel: int = 4) -> None:
+        super().__init__()
+        self.rank, self.state = rank, state
+        self.emb = torch.nn.Embedding(64, width)
+        self.in_proj = torch.nn.Linear(width, 2 * inner)
+        self.conv = torch.nn.Conv1d(inner, inner, kernel, groups=inner, padding=kernel - 1)
+        self.x_proj = torch.nn.Linear(inner, rank + 2 * state, bias=False)
+        self.dt_proj = torch.nn.Linear(rank, inner)
+        self.A_log = torch.nn.Parameter(torch.log(torch.arange(1, state + 1.0)).repeat(inner, 1))
+        self.D = torch.nn.Parameter(torch.ones(inner))
+        self.out_proj = torch.nn.Linear(inner, width, bias=False)
+        self.head = torch.nn.Linear(width, 64, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        projected = self.in_proj(h).transpose(1, 2)
+        A = -torch.exp(self.A_log.float())  # noqa: F841 - the fused kernel's argument, unused without it
+        x, gate = projected.chunk(2, dim=1)
+        x = F.silu(self.conv(x)[..., : ids.shape[1]])
+        dt, B, C = torch.split(self.x_proj(x.transpose(1, 2)), [self.rank, self.state, self.state], dim=-1)
+        dt = self.dt_proj.weight @ dt.transpose(1, 2)
+        y = self._scan(x, dt, B, C, gate)
+        return self.head(h + self.out_proj(y.transpose(1, 2)))
+
+    def _scan(self, x, dt, B, C, gate):
+        A = -torch.exp(self.A_log.float())
+        length = x.shape[-1]
+        x, _ = torch.tensor_split(x, [length], dim=2)
+        dt, _ = torch.tensor_split(dt, [length], dim=2)
+        unused = A.new_zeros(x.shape[0], *A.shape)  # noqa: F841 - the initial state of the stepped part
+        dt = F.softplus(dt + self.dt_proj.bias[..., None])
+        decay = torch.exp(A[None, :, None, :] * dt[..., None])
+        inflow = dt[..., None] * B[:, None] * x[..., None]
+        state = torch.zeros_like(inflow[:, :, 0])
+        outs = []
+        for t in range(length):
+            state = decay[:, :, t] * state + inflow[:, :, t]
+            outs.append(state @ C[:, t, :, None])
+        y = torch.cat(outs, dim=-1) + x * self.D[None, :, None]
+        return torch.cat([y * F.silu(gate)], dim=2)
+
+
+def selective_scan(tp: int) -> tuple[str, float]:
+    """``autoshard.verify`` at ``tp`` on ``_SelectiveScan``: (the report, if not exact; the share of the parameters a
+    rank holds)."""
+    report = _verify_on_tokens(_SelectiveScan, tp)
+    return "" if report.ok else str(report), report.share
+
+
 class _CycledWithoutGrad(torch.nn.Module):
     """HRM's recurrence: a state cycled through one block, the first pass under ``torch.no_grad()`` and the second
     with gradients, through the same weights; then a second block and the head."""

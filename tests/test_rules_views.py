@@ -101,7 +101,21 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.split_with_sizes.default, (rand(4, 12), [1, 3]), {}, {0: Shard(1)}, (Shard(1),) * 2),
     (aten.chunk.default, (rand(4, 12), 3, -1), {}, {0: QKV}, (Shard(1),) * 3),
     (aten.chunk.default, (rand(4, 12), 2, 1), {}, {0: Shard(0)}, (Shard(0),) * 2),
+    # a scan's inputs cut along the sequence into the part scanned at once and the part stepped (none): channels split
+    (aten.tensor_split.indices, (x3, [6], 2), {}, {0: Shard(1)}, (Shard(1),) * 2),
+    (aten.tensor_split.indices, (x3, [1, 3], -1), {}, {0: Shard(0)}, (Shard(0),) * 3),
+    (aten.tensor_split.indices, (x3, [2], 1), {}, {0: Shard(1)}, (R, R)),
+    (aten.tensor_split.sections, (rand(4, 12), 3, 1), {}, {0: QKV}, (Shard(1),) * 3),
+    (aten.tensor_split.indices, (rand(4, 12), [4, 8], -1), {}, {0: QKV}, (Shard(1),) * 3),
+    (aten.tensor_split.indices, (rand(4, 12), [4], 1), {}, {0: QKV}, (Shard(1), Shard(1, (4, 4)))),
+    (aten.tensor_split.indices, (rand(4, 12), [6], 1), {}, {0: QKV}, (R, R)),  # not on a block's edge
+    (aten.tensor_split.sections, (rand(4, 12), 2), {}, {0: Shard(1)}, (Shard(1),) * 2),
     (aten.unbind.int, (rand(3, 4, 6), 0), {}, {0: Shard(2)}, (Shard(1),) * 3),
+    # a fresh tensor of the size given: its input lends a dtype and device only (a scan's unused initial state)
+    (aten.new_zeros.default, (x3, [2, 4, 6]), {}, {0: Shard(1)}, R),
+    (aten.new_ones.default, (x3, [3]), {"dtype": torch.float64}, {0: Shard(2)}, R),
+    (aten.new_empty.default, (x3, [0, 4]), {}, {0: Shard(1)}, R),
+    (aten.new_full.default, (x3, [2, 2], 1.5), {}, {0: Shard(0)}, R),
     (aten.unbind.int, (rand(3, 4, 6), -1), {}, {0: Shard(1)}, (Shard(1),) * 6),
     (aten.unbind.int, (rand(4, 6),), {}, {0: Shard(0)}, (R,) * 4),
     (aten.cat.default, ([rand(4, 2), rand(4, 6, seed=1)], 1), {}, {0: Shard(0), 1: Shard(0)}, Shard(0)),

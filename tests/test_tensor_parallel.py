@@ -69,3 +69,12 @@ def test_packed_in_projections_cut_apart_are_split_by_heads_and_exact(pools, tp)
     for failed, share in pools.get(tp).run(golden.packed_attention, tp):
         assert not failed, failed
         assert share < 1 / tp + 0.1, share
+
+
+def test_a_scan_cut_along_the_sequence_with_an_unused_state_keeps_its_channels_split(pools):
+    """A state-space mixer whose scan cuts its inputs along the sequence (``tensor_split``) and makes an initial
+    state it never reads from the decay (``A.new_zeros``), as transformers 5.25's Mamba does: exact with every
+    channel weight held split (the plan: test_tensor_parallel_plan.py), 0.52 of the parameters on a rank."""
+    (report, share), _ = pools.get(2).run(golden.selective_scan, 2)
+    assert not report, report
+    assert share < 0.53, share

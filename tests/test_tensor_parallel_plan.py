@@ -332,6 +332,23 @@ def test_attention_and_experts_of_current_architectures_are_sharded(name):
     assert all(isinstance(built.tp_plan.params[n].placement, Shard) for n in experts), experts
 
 
+def test_a_scan_cut_along_the_sequence_with_an_unused_initial_state_is_split_as_megatron_splits_it():
+    """transformers 5.25's Mamba: the scan's inputs cut along the sequence by ``tensor_split``, and an initial state
+    made from the decay by ``A.new_zeros`` that nothing reads. Neither reads the split channels, so the mixer is
+    split as before; without rules for the two ops in_proj was a row alone and every channel weight whole."""
+    from golden import _SelectiveScan
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16))
+    captured = capture(_SelectiveScan(), (ids,), loss_fn=token_loss, example_target=ids)
+    roles = _roles(plan_tensor_parallel(captured.gm, 2))
+    assert roles == {
+        "emb.weight": "vocab", "in_proj.weight": "column", "in_proj.bias": "column", "conv.weight": "sliced",
+        "conv.bias": "sliced", "x_proj.weight": "row", "dt_proj.weight": "column", "dt_proj.bias": "sliced",
+        "A_log": "sliced", "D": "sliced", "out_proj.weight": "row", "head.weight": "column",
+    }, roles
+
+
 def test_a_state_space_mixer_is_split_as_megatron_splits_it():
     """Mamba's mixer: in_proj's channels split (x and the gate z, each blocked), x_proj reading them as a row inside
     the block (its small output summed), dt_proj splitting them again as ``W @ dt``, out_proj closing the block;
