@@ -829,19 +829,14 @@ def _repeat(node: fx.Node, ctx: Context) -> Decision:
     return Decision(Shard(dim, blocks))
 
 
-@rule(aten._assert_tensor_metadata.default)
-def _metadata_assert(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 - every rule's signature
-    """Export's check of a value's dtype and device after ``x.to(dtype)`` (a float32 norm): it reads no data and
-    is removed before code is generated, so any placement passes it. Without this rule every such check on a
-    sharded value (QK-norm inside attention) asked for a gather, and the whole attention stayed replicated."""
-    return Decision(R)
-
-
-@rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
-def _new_factory(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 - every rule's signature
-    """``x.new_zeros(size)``: a fresh tensor of the size given, whole on every rank; ``x`` lends it only its dtype
-    and device, so any placement of ``x`` passes. Without this rule a state-space scan's unused initial state
-    (``A.new_zeros(batch, *A.shape)``) asked for the decay per channel whole."""
+@rule(aten._assert_tensor_metadata.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+      aten.new_full.default)
+def _reads_no_values(node: fx.Node, ctx: Context) -> Decision:  # noqa: ARG001 - every rule's signature
+    """Ops that read only their input's dtype and device, so any placement passes them: export's check after
+    ``x.to(dtype)`` (removed before code is generated; without this rule every such check on a sharded value,
+    QK-norm inside attention, asked for a gather and the whole attention stayed replicated), and ``x.new_zeros(size)``
+    and its kind, a fresh tensor of the size given, whole on every rank (without it a state-space scan's unused
+    initial state, ``A.new_zeros(batch, *A.shape)``, asked for the decay per channel whole)."""
     return Decision(R)
 
 
