@@ -6,6 +6,8 @@
     .venv/bin/python bench/corpus.py --limit 20          # the first 20 architectures
     .venv/bin/python bench/corpus.py --planned           # only the planned tp=2 / tp=4 parameter shares (minutes)
     .venv/bin/python bench/corpus.py --writes            # only the writes sweep (tests/corpus/writes.py; minutes)
+    .venv/bin/python bench/corpus.py --programs new.json --against old.json --meshes tp2 cp2 tp2sp
+                                                         # every rank's program fingerprinted, and compared
 
 Every architecture of ``tests/corpus`` (every causal LM of the installed transformers, a few masked-LM and
 encoder-decoder families, torch's own transformer modules) is first built and trained eagerly at tiny size;
@@ -181,6 +183,31 @@ def writes_of(name: str) -> dict:
     return found
 
 
+def fingerprints(buildable: list[str], meshes: list[str], path: Path, against: Path | None) -> None:
+    """Fingerprint each architecture's programs at each mesh into ``path`` (resumable), and print every cell whose
+    fingerprint differs from ``against``'s: the cells a change moved, to be run again."""
+    from corpus.architectures import build
+    from corpus.programs import fingerprint
+
+    found = json.loads(path.read_text()) if path.exists() else {}
+    old = json.loads(against.read_text()) if against else {}
+    moved = []
+    for name in buildable:
+        for label in meshes:
+            if label not in found.setdefault(name, {}):
+                case = build(name)
+                found[name][label] = fingerprint(case.model, case.inputs, case.target, case.loss_fn,
+                                                 *cells.MESHES[label])
+                path.write_text(json.dumps(found, indent=1, sort_keys=True))
+            if label in old.get(name, {}) and old[name][label] != found[name][label]:
+                moved.append(f"{label} {name}")
+            print(f"programs {label:12s} {name:28s} {'MOVED' if moved and moved[-1] == f'{label} {name}' else ''}",
+                  flush=True)
+    if against:
+        compared = sum(1 for n in buildable for m in meshes if m in old.get(n, {}))
+        print(f"{compared} cells compared, {len(moved)} moved" + "".join(f"\n  {m}" for m in moved))
+
+
 def writes_summary(cache: dict, buildable: list[str]) -> list[str]:
     swept = [n for n in buildable if n in cache.get("writes", {})]
     if not swept:
@@ -307,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="only plan the selection at tp=2 and tp=4 and record each rank's parameter share")
     parser.add_argument("--writes", action="store_true",
                         help="only sweep the selection for in-place writes its rank programs lose")
+    parser.add_argument("--programs", type=Path, metavar="JSON",
+                        help="only fingerprint every rank's programs at --meshes into JSON (tests/corpus/programs.py)")
+    parser.add_argument("--against", type=Path, metavar="JSON",
+                        help="with --programs: list the cells whose fingerprint differs from this earlier file")
     parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
     parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
     args = parser.parse_args(argv)
@@ -322,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             save(cache, args.cache)
             write_table(cache, every, args.out)
         return
+    if args.programs:
+        return fingerprints(buildable, args.meshes, args.programs, args.against)
     if args.writes:
         for name in buildable:
             if cache.get("writes_swept", {}).get(name) == WRITES_VERSION and not args.rerun:
