@@ -17,17 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.mesh import Mesh, MeshGroups
-from autoshard.options import DEFAULT_TIMEOUT, CompileOptions
+from autoshard.options import CompileOptions
 
 
 def parallelize(
     model: nn.Module, mesh: Mesh | str | None = None, *, example_inputs: tuple, loss_fn: Callable | None = None,
     target: torch.Tensor | None = None, groups: MeshGroups | None = None, options: CompileOptions | None = None,
-    microbatches: int = 1, local_batch: bool = False, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-    tp_indivisible: str = "error", schedule: str = "1f1b", chunks: int = 1, pipeline_starts: list[str] | None = None,
-    cp_attention: str = "gather", cp_load_balance: bool = False, mixed_precision: str | None = None,
-    activation_checkpointing: bool = False, tp_plan=None, data_parallel: str = "ddp", pipeline_balance: str = "both",
-    sequence_parallel: bool | str = False, batch_norm: str = "unsharded",
+    **option_fields,
 ):
     """Compile ``model`` for ``mesh`` and return the parallel model this rank runs.
 
@@ -41,11 +37,9 @@ def parallelize(
             otherwise at the first ``step()``.
         groups: process groups already created by ``mesh.create_groups()``; created here when absent,
             initialising torch.distributed from torchrun's environment if nothing is initialised yet.
-        options: the compiler's options as one :class:`~autoshard.options.CompileOptions`; or give its fields
-            (``microbatches``, ``local_batch``, ``timeout``, ``tp_indivisible``, ``schedule``, ``chunks``,
-            ``pipeline_starts``, ``cp_attention``, ``cp_load_balance``, ``mixed_precision``,
-            ``activation_checkpointing``, ``tp_plan``, ``data_parallel``, ``pipeline_balance``,
-            ``sequence_parallel``, ``batch_norm``) as keyword arguments, documented there.
+        options: the compiler's options as one :class:`~autoshard.options.CompileOptions`.
+        **option_fields: or any of its fields by name instead (``microbatches=4, schedule="zbv"``), documented
+            there; a name that is no option is refused with the options named.
     """
     from autoshard.runtime.parallel_model import ParallelModel
 
@@ -54,15 +48,7 @@ def parallelize(
             f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs).__name__}; "
             "for one input write example_inputs=(tokens,)"
         )
-    given = CompileOptions(
-        microbatches=microbatches, local_batch=local_batch, schedule=schedule, chunks=chunks,
-        pipeline_starts=pipeline_starts, tp_indivisible=tp_indivisible, cp_attention=cp_attention,
-        cp_load_balance=cp_load_balance, mixed_precision=mixed_precision,
-        activation_checkpointing=activation_checkpointing, tp_plan=tp_plan, data_parallel=data_parallel,
-        timeout=timeout, pipeline_balance=pipeline_balance, sequence_parallel=sequence_parallel,
-        batch_norm=batch_norm,
-    )
-    options = _one_set_of_options(options, given)
+    options = _one_set_of_options(options, option_fields)
     mesh = _mesh(mesh, model, example_inputs, options)
     findings = lint_findings(mesh, model, example_inputs, options)
     if _rank() == 0:  # the lint is about the job: said once, not once per rank
@@ -78,13 +64,13 @@ def parallelize(
                          lint=findings if mesh.world_size > 1 else None)
 
 
-def _one_set_of_options(options: CompileOptions | None, given: CompileOptions) -> CompileOptions:
+def _one_set_of_options(options: CompileOptions | None, fields: dict) -> CompileOptions:
     if options is None:
-        return given
-    changed = [f for f in CompileOptions.fields() if getattr(given, f) != getattr(CompileOptions(), f)]
-    if changed:
+        return CompileOptions.of(fields)
+    if fields:
+        named = ", ".join(sorted(fields))
         raise ValueError(f"pass the options either as options=CompileOptions(...) or as keyword arguments, not both "
-                         f"(got options= and {', '.join(changed)}=): put {', '.join(changed)} into the CompileOptions")
+                         f"(got options= and {named}=): put {named} into the CompileOptions")
     return options
 
 
@@ -161,7 +147,7 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    from autoshard.runtime.batching import batch_size
+    from autoshard.batching import batch_size
 
     batch = batch_size(example_inputs) or 1
     fallback, why = Mesh(dp=world_size), "every rank on dp"
@@ -240,8 +226,8 @@ def lint_findings(mesh: Mesh, model: nn.Module, example_inputs: tuple, options: 
     """The planner's lint (the seeds' rules) of ``mesh`` for this model and batch; none for one rank."""
     if mesh.world_size == 1:
         return []
+    from autoshard.batching import batch_size
     from autoshard.planner import lint
-    from autoshard.runtime.batching import batch_size
 
     batch = (batch_size(example_inputs) or 1) * (mesh.dp if options.local_batch else 1)
     config = transformer_config(model, example_inputs, batch)

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta
 from autoshard.capture import Captured
+from autoshard.passes.axis import Outputs
 from autoshard.passes.batch_norm import batch_norm_pass
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
@@ -186,7 +187,7 @@ def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Shard
 def _with_received(plan: ContextParallelPlan, whole: fx.GraphModule, stage: Stage) -> ContextParallelPlan:
     """``plan`` for a stage: its received activations that carry the sequence are inputs split along it too."""
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
-    prop = propagate(whole, seeds, plan.size, partial_outputs=True, sequence=plan.seq_len)
+    prop = propagate(whole, seeds, plan.axis(), outputs=Outputs.PARTIAL)
     by_name = {n.name: n for n in whole.graph.nodes}
     received = {n.target: prop.of(by_name[n.meta[meta.RECEIVED]]) for n in stage.gm.graph.nodes
                 if n.op == "placeholder" and meta.RECEIVED in n.meta}

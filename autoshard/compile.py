@@ -24,10 +24,11 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autoshard import codegen, meta
+from autoshard import batching, codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured, capture
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
+from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.context_parallel import (
     PARTIAL_OUTPUT,
     ContextParallelError,
@@ -46,7 +47,6 @@ from autoshard.passes.sequence_parallel import SequenceParallelError
 from autoshard.passes.sharding import FALLBACKS
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
-from autoshard.runtime import batching, schedules, spread
 
 aten = torch.ops.aten
 
@@ -174,7 +174,7 @@ class RankBuild:
         gm = codegen.prepare(self.captured)  # without export's shape guards (they read every input)
         batch = next((s[0] for s in self.captured.input_shapes if isinstance(s, tuple) and s), None)
         seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder" and _leading_dim(n) == batch}
-        prop = propagate(gm, seeds, max(self.mesh.dp, 2), keep_outputs=True)
+        prop = propagate(gm, seeds, Axis("dp", max(self.mesh.dp, 2)), outputs=Outputs.KEPT)
         if any(not _broadcast_over_batch(r) for r in redistributions(prop)):
             return None  # some op needs the whole batch: computing slices would be wrong
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -381,9 +381,9 @@ def _spread(build: RankBuild, holders: dict[str, frozenset[int]],
         rows[name] = shape[0] if shape else 0
     p = build.mesh.pp
     if chosen is None:
-        chosen = () if build.options.data_parallel == "fsdp" else spread.choose(
+        chosen = () if build.options.data_parallel == "fsdp" else spread_choice.choose(
             holders, nbytes, rows, p, balance=build.options.pipeline_balance != "time")
-    return chosen, spread.held_bytes(holders, nbytes, chosen, p), nbytes
+    return chosen, spread_choice.held_bytes(holders, nbytes, chosen, p), nbytes
 
 
 def _check_loss_trains(captured: Captured, model: nn.Module) -> None:

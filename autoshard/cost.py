@@ -45,7 +45,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from autoshard import meta
 
-COST = "autoshard_cost"
+COST = meta.COST
 
 # A training step runs the forward once and the backward (about two forwards) once.
 BACKWARD_FACTOR = 2

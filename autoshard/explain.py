@@ -15,11 +15,10 @@ import re
 import torch
 from torch import nn
 
-from autoshard import meta
+from autoshard import meta, schedules
 from autoshard.cost import format_bytes
 from autoshard.mesh import AXES, Mesh
 from autoshard.options import CompileOptions
-from autoshard.runtime import schedules
 
 _PREFIX = re.compile(r"(?<![\w.])model\.")  # the capture's prefix of parameter names, in a plan's reasons
 

@@ -1,4 +1,4 @@
-"""Keys that autoshard's analyses and passes write on ``node.meta``, declared in one place.
+"""Keys that autoshard's analyses and passes write on ``node.meta`` and ``GraphModule.meta``, declared in one place.
 
 Written by torch.export (read by every pass):
 - ``VAL``: a fake tensor with the node's shape and dtype.
@@ -13,6 +13,17 @@ Written by autoshard:
 - ``RECEIVED``: set by the pipeline split on every stage input received from the previous stage: the name (in the
   whole graph) of the activation it receives. Its gradient is sent back, so ``passes.propagate.requires_grad``
   reads it, as do ``codegen`` (the receive specs, the cp split of received values) and ``dot`` (the colour).
+- ``IDLE_F``: on a Megatron f put where no gradient flows, only to mark a tp region's entry for sequence
+  parallelism (``passes.sharding``); sequence parallelism drops them once it has read them.
+- ``COST``: a ``cost.NodeCost``, written by ``cost.annotate``; read by the planner and the partitioner.
+
+On ``GraphModule.meta``:
+- ``FALLBACKS``: the ops a pass ran replicated for want of a rule, with the warning each gave
+  (``passes.sharding``); read by ``explain()``.
+- ``PARTIAL_OUTPUT``: the loss the graph returns is this cp rank's partial sum (``passes.context_parallel``); read
+  by the runtime, which then sums it over cp instead of averaging.
+
+``val(node)``: the node's ``VAL`` (None where it has none), the one way code here reads it.
 """
 
 import os
@@ -26,6 +37,15 @@ MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
 AXIS = "autoshard_axis"
 RECEIVED = "autoshard_received"
+IDLE_F = "autoshard_idle_f"
+COST = "autoshard_cost"
+FALLBACKS = "autoshard_fallbacks"
+PARTIAL_OUTPUT = "autoshard_partial_output"
+
+
+def val(node):
+    """The fake tensor (or value) export recorded for ``node``'s output; None for a node without one."""
+    return node.meta.get(VAL)
 
 
 def source_line(node) -> str:

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 from dataclasses import dataclass
 
+from autoshard.kinds import V_CHUNKS, Attention, DataParallel, ScheduleName
 from autoshard.mesh import Mesh
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
+KINDS = {"schedule": ScheduleName, "cp_attention": Attention, "data_parallel": DataParallel}  # made kinds once checked
 CHOICES = {
-    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
+    "schedule": ScheduleName.names(),
     "tp_indivisible": ("error", "replicate"),
-    "cp_attention": ("gather", "ring", "alltoall"),
+    "cp_attention": Attention.names(),
     "mixed_precision": (None, "bf16"),
-    "data_parallel": ("ddp", "fsdp"),
+    "data_parallel": DataParallel.names(),
     "pipeline_balance": ("both", "time", "memory"),
     "batch_norm": ("unsharded", "local"),
 }
@@ -39,7 +42,6 @@ _MEANINGS = {
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
                 "in a V, backward split likewise) or 'dualpipev' (the V with forwards and backwards paired)",
 }
-V_CHUNKS = {"zbv": 2, "dualpipev": 2}  # the schedules that place their stages in a V, and their chunks per rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +117,8 @@ class CompileOptions:
             if value not in valid:
                 meaning = _MEANINGS.get(name) or " or ".join(map(repr, valid))
                 raise ValueError(f"{name}={value!r} is not an option: use {meaning}")
+        for name, kind in KINDS.items():
+            object.__setattr__(self, name, kind(getattr(self, name)))
         for name in ("microbatches", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -154,3 +158,15 @@ class CompileOptions:
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, given: dict, *, where: str = "parallelize") -> CompileOptions:
+        """The options ``given`` by name (the keyword arguments of ``where``); a name that is no option is refused
+        with the nearest ones and every option named."""
+        unknown = sorted(set(given) - set(cls.fields()))
+        if unknown:
+            near = [m for name in unknown for m in difflib.get_close_matches(name, cls.fields(), n=1)]
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise TypeError(f"{where}() got {', '.join(map(repr, unknown))}, which is not an option{hint}: the "
+                            f"options are {', '.join(cls.fields())}")
+        return cls(**given)

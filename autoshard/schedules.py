@@ -42,11 +42,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-PLACEMENTS = ("loop", "v")
-# the schedules whose stages are placed in a V, and the chunks per rank they run
-V_SCHEDULES = {"zbv": 2, "dualpipev": 2}
+from autoshard.kinds import V_CHUNKS, ActionKind, ScheduleName, StagePlacement
+
+KINDS = ActionKind.names()
+SCHEDULES = ScheduleName.names()
+PLACEMENTS = StagePlacement.names()
+V_SCHEDULES = V_CHUNKS  # the schedules whose stages are placed in a V, and the chunks per rank they run
 
 Schedule = dict[int, list["Action"]]
 
@@ -68,7 +69,7 @@ def rank_of(stage: int, p: int, placement: str = "loop") -> int:
 
 def placement_of(name: str) -> str:
     """The placement the schedule called ``name`` runs its stages in."""
-    return "v" if name in V_SCHEDULES else "loop"
+    return StagePlacement.V if name in V_CHUNKS else StagePlacement.LOOP
 
 
 class ScheduleError(ValueError):
@@ -82,13 +83,14 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, repr=False)
 class Action:
-    kind: str
+    kind: ActionKind  # or its name ("F", "SEND_B"), made the kind
     microbatch: int
     stage: int
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", ActionKind(self.kind))
         if self.microbatch < 0 or self.stage < 0:
             raise ValueError(f"microbatch and stage must be >= 0, got {self.microbatch} and {self.stage}")
 
@@ -109,7 +111,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("F", "B", "I", "W")
+        return self.kind.is_compute
 
     @property
     def is_send(self) -> bool:
@@ -317,7 +319,10 @@ def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if v != 1:
         raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1, 'interleaved' or "
                          f"'zbv'")
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}[name](p, m)
+    return _ONE_CHUNK[name](p, m)
+
+
+_ONE_CHUNK = {ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b, ScheduleName.ZB_H1: zero_bubble_h1}
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> tuple[str, float]:

@@ -24,17 +24,19 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard import meta
+from autoshard.kinds import Attention
 from autoshard.passes import localize
+from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.collectives import _ParallelOp
 from autoshard.passes.placements import Partial, Placement, Replicate, Shard
-from autoshard.passes.propagate import cost, propagate, requires_grad
+from autoshard.passes.propagate import cost, propagate
 from autoshard.passes.rules import Decision, arg, rule
-from autoshard.passes.sharding import AxisStyle, apply_placements
+from autoshard.passes.sharding import shard_axis
 
 aten = torch.ops.aten
 
 
-PARTIAL_OUTPUT = "autoshard_partial_output"  # GraphModule.meta: the loss is this rank's partial sum
+PARTIAL_OUTPUT = meta.PARTIAL_OUTPUT  # re-exported (GraphModule.meta: the loss is this rank's partial sum)
 
 
 class ContextParallelError(ValueError):
@@ -67,6 +69,25 @@ class ContextParallelPlan:
         bounds = [i * self.seq_len // self.parts for i in range(self.parts + 1)]
         chunks = [rank, 2 * self.size - 1 - rank] if self.load_balance else [rank]
         return torch.cat([torch.arange(bounds[c], bounds[c + 1]) for c in chunks])
+
+    def axis(self, rank: int | None = None) -> Axis:
+        """The cp axis this plan splits: its sequence and attention, and (given the ``rank`` that rewrites) how its
+        collectives move the sequence's chunks."""
+        if rank is None:
+            return Axis("cp", self.size, sequence=self.seq_len, attention=Attention(self.attention))
+        layout = [self.positions(r) for r in range(self.size)]
+        return Axis(
+            "cp", self.size, sequence=self.seq_len, attention=Attention(self.attention),
+            gather=lambda dim, blocks, **a: SequenceGather(dim=dim, blocks=blocks, layout=layout, **a),
+            scatter=lambda dim, blocks, **a: SequenceScatter(dim=dim, blocks=blocks, layout=layout, **a),
+            check=lambda value, placement: _check_whole_sequences(self, value, placement),
+            # Every rank back-propagates only its own tokens' loss: the gradient of a value all cp ranks hold
+            # whole is a partial sum, summed where it matters (the gather's backward, the dp x cp reduction of
+            # parameter gradients). So no f is needed on this axis.
+            needs_copy=lambda value: False,
+            localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, self)},
+            uneven_local=None if self.even else functools.partial(self.local_shape, rank),
+        )
 
     def local_shape(self, rank: int, shape: tuple[int, ...], placement) -> tuple[int, ...]:
         """The shape ``rank`` holds of a value of global ``shape`` split by ``placement`` along the sequence."""
@@ -108,14 +129,15 @@ def plan_context_parallel(
         found, note = _token_split(gm, placeholders, size)
     seeds = {name: Shard(dim) for name, dim in found.items()}
     sequence = _shape(gm, next(iter(found)))[next(iter(found.values()))]
-    base = propagate(gm, seeds, size, partial_outputs=True, sequence=sequence)
+    base = propagate(gm, seeds, _finding(size, sequence), outputs=Outputs.PARTIAL)
     for node in placeholders:
         if node.target in found:
             continue
         for dim in range(1, _ndim(node)):
             if _shape(gm, node.target)[dim] != sequence:
                 continue
-            trial = propagate(gm, {**seeds, node.target: Shard(dim)}, size, partial_outputs=True, sequence=sequence)
+            trial = propagate(gm, {**seeds, node.target: Shard(dim)}, _finding(size, sequence),
+                              outputs=Outputs.PARTIAL)
             if cost(trial)[:2] < cost(base)[:2]:
                 found[node.target], base = dim, trial
                 break
@@ -139,7 +161,7 @@ def split_sequence(x: torch.Tensor, dim: int) -> torch.Tensor:
 @rule(split_sequence)
 def _split_sequence_rule(node: fx.Node, ctx) -> Decision:
     x, dim = node.args
-    if not ctx.sequence or not isinstance(ctx.of(x), Replicate):
+    if not ctx.axis.sequence or not isinstance(ctx.of(x), Replicate):
         return Decision(ctx.of(x), {})
     return Decision(Shard(dim), {x: Shard(dim)})
 
@@ -221,8 +243,13 @@ def _check_heads(gm: fx.GraphModule, size: int, tp: int) -> None:
                 f"{works}, or cp attention 'gather' or 'ring'")
 
 
+def _finding(size: int, sequence: int) -> Axis:
+    """The cp axis as planning sees it, before the plan (and its attention) is made."""
+    return Axis("cp", size, sequence=sequence)
+
+
 def _splits_attention(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, sequence: int) -> bool:
-    prop = propagate(gm, seeds, size, partial_outputs=True, sequence=sequence)
+    prop = propagate(gm, seeds, _finding(size, sequence), outputs=Outputs.PARTIAL)
     for node in gm.graph.nodes:
         if node.target is aten.scaled_dot_product_attention.default:
             q = node.args[0]
@@ -245,7 +272,8 @@ def _token_split(gm: fx.GraphModule, placeholders: list[fx.Node], size: int) -> 
     for node in placeholders:
         if node.meta["val"].is_floating_point():
             continue
-        prop = propagate(gm, {node.target: Shard(1)}, size, partial_outputs=True, sequence=node.meta["val"].shape[1])
+        prop = propagate(gm, {node.target: Shard(1)}, _finding(size, node.meta["val"].shape[1]),
+                         outputs=Outputs.PARTIAL)
         whole = [n for n, d in prop.decisions.items() if d.fallback and n.op == "call_function"
                  and not n.name.startswith("_guards")]
         named = "; ".join(f"{n.target} ({(meta.source_line(n) or n.name).strip()})" for n in whole[:3])
@@ -311,26 +339,10 @@ def context_parallel_pass(
     if plan.size == 1:
         return gm
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
-    prop = propagate(gm, seeds, plan.size, partial_outputs=training, ring_attention=plan.attention != "gather",
-                     sequence=plan.seq_len,
-                     keep_outputs=keep_outputs)
-    rw = localize.Rewriter(gm, prop, size=plan.size, rank=rank, group=group, grad=requires_grad(gm), axis="cp",
-                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, plan)},
-                           local=None if plan.even else functools.partial(plan.local_shape, rank))
-    layout = [plan.positions(r) for r in range(plan.size)]
-    style = AxisStyle(
-        "cp",
-        gather=lambda dim, blocks, **a: SequenceGather(dim=dim, blocks=blocks, layout=layout, **a),
-        scatter=lambda dim, blocks, **a: SequenceScatter(dim=dim, blocks=blocks, layout=layout, **a),
-        check=lambda value, placement: _check_whole_sequences(plan, value, placement),
-        # Every rank back-propagates only its own tokens' loss: the gradient of a value all cp ranks hold
-        # whole is a partial sum, summed where it matters (the gather's backward, the dp x cp reduction of
-        # parameter gradients). So no f is needed on this axis.
-        needs_copy=lambda value: False,
-    )
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    gm.meta[PARTIAL_OUTPUT] = any(isinstance(prop.of(n), Partial) for n in output.all_input_nodes)
-    apply_placements(gm, prop, rw, style)
+    outputs = Outputs.KEPT if keep_outputs else Outputs.PARTIAL if training else Outputs.WHOLE
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    prop = shard_axis(gm, plan.axis(rank), seeds, rank=rank, group=group, outputs=outputs)
+    gm.meta[PARTIAL_OUTPUT] = any(isinstance(prop.of(n), Partial) for n in returned)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -353,13 +365,18 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     if plan.attention == "alltoall":
         _all_to_all(node, rw, plan)
         return
-    if not causal:
+    gathered_attention(node, rw, plan.positions(rw.rank), plan.seq_len)
+
+
+def gathered_attention(node: fx.Node, rw: localize.Rewriter, positions: torch.Tensor, seq_len: int) -> None:
+    """This rank's queries (at global ``positions`` of a sequence of ``seq_len``) against the gathered keys: causal
+    by those positions, piece by piece (no T/c x T mask); without a causal flag, as the model wrote it."""
+    if not arg(node, "is_causal"):
         _attention_layout(node, rw)
         return
     from autoshard.passes.ring_attention import GatheredCausalAttention
 
-    # this rank's queries against the gathered keys, causal by global positions, piece by piece (no T/c x T mask)
-    module = GatheredCausalAttention(positions=plan.positions(rw.rank), seq_len=plan.seq_len, scale=arg(node, "scale"),
+    module = GatheredCausalAttention(positions=positions, seq_len=seq_len, scale=arg(node, "scale"),
                                      dropout_p=arg(node, "dropout_p"), enable_gqa=arg(node, "enable_gqa"))
     rw.replace(node, rw.module(module, tuple(node.args[:3]), before=node, like=node))
 

@@ -41,24 +41,18 @@ Localizer = Callable[[fx.Node, "Rewriter"], None]
 
 
 class Rewriter:
-    """Graph edits for one rank of one axis: placements to read, collectives to insert, nodes replaced so far.
+    """Graph edits for one rank of the axis ``prop`` placed values on: placements to read, collectives to insert,
+    nodes replaced so far. The axis's own localizers (op -> function) are consulted before the shared table."""
 
-    ``localizers``: this axis's own localizers (op -> function), consulted before the shared table.
-    """
-
-    def __init__(
-        self, gm: fx.GraphModule, prop: Propagation, *, size: int, rank: int, group, grad: set, axis: str = "tp",
-        localizers: Mapping[object, Localizer] | None = None,
-        local: Callable[[tuple[int, ...], object], tuple[int, ...]] | None = None,
-    ) -> None:
+    def __init__(self, gm: fx.GraphModule, prop: Propagation, *, rank: int, group, grad: set) -> None:
         self.gm = gm
         # the shape this rank holds of (global shape, placement), when ranks hold unequal parts (cp's uneven split)
-        self.uneven_local = local
-        self.axis = axis
-        self.localizers: Mapping[object, Localizer] = dict(localizers or {})
+        self.uneven_local = prop.axis.uneven_local
+        self.axis = prop.axis.name
+        self.localizers: Mapping[object, Localizer] = dict(prop.axis.localizers)
         self.grad = grad
         self.prop = prop
-        self.size = size
+        self.size = prop.axis.size
         self.rank = rank
         self.group = group
         self._cache: dict[tuple[fx.Node, str], fx.Node] = {}

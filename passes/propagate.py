@@ -1,6 +1,6 @@
 """Sharding propagation: the placement of every value of a graph on one mesh axis, from its parameters'.
 
-``propagate(gm, seeds, size)`` walks the graph in order. Placeholders (the model's inputs) are
+``propagate(gm, seeds, axis)`` walks the graph in order. Placeholders (the model's inputs) are
 replicated, parameters take their placement from ``seeds`` (keyed by ``get_attr`` target), and every
 other node takes the decision of its rule (``rules.decide``). The result records, per node, the
 output placement and the decision, from which ``redistributions`` lists every collective the graph
@@ -20,23 +20,24 @@ import torch
 from torch import fx
 
 from autoshard import meta
+from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import Context, Decision, decide, is_view, read_after, replicate_all, written_inputs
 
 
 @dataclass
 class Propagation:
-    size: int
+    axis: Axis
     seeds: dict[str, Placement]  # by get_attr target (parameters) or placeholder name (inputs)
-    partial_outputs: bool = False  # the graph may return a pending sum (a loss summed over the axis later)
-    ring_attention: bool = False  # attention over a split sequence passes keys around instead of gathering
-    keep_outputs: bool = False  # outputs stay as placed (a pipeline stage hands split activations on)
-    pending_sums: bool = False  # a sum over the split dim stays Partial until a consumer needs it (tp; see Context)
-    sequence: int = 0  # cp: the sequence length; a split dim must hold whole sequences (see _decide)
+    outputs: Outputs = Outputs.WHOLE  # what the graph may return (see Outputs)
     whole: set[fx.Node] = field(default_factory=set)  # values kept replicated: a later write needs them whole
     placements: dict[fx.Node, Placement | tuple] = field(default_factory=dict)
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     changed: set[fx.Node] = field(default_factory=set)
+
+    @property
+    def size(self) -> int:
+        return self.axis.size
 
     def of(self, node: fx.Node) -> Placement | tuple:
         return self.placements.get(node, R)
@@ -63,16 +64,11 @@ class Redistribution:
 
 
 def propagate(
-    gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *, base: Propagation | None = None,
-    partial_outputs: bool = False,
-    ring_attention: bool = False,
-    keep_outputs: bool = False,
-    pending_sums: bool = False,
-    sequence: int = 0,
+    gm: fx.GraphModule, seeds: dict[str, Placement], axis: Axis, *, base: Propagation | None = None,
+    outputs: Outputs = Outputs.WHOLE,
 ) -> Propagation:
-    """Placements of every node of ``gm`` given the placements ``seeds`` of parameters and inputs."""
-    result = Propagation(size=size, seeds=dict(seeds), partial_outputs=partial_outputs, ring_attention=ring_attention,
-                         keep_outputs=keep_outputs, pending_sums=pending_sums, sequence=sequence)
+    """Placements of every node of ``gm`` on ``axis`` given the placements ``seeds`` of parameters and inputs."""
+    result = Propagation(axis=axis, seeds=dict(seeds), outputs=outputs)
     nodes = list(gm.graph.nodes)
     if base is None:
         todo = nodes
@@ -109,7 +105,7 @@ def _lost_writes(result: Propagation, nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _run(result: Propagation, nodes: list[fx.Node], todo: list[fx.Node]) -> None:
-    ctx = Context(result.size, result.placements, result.ring_attention, result.pending_sums, result.sequence)
+    ctx = Context(result.axis, result.placements)
     if len(todo) == len(nodes):
         for node in nodes:
             _store(result, node, ctx)
@@ -145,12 +141,12 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
     if node.op in ("placeholder", "get_attr"):
         return result.seeds.get(node.target, R), None
     if node.op == "output":
-        if result.keep_outputs:
+        if result.outputs is Outputs.KEPT:
             return R, Decision(R, {})
         want = {}
         for n in node.all_input_nodes:
             p = ctx.placements.get(n, R)
-            if isinstance(p, (tuple, Replicate)) or (isinstance(p, Partial) and result.partial_outputs):
+            if isinstance(p, (tuple, Replicate)) or (isinstance(p, Partial) and result.outputs is Outputs.PARTIAL):
                 continue
             want[n] = R
         return R, Decision(R, want)
@@ -164,7 +160,7 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
                                                    "needs it whole")
         return decision.out, decision
     decision = decide(node, ctx)
-    if result.sequence and not _whole_sequences(decision.out, node, result.sequence):
+    if result.axis.sequence and not _whole_sequences(decision.out, node, result.axis.sequence):
         # The sequence split would move into a dim that holds no whole sequences (a reshape of tokens into chunks
         # of a linear attention): no gather could put such a value back in order, so gather before it instead.
         decision = replicate_all(node, ctx, reason=f"{node.target}: would split the sequence into parts of a dim")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoshard.passes.axis import Axis
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 
 aten = torch.ops.aten
@@ -38,18 +39,16 @@ class Decision:
 
 
 class Context:
-    """What a rule may read: the degree, the placement of each value, and each value's global shape."""
+    """What a rule may read: the axis (its degree and capabilities), the placement of each value, and each value's
+    global shape. A rule asks the axis what it may do (``ctx.axis.pending_sums``), never which axis it is."""
 
-    def __init__(self, size: int, placements: dict[fx.Node, Placement | tuple], ring_attention: bool = False,
-                 pending_sums: bool = False, sequence: int = 0) -> None:
-        self.size = size
-        self.sequence = sequence  # cp only: the length of the sequence the axis splits
+    def __init__(self, axis: Axis, placements: dict[fx.Node, Placement | tuple]) -> None:
+        self.axis = axis
         self.placements = placements
-        self.ring_attention = ring_attention
-        # A sum over the split dim may stay pending (Partial), reduced where a consumer needs it whole by an
-        # all-reduce whose backward is the identity: right where every rank back-propagates the same loss (tp).
-        # Only tp sets it, and the rules that hold on tp alone read it too.
-        self.pending_sums = pending_sums
+
+    @property
+    def size(self) -> int:
+        return self.axis.size
 
     def of(self, value) -> Placement:
         if not isinstance(value, fx.Node):
@@ -297,7 +296,7 @@ def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
     (experts' outputs weighted by their routing weights, tp only): the sum of the scaled summands, so the sum may
     stay pending. ``b``'s gradient is then a sum over the ranks too (Megatron's f, put in where the placements are
     applied)."""
-    if not ctx.pending_sums or node.target not in SCALES:
+    if not ctx.axis.pending_sums or node.target not in SCALES:
         return False
     operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
     sums = [a for a in operands if isinstance(ctx.of(a), Partial)]
@@ -334,7 +333,7 @@ def _index_add(node: fx.Node, ctx: Context) -> Decision:
     dim but ``dim``, so a split of another dim stays split, each rank adding its part. Any other case replicates."""
     x, index, source = node.args[0], node.args[2], node.args[3]
     dim = _dim(node.args[1], len(ctx.shape(x)))
-    if (ctx.pending_sums and isinstance(ctx.of(source), Partial) and ctx.of(index) == R
+    if (ctx.axis.pending_sums and isinstance(ctx.of(source), Partial) and ctx.of(index) == R
             and _adds_into_zeros(node, source)):
         return Decision(Partial())  # summands added into zeros: each rank's rows a summand, reduced once after
     placements = {ctx.of(x), ctx.of(source)}
@@ -363,7 +362,7 @@ def _index(node: fx.Node, ctx: Context) -> Decision:
     x, indices = node.args[0], list(node.args[1])
     p = ctx.of(x)
     leading = len(indices)
-    if is_table_lookup(node) and p == Shard(0) and ctx.pending_sums:  # a table split by rows: vocab-parallel
+    if is_table_lookup(node) and p == Shard(0) and ctx.axis.pending_sums:  # a table split by rows: vocab-parallel
         return Decision(R, {indices[0]: R} if ctx.of(indices[0]) != R else {})
     if not isinstance(p, Shard) or p.dim < leading or any(
             not isinstance(i, fx.Node) or i.meta["val"].dtype == torch.bool or ctx.of(i) != R for i in indices):
@@ -472,7 +471,7 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
-    if p.blocks is not None and len(p.blocks) > 1 and len(set(p.blocks)) == 1 and ctx.pending_sums:
+    if p.blocks is not None and len(p.blocks) > 1 and len(set(p.blocks)) == 1 and ctx.axis.blocked_splits:
         # equal blocks are an inner dim split whole: rows of (tokens x heads) with heads split, back to features
         inner = [*in_shape[:p.dim], len(p.blocks), p.blocks[0], *in_shape[p.dim + 1:]]
         group = _dim_group(inner, out_shape, p.dim + 1)
@@ -499,7 +498,7 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
         outer = math.prod(in_shape[d] for d in ins if d < p.dim)
         block = math.prod(in_shape[d] for d in ins if d >= p.dim)
         return Decision(Shard(outs[0], (block,) * outer))
-    if p.blocks is None and ctx.pending_sums:  # tp only: the cp split cannot follow a sequence merged into blocks
+    if p.blocks is None and ctx.axis.blocked_splits:  # cp: contiguous chunks, never blocks
         return _split_and_merge(node, ctx, p, [in_shape[d] for d in ins], ins, [out_shape[d] for d in outs], outs)
     return replicate_all(node, ctx)
 
@@ -761,12 +760,12 @@ def _cat(node: fx.Node, ctx: Context) -> Decision:
     tensors = [t for t in node.args[0] if not (len(ctx.shape(t)) == 1 and ctx.shape(t)[0] == 0 and ndim != 1)]
     dim = _dim(arg(node, "dim"), ndim)
     shards = {ctx.of(t) for t in tensors if isinstance(ctx.of(t), Shard)}
-    if (ctx.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors)
+    if (ctx.axis.pending_sums and tensors and all(isinstance(ctx.of(t), Partial) for t in tensors)
             and sum_reaches_zeros(node)):
         return Decision(Partial())  # pending sums joined (each expert's row-parallel product): one sum, reduced once
     if not shards:
         return _pointwise(node, ctx)
-    if (ctx.pending_sums and len(tensors) > 1  # tp only: a cp sequence split is contiguous chunks, never blocks
+    if (ctx.axis.blocked_splits and len(tensors) > 1  # a split in contiguous chunks (cp) is never blocks
             and all(isinstance(ctx.of(t), Shard) and ctx.of(t).dim == dim for t in tensors)):
         # the parts of q, k and v joined along their split features (a linear attention's mixed qkv): each rank
         # holds its part of each, a blocked shard
@@ -821,7 +820,7 @@ def _repeat(node: fx.Node, ctx: Context) -> Decision:
     width = ctx.shape(node.args[0])[p.dim]
     if repeats[dim] == 1:
         return Decision(Shard(dim, p.blocks))
-    if not ctx.pending_sums:  # tp only: a cp sequence split is contiguous chunks, never blocks
+    if not ctx.axis.blocked_splits:  # a split in contiguous chunks (cp) is never blocks
         return replicate_all(node, ctx)
     blocks = (p.blocks or (width,)) * repeats[dim]
     if any(b % ctx.size for b in blocks):

@@ -55,7 +55,7 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     dims = [_dim(d, ndim) for d in dims] or list(range(ndim))  # None and [] both reduce every dim
     keepdim = arg(node, "keepdim")
     if p.dim in dims:
-        if ctx.pending_sums and p.blocks is None and node.target in (aten.mean.dim, aten.sum.dim_IntList):
+        if ctx.axis.pending_sums and p.blocks is None and node.target in (aten.mean.dim, aten.sum.dim_IntList):
             return Decision(Partial())  # each rank's sum over its part (a mean: divided by the whole count)
         return replicate_all(node, ctx)
     return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
@@ -94,7 +94,7 @@ def _patch_conv(node: fx.Node, ctx: Context) -> Decision:
     all-reduce sums the products (the localizer's; the bias is added once, after it). Anything else replicates."""
     w = arg(node, "weight")
     others = [n for n in tensor_inputs(node) if n is not w]
-    if (ctx.of(w) == Shard(2) and ctx.pending_sums and is_patch_conv(node) and ctx.shape(w)[2] % ctx.size == 0
+    if (ctx.of(w) == Shard(2) and ctx.axis.pending_sums and is_patch_conv(node) and ctx.shape(w)[2] % ctx.size == 0
             and all(ctx.of(n) == R for n in others)):
         return Decision(R)
     return replicate_all(node, ctx)
@@ -157,7 +157,7 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
         want = {} if px == Shard(x_last) else {x: Shard(x_last)}
         if b is not None and ctx.of(b) != R:
             want[b] = R
-        if b is None and ctx.pending_sums and sum_reaches_zeros(node):
+        if b is None and ctx.axis.pending_sums and sum_reaches_zeros(node):
             return Decision(Partial(), want)  # experts' products joined (JetMoE's): summed once, after the join
         return Decision(R, want)
     if b is not None and ctx.of(b) != R or isinstance(px, Partial):
@@ -225,7 +225,7 @@ def _einsum(node: fx.Node, ctx: Context) -> Decision:
         return replicate_all(node, ctx)  # nothing split (a pending sum taken whole), or two subscripts split
     specs, out = letters
     ((letter, blocks),) = split
-    if any(spec.count(letter) > 1 for spec in specs) or (letter not in out and not ctx.pending_sums):
+    if any(spec.count(letter) > 1 for spec in specs) or (letter not in out and not ctx.axis.pending_sums):
         return replicate_all(node, ctx)
     want: dict[fx.Node, Placement] = {}
     for o, spec, p in zip(operands, specs, placements, strict=True):
@@ -249,19 +249,19 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     if dim is None:
         if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
             return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
-        if na == 2 and ctx.pending_sums and pa == Shard(1) and pb in (R, Shard(nb - 2)):
+        if na == 2 and ctx.axis.pending_sums and pa == Shard(1) and pb in (R, Shard(nb - 2)):
             # W @ x with W's input features split: a row, x taken split alike, each rank's product a summand
             return Decision(Partial(), {b: Shard(nb - 2)} if pb == R else {})
         if nb == 2 and pa == R and pb == Shard(1, pb.blocks if isinstance(pb, Shard) else None):
             return Decision(Shard(nout - 1, pb.blocks))  # x @ W.T with W's output features split: a column
-        if (nb == 2 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
+        if (nb == 2 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 0 and pa.blocks == pb.blocks):
             return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
-        if nb == 2 and ctx.pending_sums and pa == R and pb == Shard(0):
+        if nb == 2 and ctx.axis.pending_sums and pa == R and pb == Shard(0):
             return Decision(Partial(), {a: Shard(na - 1)})  # ... a row alone: each rank takes its part of x
         if nb == 3 and pa == R and isinstance(pb, Shard) and pb.dim == 2:
             return Decision(Shard(nout - 1, pb.blocks))  # tokens per expert @ experts' columns (Llama 4's experts)
-        if (nb == 3 and ctx.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
+        if (nb == 3 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 1 and pa.blocks == pb.blocks):
             return Decision(Partial())  # ... and their rows: each rank's product a summand
         return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
@@ -304,7 +304,7 @@ def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
         return Decision(Shard(1, pw.blocks))
     if isinstance(px, Shard) and px.dim == 1 and isinstance(pw, Shard) and pw.dim == 1 and px.blocks == pw.blocks:
         return Decision(Partial())
-    if px == R and pw == Shard(1) and ctx.pending_sums:  # a row alone: each rank takes its part of x
+    if px == R and pw == Shard(1) and ctx.axis.pending_sums:  # a row alone: each rank takes its part of x
         return Decision(Partial(), {x: Shard(1)})
     if isinstance(px, Shard) and px.dim == 0 and pw == R:  # tokens split (another axis): rows stay rows
         return replicate_all(node, ctx)
@@ -320,10 +320,10 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     ndim = len(ctx.shape(q))
     heads, seq = ndim - 3, ndim - 2
     if ctx.of(q) == Shard(seq):  # queries split by position: every key is needed (gathered, or passed around a ring)
-        if ctx.ring_attention and arg(node, "dropout_p"):
+        if ctx.axis.keeps_keys_split and arg(node, "dropout_p"):
             return refuse(node, ctx, "dropout_p", "is not applied by ring or all-to-all attention (use cp "
                           "attention='gather')")
-        kv = Shard(seq) if ctx.ring_attention else R
+        kv = Shard(seq) if ctx.axis.keeps_keys_split else R
         want: dict[fx.Node, Placement] = {t: kv for t in (k, v) if ctx.of(t) != kv}
         _mask_rows(node, ctx, want, seq, ndim)
         return Decision(Shard(seq), want)

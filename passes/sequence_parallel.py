@@ -30,6 +30,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes import localize
+from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import (
     CopyToParallel,
     GatherFromParallel,
@@ -37,11 +38,11 @@ from autoshard.passes.collectives import (
     ScatterToParallel,
     _ParallelOp,
 )
-from autoshard.passes.context_parallel import ContextParallelPlan, _attention, insert_splits, remove_splits
+from autoshard.passes.context_parallel import ContextParallelPlan, gathered_attention, insert_splits, remove_splits
 from autoshard.passes.placements import R, Shard
-from autoshard.passes.propagate import propagate, requires_grad
+from autoshard.passes.propagate import propagate
 from autoshard.passes.rules import RULES, Decision
-from autoshard.passes.sharding import IDLE_F, AxisStyle, apply_placements
+from autoshard.passes.sharding import IDLE_F, shard_axis
 
 aten = torch.ops.aten
 
@@ -166,7 +167,8 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     _check_divides(plan)
     markers = insert_splits(gm, plan.values)  # a sequence made inside the model (patches and a class token)
     try:
-        probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()}, size, sequence=plan.seq_len)
+        probe = propagate(gm, {name: Shard(dim) for name, dim in plan.inputs.items()},
+                          Axis("sp", size, sequence=plan.seq_len))
     finally:
         remove_splits(gm, markers)
     from_inputs = _from_inputs(gm)
@@ -221,14 +223,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
             marked = _SplitEntryMark(group=group, size=size, rank=rank, dim=module.dim, blocks=module.blocks)
             _swap(gm, node, marked)
             entries.append((node, module))
-    prop = propagate(gm, {}, size, pending_sums=True, sequence=plan.seq_len)
-    attention = ContextParallelPlan(size, {}, plan.seq_len, False, "gather")
-    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm), axis="sp",
-                           localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention,
-                                                                                                   attention),
-                                       aten.dropout.default: localize.dropout_of_part})
-    # a region's exit reduce-scatters partial sums: its input's gradient comes back whole, so no f before it
-    apply_placements(gm, prop, rw, AxisStyle("sp", needs_copy=lambda value: not all(_is_exit(u) for u in value.users)))
+    shard_axis(gm, sequence_axis(size, plan.seq_len), {}, rank=rank, group=group)
     _fuse_entries(gm, group, size, rank)
     _drop(gm, idle)
     for node, module in entries:
@@ -237,6 +232,27 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def sequence_axis(size: int, seq_len: int) -> Axis:
+    """The sp axis: the tp group, splitting a sequence of ``seq_len`` between the regions. Inside a region the
+    sequence is whole and the heads split, so sums may stay pending and splits be blocked as on tp."""
+    return Axis(
+        "sp", size, pending_sums=True, blocked_splits=True, sequence=seq_len,
+        # a region's exit reduce-scatters partial sums: its input's gradient comes back whole, so no f before it
+        needs_copy=lambda value: not all(_is_exit(u) for u in value.users),
+        localizers={aten.scaled_dot_product_attention.default: functools.partial(_attention, size, seq_len),
+                    aten.dropout.default: localize.dropout_of_part},
+    )
+
+
+def _attention(size: int, seq_len: int, node: fx.Node, rw: localize.Rewriter) -> None:
+    """Attention reached with the sequence split (a region that gathers it after its attention): this rank's
+    contiguous chunk of queries against the gathered keys, as cp's gather attention computes it."""
+    q = node.args[0]
+    if rw.placement(q) == Shard(len(q.meta["val"].shape) - 2):
+        positions = torch.arange(rw.rank * seq_len // size, (rw.rank + 1) * seq_len // size)
+        gathered_attention(node, rw, positions, seq_len)
 
 
 def _check_divides(plan: ContextParallelPlan) -> None:

@@ -1,72 +1,72 @@
 """Applying placements: insert the collectives a propagation asks for and make every node local.
 
-Shared by every mesh axis. An ``AxisStyle`` says how the axis moves data: how a sharded value is
-gathered and a replicated one split (tensor parallelism cuts contiguous chunks; context parallelism
-may give a rank two non-contiguous chunks of the sequence), and which replicated inputs of a
-sharded computation need Megatron's f (their gradient is a partial sum over the axis).
+Shared by every mesh axis: ``shard_axis(gm, axis, seeds)`` is the one driver tp, cp and sp run through. It
+propagates the seeds' placements over the graph and rewrites it with the axis's axis (``passes.axis.Axis``): how
+a sharded value is gathered and a replicated one split (tensor parallelism cuts contiguous chunks; context
+parallelism may give a rank two non-contiguous chunks of the sequence), and which replicated inputs of a sharded
+computation need Megatron's f (their gradient is a partial sum over the axis).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import fx
 
+from autoshard import meta
 from autoshard.passes import localize
-from autoshard.passes.collectives import CopyToParallel, GatherFromParallel, ReduceFromParallel, ScatterToParallel
+from autoshard.passes.axis import Axis, Outputs
+from autoshard.passes.collectives import CopyToParallel, ReduceFromParallel
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
-from autoshard.passes.propagate import Propagation
+from autoshard.passes.propagate import Propagation, propagate, requires_grad
 from autoshard.passes.rules import SCALES
 
-FALLBACKS = "autoshard_fallbacks"  # key of GraphModule.meta: the ops that ran replicated for want of a rule
-IDLE_F = "autoshard_idle_f"  # key of node.meta: an f put where no gradient flows, only to mark a region's entry
+FALLBACKS = meta.FALLBACKS  # re-exported: where the ops that ran replicated for want of a rule are listed
+IDLE_F = meta.IDLE_F
 
 
-@dataclass(frozen=True)
-class AxisStyle:
-    name: str
-    gather: Callable[..., torch.nn.Module] = GatherFromParallel
-    scatter: Callable[..., torch.nn.Module] = ScatterToParallel
-    needs_copy: Callable[[fx.Node], bool] = lambda value: True
-    # Megatron's f also where no gradient flows (a no_grad region, a detached value): sequence parallelism reads
-    # the f's as the tp regions' entries, where it gathers the sequence
-    copy_without_grad: bool = False
-    check: Callable[[fx.Node, Shard], None] = lambda value, placement: None  # raises where the axis cannot move it
+def shard_axis(gm: fx.GraphModule, axis: Axis, seeds: dict[str, Placement], *, rank: int, group=None,
+               outputs: Outputs = Outputs.WHOLE) -> Propagation:
+    """Rewrite ``gm`` in place into what rank ``rank`` of ``axis`` runs, the values ``seeds`` names placed so (by
+    parameter target or input name) and every other placed as propagation decides; the propagation, for what
+    the pass reads after (where its outputs were)."""
+    prop = propagate(gm, seeds, axis, outputs=outputs)
+    rw = localize.Rewriter(gm, prop, rank=rank, group=group, grad=requires_grad(gm))
+    apply_placements(gm, prop, rw)
+    return prop
 
 
-def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewriter, style: AxisStyle) -> None:
+def apply_placements(gm: fx.GraphModule, prop: Propagation, rw: localize.Rewriter) -> None:
     """Rewrite ``gm`` in place so that it computes this rank's part under ``prop``'s placements."""
+    axis = prop.axis
     for node in list(gm.graph.nodes):
         decision = prop.decisions.get(node)
         if decision is None:
             continue
         if decision.fallback:
-            _refuse_lost_writes(node, prop, style.name)
-            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, style.name, decision.reason))
+            _refuse_lost_writes(node, prop, axis.name)
+            gm.meta.setdefault(FALLBACKS, []).append(_warn_fallback(node, axis.name, decision.reason))
         # an op split by ranks, or a pending sum scaled by a whole value: the whole value's gradient sums over ranks
         sharded = _has_shard(prop.of(node)) or (isinstance(prop.of(node), Partial) and node.target in SCALES)
         for value, dst in decision.want.items():
             if prop.of(value) != dst:
-                new = _redistribute(rw, value, prop.of(value), dst, node, style)
-                if sharded and dst == R and _flows(value, rw, style) and style.needs_copy(value):
+                new = _redistribute(rw, value, prop.of(value), dst, node, axis)
+                if sharded and dst == R and _flows(value, rw, axis) and axis.needs_copy(value):
                     new = _f(rw, new, node, idle=value not in rw.grad)  # gathered, then used per rank
                 node.replace_input_with(rw.current(value), new)
         if sharded:
             for value in list(node.all_input_nodes):
                 original = rw.original(value)
-                if original not in prop.placements or prop.of(original) != R or not _flows(original, rw, style):
+                if original not in prop.placements or prop.of(original) != R or not _flows(original, rw, axis):
                     continue
-                if decision.want.get(original, R) == R and style.needs_copy(original):
+                if decision.want.get(original, R) == R and axis.needs_copy(original):
                     node.replace_input_with(value, _f(rw, value, node, idle=original not in rw.grad))
         localize.localize(node, rw)
     _local_metadata(gm, prop, rw)
 
 
-def _flows(value: fx.Node, rw: localize.Rewriter, style: AxisStyle) -> bool:
-    """Whether an f on ``value`` is wanted: where its gradient flows, or everywhere when the style asks so."""
-    return value in rw.grad or style.copy_without_grad
+def _flows(value: fx.Node, rw: localize.Rewriter, axis: Axis) -> bool:
+    """Whether an f on ``value`` is wanted: where its gradient flows, or everywhere when the axis asks so."""
+    return value in rw.grad or axis.copy_without_grad
 
 
 def _f(rw: localize.Rewriter, value: fx.Node, consumer: fx.Node, *, idle: bool) -> fx.Node:
@@ -83,22 +83,22 @@ def _has_shard(placement) -> bool:
     return isinstance(placement, Shard)
 
 
-def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: fx.Node, style: AxisStyle):
+def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: fx.Node, axis: Axis):
     """The collectives that turn ``value`` from ``src`` into ``dst``, shared by every consumer."""
     if isinstance(src, Partial):
         value = rw.cached(value, "reduce", lambda a: ReduceFromParallel(**a), consumer)
         src = R
     if isinstance(src, Shard) and src != dst:
-        style.check(value, src)
-        make = lambda a, s=src: style.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
+        axis.check(value, src)
+        make = lambda a, s=src: axis.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
         full = value.meta["val"].shape[src.dim]
         value = rw.cached(value, f"gather{src.dim}", make, consumer)
         if full % rw.size:  # a padded dim: drop the padding the last rank held
             value = _trim(rw, value, src.dim, full, consumer)
         src = R
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        style.check(value, dst)
-        make = lambda a, d=dst: style.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
+        axis.check(value, dst)
+        make = lambda a, d=dst: axis.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
         value = rw.cached(value, f"split{dst.dim}", make, consumer)
     return rw.current(value)
 
@@ -124,7 +124,6 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
 
 def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
     """An op that writes in place into a split value cannot run replicated: its write would land on a copy."""
-    from autoshard import meta
     from autoshard.passes.rules import read_after, written_inputs
 
     written = [n for n in written_inputs(node) if prop.of(n) != R and read_after(n, node)]
@@ -140,8 +139,6 @@ def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
 
 def _warn_fallback(node: fx.Node, axis: str, reason: str | None = None) -> str:
     import warnings
-
-    from autoshard import meta
 
     where = meta.source_line(node) or meta.module_path(node) or "unknown source"
     what = f"the {axis} rewrite refuses {reason}" if reason else f"no {axis} sharding rule for {node.target}"

@@ -28,7 +28,6 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 
 from __future__ import annotations
 
-import functools
 import operator
 import re
 import warnings
@@ -38,21 +37,32 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes import localize
+from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import local_indices
 from autoshard.passes.placements import Placement, R, Shard
-from autoshard.passes.propagate import Propagation, cost, requires_grad
-from autoshard.passes.propagate import propagate as _propagate_any_axis
+from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
 from autoshard.passes.rules import arg, is_table_lookup
 from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm, is_patch_conv
-from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements  # noqa: F401 - FALLBACKS re-exported
+from autoshard.passes.sharding import FALLBACKS, shard_axis  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
 aten = torch.ops.aten
 _LINEARS = {aten.linear.default: (1, 2, 0), aten.addmm.default: (2, 0, 1)}  # op -> (weight arg, bias arg, out dim)
 _CONE_LIMIT = 300
 _IDS_PER_TOKEN = 4  # a table split by rows may look up this many ids per input id
-# every tp rank back-propagates the same loss: a sum over a split dim (a norm over a split width) may stay pending
-propagate = functools.partial(_propagate_any_axis, pending_sums=True)
+
+
+def tensor_axis(size: int, *, mark_entries: bool = False) -> Axis:
+    """The tp axis over ``size`` ranks. Every tp rank back-propagates the same loss, so a sum over a split dim (a
+    norm over a split width) may stay pending; a fused projection (q, k, v in one linear) splits in blocks.
+    ``mark_entries``: see ``tensor_parallel_pass``."""
+    return Axis("tp", size, pending_sums=True, blocked_splits=True, copy_without_grad=mark_entries,
+                localizers={aten.dropout.default: localize.dropout_of_part})
+
+
+def _propagate(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *,
+               base: Propagation | None = None) -> Propagation:
+    return propagate(gm, seeds, tensor_axis(size), base=base)
 
 
 class TensorParallelError(ValueError):
@@ -75,7 +85,7 @@ def plan_tensor_parallel(gm: fx.GraphModule, size: int, *, indivisible: str = "e
     """Decide the tp placement of every parameter of ``gm`` for ``size`` ranks."""
     params = {name for name, _ in gm.named_parameters()}
     plan = TensorParallelPlan(size=size)
-    state = propagate(gm, {}, size)
+    state = _propagate(gm, {}, size)
     if size == 1:
         return _finish(gm, plan, params)
     grad = requires_grad(gm)
@@ -438,7 +448,7 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
         if row is not None:
             seeds.update(_row_seeds(row))
         problem = _width_problem(gm, [c for c in live if c not in inner], blocks, plan.size, lone=row is None)
-        prop = propagate(gm, seeds, plan.size, base=state)
+        prop = _propagate(gm, seeds, plan.size, base=state)
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
@@ -518,7 +528,7 @@ def _try_lone_row(plan: TensorParallelPlan, state: Propagation, row: fx.Node) ->
     seeds = {**state.seeds, **_row_seeds(row)}
     if any(name in plan.params for name in seeds if name not in state.seeds):
         return state
-    prop = propagate(row.graph.owning_module, seeds, plan.size, base=state)
+    prop = _propagate(row.graph.owning_module, seeds, plan.size, base=state)
     if not _accepts(prop, state):
         return state
     for name, placement in _row_seeds(row).items():
@@ -541,7 +551,7 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
         w, ids = lookup
         if w.op != "get_attr" or w.target not in params or w.target in plan.params:
             continue
-        columns = propagate(gm, {**state.seeds, w.target: Shard(1)}, plan.size, base=state)
+        columns = _propagate(gm, {**state.seeds, w.target: Shard(1)}, plan.size, base=state)
         if _accepts(columns, state):
             plan.params[w.target] = ParamPlan(Shard(1), "column", "table split by columns: each rank looks up "
                                               "the columns its split consumers take")
@@ -549,7 +559,7 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
             continue
         if ids.meta["val"].numel() > _IDS_PER_TOKEN * tokens:
             continue
-        rows = propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
+        rows = _propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
         if _accepts(rows, state):
             plan.params[w.target] = ParamPlan(Shard(0), "vocab", "table split by rows: a vocab-parallel lookup")
             state = rows
@@ -570,7 +580,7 @@ def _plan_sliced(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
         else:
             continue
         for want in candidates:
-            prop = propagate(gm, {**state.seeds, node.target: want}, plan.size, base=state)
+            prop = _propagate(gm, {**state.seeds, node.target: want}, plan.size, base=state)
             if _accepts(prop, state) and not _moves_split(prop):
                 plan.params[node.target] = ParamPlan(want, "sliced", "each reader takes this part: held split")
                 state = prop
@@ -607,7 +617,7 @@ def _shards_when_divisible(gm, plan, state, columns, row) -> bool:
     scratch = TensorParallelPlan(size=1, params=dict(plan.params))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _try_region(gm, scratch, propagate(gm, dict(state.seeds), 1), columns, row, "replicate")
+        _try_region(gm, scratch, _propagate(gm, dict(state.seeds), 1), columns, row, "replicate")
     return any(_weight(c) in scratch.params for c in columns)
 
 
@@ -771,7 +781,7 @@ def _plan_vocab(gm, plan: TensorParallelPlan, state: Propagation, params: set[st
         if w.op != "get_attr" or w.target not in params or not _is_input(ids) or w.target in plan.params:
             continue
         vocab = gm.get_parameter(w.target).shape[0]
-        prop = propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
+        prop = _propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
         new, old = cost(prop, prop.changed), cost(state, prop.changed)
         if new[0] <= old[0] and new[1] <= old[1]:
             padded = f", padded from {vocab} to {-(-vocab // plan.size) * plan.size} rows" if vocab % plan.size else ""
@@ -796,10 +806,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
     size = plan.size
     if size == 1:
         return gm
-    prop = propagate(gm, plan.placements(), size)
-    rw = localize.Rewriter(gm, prop, size=size, rank=rank, group=group, grad=requires_grad(gm),
-                           localizers={aten.dropout.default: localize.dropout_of_part})
-    apply_placements(gm, prop, rw, AxisStyle("tp", copy_without_grad=mark_entries))
+    shard_axis(gm, tensor_axis(size, mark_entries=mark_entries), plan.placements(), rank=rank, group=group)
     _shard_parameters(gm, plan, rank)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

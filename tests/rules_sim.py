@@ -28,9 +28,9 @@ from torch.utils import _pytree as pytree
 from autoshard import meta
 from autoshard.passes import collectives, localize
 from autoshard.passes.placements import Placement, R, Shard
-from autoshard.passes.propagate import requires_grad
-from autoshard.passes.sharding import FALLBACKS, AxisStyle, apply_placements
-from autoshard.passes.tensor_parallel import propagate  # as the tp planner propagates (pending sums)
+from autoshard.passes.propagate import propagate, requires_grad
+from autoshard.passes.sharding import FALLBACKS, apply_placements
+from autoshard.passes.tensor_parallel import tensor_axis  # as the tp planner propagates (pending sums)
 
 USER_LINE = 'File "/home/user/model.py", line 42, in forward\n    y = the_op(x)'
 
@@ -221,13 +221,12 @@ def _tp_programs(gm: fx.GraphModule, seeds: dict, world: _World, op_name: str):
     programs, fallbacks, decision = [], [], None
     for rank in range(world.size):
         local = copy.deepcopy(gm)
-        prop = propagate(local, seeds, world.size)
+        prop = propagate(local, seeds, tensor_axis(world.size))
         decision = decision or prop.decisions[next(n for n in local.graph.nodes if n.name == op_name)]
-        rw = localize.Rewriter(local, prop, size=world.size, rank=rank, group=SimGroup(world, rank),
-                               grad=requires_grad(local))
+        rw = localize.Rewriter(local, prop, rank=rank, group=SimGroup(world, rank), grad=requires_grad(local))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            apply_placements(local, prop, rw, AxisStyle("tp"))
+            apply_placements(local, prop, rw)
         if rank == 0:
             fallbacks = [str(w.message) for w in caught] + local.meta.get(FALLBACKS, [])
         local.graph.eliminate_dead_code()

@@ -150,6 +150,17 @@ def test_a_misspelt_option_is_refused_naming_the_valid_values(option, says):
         autoshard.CompileOptions(**option)
 
 
+def test_a_misspelt_option_name_is_refused_naming_the_nearest_and_every_option():
+    """``parallelize``'s options are ``CompileOptions``' fields, forwarded by name: a name that is none of them is
+    refused before anything is captured, with the nearest option and all of them named."""
+    case = build("mlp")
+    with pytest.raises(TypeError, match=r"'schedul', which is not an option \(did you mean schedule\?\): the options "
+                                        r"are microbatches, .*batch_norm"):
+        autoshard.parallelize(case.model, None, example_inputs=case.inputs, loss_fn=case.loss_fn, schedul="zbv")
+    with pytest.raises(TypeError, match="'colour', which is not an option: the options are"):
+        autoshard.CompileOptions.of({"colour": 1})
+
+
 def test_options_come_as_one_object_or_as_keywords_not_both():
     case = build("mlp")
     options = autoshard.CompileOptions(microbatches=4)

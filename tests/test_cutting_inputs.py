@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from autoshard import batching
 from autoshard.passes.context_parallel import ContextParallelPlan, check_divisible
-from autoshard.runtime import batching
 
 
 def _refusal(batch: int, **kwargs) -> str:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import sympy
 
+from autoshard import schedules
 from autoshard.mesh import Mesh
 from autoshard.planner import (
     Cluster,
@@ -28,7 +29,6 @@ from autoshard.planner import (
 )
 from autoshard.planner import model as cost_model
 from autoshard.planner.search import factorisations, mesh_problems
-from autoshard.runtime import schedules
 
 PALM_540B = TransformerConfig(layers=118, hidden=18432, heads=144, vocab=256000, seq=2048, global_batch=2048)
 LLAMA_7B = TransformerConfig(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, global_batch=512)

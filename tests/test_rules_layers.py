@@ -13,7 +13,9 @@ import pytest
 import torch
 from rules_sim import simulate
 
+from autoshard.passes.axis import Axis
 from autoshard.passes.placements import P, R, Shard
+from autoshard.passes.tensor_parallel import tensor_axis
 
 aten = torch.ops.aten
 
@@ -122,13 +124,14 @@ def test_grouped_query_heads_the_degree_does_not_divide_are_refused():
 def test_ring_attention_refuses_dropout():
     from rules_sim import _build
 
+    from autoshard.kinds import Attention
     from autoshard.passes.rules import Context, decide
 
     gm, _, node = _build(aten.scaled_dot_product_attention.default, (*qkv(), None, 0.1), {})
     q = node.args[0]
-    decision = decide(node, Context(2, {q: Shard(2)}, ring_attention=True))
+    decision = decide(node, Context(Axis("cp", 2, attention=Attention.RING), {q: Shard(2)}))
     assert decision.out == R and "dropout_p=0.1" in decision.reason
-    assert decide(node, Context(2, {q: Shard(2)}, ring_attention=False)).out == Shard(2)
+    assert decide(node, Context(Axis("cp", 2), {q: Shard(2)})).out == Shard(2)
 
 
 # ------------------------------------------------------------------------------------------------ norms
@@ -321,7 +324,7 @@ def test_partial_inputs_are_summed_first():
     from autoshard.passes.rules import Context, decide
 
     _, _, node = _build(aten.layer_norm.default, (rand(2, 4, 6), [6]), {})
-    decision = decide(node, Context(2, {node.args[0]: P}))
+    decision = decide(node, Context(Axis("tp", 2), {node.args[0]: P}))
     assert decision.out == R and decision.want == {node.args[0]: R}
 
 
@@ -345,20 +348,20 @@ def test_experts_row_products_are_summed_once_after_their_combine():
     placements = {n: P for n in products}
     for target in (aten.cat.default, aten.mul.Tensor, aten.index_add.default):
         node = nodes[target]
-        decision = decide(node, Context(2, placements, pending_sums=True))
+        decision = decide(node, Context(tensor_axis(2), placements))
         assert decision.out == P and not decision.want, (target, decision)
         placements[node] = decision.out
-        assert decide(node, Context(2, placements)).out != P, "only tp leaves sums pending"
-    product = decide(nodes[aten.mul.Tensor], Context(2, {**placements, nodes[aten.mul.Tensor].args[1]: P},
-                                                     pending_sums=True))
+        assert decide(node, Context(Axis("cp", 2), placements)).out != P, "only tp leaves sums pending"
+    product = decide(nodes[aten.mul.Tensor], Context(tensor_axis(2),
+                                                     {**placements, nodes[aten.mul.Tensor].args[1]: P}))
     assert product.out == R and set(product.want.values()) == {R}, product
-    row = decide(products[0], Context(2, {products[0].args[0]: Shard(1), products[0].args[1]: Shard(1)},
-                                      pending_sums=True))
+    row = decide(products[0], Context(tensor_axis(2),
+                                      {products[0].args[0]: Shard(1), products[0].args[1]: Shard(1)}))
     assert row.out == P, "a row product on its way to the zeros is left pending"
     gm.graph.output_node().args = ((nodes[aten.index_add.default], nodes[aten.mul.Tensor]),)
     # the scaled products read elsewhere too (here: returned), as a loop of experts adding each into the last
     # one's sum: reduced before the scale, as any reader without a rule for pending sums would have them
-    assert decide(nodes[aten.mul.Tensor], Context(2, placements, pending_sums=True)).out == R
+    assert decide(nodes[aten.mul.Tensor], Context(tensor_axis(2), placements)).out == R
 
 
 # ------------------------------------------------------------------------- attention over a split sequence

@@ -13,7 +13,9 @@ import pytest
 import torch
 from rules_sim import simulate
 
+from autoshard.passes.axis import Axis
 from autoshard.passes.placements import R, Shard
+from autoshard.passes.tensor_parallel import tensor_axis
 
 aten = torch.ops.aten
 BIG = 9223372036854775807  # what export writes for an open slice end
@@ -323,8 +325,7 @@ def test_a_metadata_check_passes_any_placement():
     QK-norm): the check reads no data, so a split value passes it without a gather."""
     from torch import fx
 
-    from autoshard.passes.propagate import cost
-    from autoshard.passes.tensor_parallel import propagate
+    from autoshard.passes.propagate import cost, propagate
 
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -332,7 +333,7 @@ def test_a_metadata_check_passes_any_placement():
     check = graph.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
     check.meta["val"] = None
     graph.output(x)
-    prop = propagate(fx.GraphModule(torch.nn.Module(), graph), {"x": Shard(2)}, 2)
+    prop = propagate(fx.GraphModule(torch.nn.Module(), graph), {"x": Shard(2)}, tensor_axis(2))
     assert prop.decisions[check].want == {} and not prop.decisions[check].fallback
     assert cost(prop, {check}) == (0, 0, [])
 
@@ -398,5 +399,5 @@ def test_a_collective_seen_by_another_axis_passes_the_token_split_through(name):
     node.meta["val"] = torch.empty(2, 4, 6, device="meta")  # as the pass copies it from the value it replaces
     graph.output(node)
     fx.GraphModule(root, graph)
-    decision = decide(node, Context(2, {x: Shard(1)}))
+    decision = decide(node, Context(Axis("tp", 2), {x: Shard(1)}))
     assert decision.out == Shard(1), decision

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard.runtime.schedules import (
+from autoshard.schedules import (
     KINDS,
     Action,
     ScheduleError,

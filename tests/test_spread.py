@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from autoshard.runtime.spread import choose, held_bytes
+from autoshard.spread_choice import choose, held_bytes
 
 
 def test_a_weight_two_ranks_read_is_spread_and_stored_once():

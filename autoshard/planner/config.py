@@ -214,7 +214,7 @@ class Split:
 
     @property
     def schedule(self) -> str:
-        """The pipeline schedule's name in ``autoshard.runtime.schedules``."""
+        """The pipeline schedule's name in ``autoshard.schedules``."""
         if self.zero_bubble:
             return "zbv" if self.interleave == 2 else "zb-h1"
         return "interleaved" if self.interleave > 1 else "1f1b"

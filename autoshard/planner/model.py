@@ -26,7 +26,7 @@ Assumptions, each a term of a formula below:
   keeps only each layer's input (``beta sbh``) and runs the forward again in backward. The schedule
   sets how many microbatches the first stage holds: ``min(m, pp)`` for 1F1B and the zero-bubble ZB-H1
   and ZBV, ``min(m, pp + (pp-1)/v)`` stage-equivalents for interleaved 1F1B with m a multiple of pp (all
-  checked against ``autoshard.runtime.schedules.simulate``; the search only interleaves such m).
+  checked against ``autoshard.schedules.simulate``; the search only interleaves such m).
   Plus one layer's working set and the last stage's fp32 logits.
 - **Compute**: a training step is three forwards (four with full recomputation); a layer's forward is
   ``2 s N_layer + 2 s^2 h`` FLOPs (matmuls, then causal attention); GPUs reach ``eta`` of their peak.

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from autoshard.codegen import RankProgram
+from autoshard.kinds import ActionKind
 from autoshard.passes.pipeline_split import TensorSpec
-from autoshard.runtime.schedules import Action, rank_of
 from autoshard.runtime.split_backward import WeightGradients, input_gradients
+from autoshard.schedules import Action, rank_of
 
 
 class PipelineStall(RuntimeError):
@@ -110,55 +111,67 @@ class PipelineExecutor:
         mb = state.setdefault(key, _MicrobatchState())
         runner = self.runners.get(action.stage)
         inputs, target = microbatches[action.microbatch]
-        if action.kind == "F":
-            if action.stage > 0 and self._local(action.stage - 1):  # the V's tip: the previous stage is here
-                before = state[action.microbatch, action.stage - 1].outputs
-                mb.inputs = [o.detach().clone().requires_grad_(o.is_floating_point()) for o in before]
-            out = self._call(runner.program.gm, *inputs, target, *mb.inputs)
-            if action.stage == self.num_stages - 1:
-                mb.loss = out[0] / divisor
-                return mb.loss.detach().float()
-            mb.outputs = tuple(out)
-        elif action.kind == "B":
-            if self._reducer is not None:
-                self._reducer.before_backward(action.stage, action.microbatch)
-            self._backward(mb)
-            if self._reducer is not None:
-                self._reducer.after_backward(action.stage, action.microbatch)
-            self._hand_back(action, state)
-        elif action.kind == "I":
-            roots, grads = self._roots(mb)
-            dinputs, mb.weights = input_gradients(roots, grads, mb.inputs)
-            for x, grad in zip(mb.inputs, dinputs, strict=True):
-                x.grad = grad
-            mb.loss, mb.outputs, mb.output_grads = None, (), []
-            self._hand_back(action, state)
-        elif action.kind == "W":
-            if self._reducer is not None:
-                self._reducer.before_backward(action.stage, action.microbatch)
-            mb.weights.run()
-            if self._reducer is not None:
-                self._reducer.after_backward(action.stage, action.microbatch)
-            state.pop(key)
-        elif action.kind == "SEND_F":
-            sent = [spec.pack(o.detach()) for spec, o in zip(runner.send_specs, mb.outputs, strict=True)]
-            pending += self._send(sent, action.stage + 1)
-        elif action.kind == "RECV_F":
-            received = self._receive(runner.receive_specs, action.stage - 1, laid_out=True)
-            mb.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in received]
-        elif action.kind == "SEND_B":
-            # with one flag per input: a gradient that does not exist (an input the loss never reads) is not a zero
-            flags = torch.tensor([x.grad is not None for x in mb.inputs], dtype=torch.uint8, device=self.device)
-            pending += self._send([*self._input_grads(mb), flags], action.stage - 1)
-            if mb.weights is None:
-                state.pop(key)
-        elif action.kind == "RECV_B":
-            flags = TensorSpec((len(runner.send_specs),), torch.uint8)
-            *grads, found = self._receive([*runner.send_specs, flags], action.stage + 1)
-            mb.output_grads = [g if f else None for g, f in zip(grads, found.tolist(), strict=True)]
-        else:
-            raise ValueError(f"unknown action kind {action.kind!r} in {action}")
-        return torch.zeros((), dtype=torch.float32, device=self.device)
+        done = self._HANDLERS[action.kind](self, action, mb, state, runner, inputs, target, divisor, pending)
+        return done if done is not None else torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def _forward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        if action.stage > 0 and self._local(action.stage - 1):  # the V's tip: the previous stage is here
+            before = state[action.microbatch, action.stage - 1].outputs
+            mb.inputs = [o.detach().clone().requires_grad_(o.is_floating_point()) for o in before]
+        out = self._call(runner.program.gm, *inputs, target, *mb.inputs)
+        if action.stage == self.num_stages - 1:
+            mb.loss = out[0] / divisor
+            return mb.loss.detach().float()
+        mb.outputs = tuple(out)
+        return None
+
+    def _whole_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        if self._reducer is not None:
+            self._reducer.before_backward(action.stage, action.microbatch)
+        self._backward(mb)
+        if self._reducer is not None:
+            self._reducer.after_backward(action.stage, action.microbatch)
+        self._hand_back(action, state)
+
+    def _input_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        roots, grads = self._roots(mb)
+        dinputs, mb.weights = input_gradients(roots, grads, mb.inputs)
+        for x, grad in zip(mb.inputs, dinputs, strict=True):
+            x.grad = grad
+        mb.loss, mb.outputs, mb.output_grads = None, (), []
+        self._hand_back(action, state)
+
+    def _weight_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        if self._reducer is not None:
+            self._reducer.before_backward(action.stage, action.microbatch)
+        mb.weights.run()
+        if self._reducer is not None:
+            self._reducer.after_backward(action.stage, action.microbatch)
+        state.pop((action.microbatch, action.stage))
+
+    def _send_forward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        sent = [spec.pack(o.detach()) for spec, o in zip(runner.send_specs, mb.outputs, strict=True)]
+        pending += self._send(sent, action.stage + 1)
+
+    def _recv_forward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        received = self._receive(runner.receive_specs, action.stage - 1, laid_out=True)
+        mb.inputs = [t.requires_grad_() if t.is_floating_point() else t for t in received]
+
+    def _send_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        # with one flag per input: a gradient that does not exist (an input the loss never reads) is not a zero
+        flags = torch.tensor([x.grad is not None for x in mb.inputs], dtype=torch.uint8, device=self.device)
+        pending += self._send([*self._input_grads(mb), flags], action.stage - 1)
+        if mb.weights is None:
+            state.pop((action.microbatch, action.stage))
+
+    def _recv_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        flags = TensorSpec((len(runner.send_specs),), torch.uint8)
+        *grads, found = self._receive([*runner.send_specs, flags], action.stage + 1)
+        mb.output_grads = [g if f else None for g, f in zip(grads, found.tolist(), strict=True)]
+
+    _HANDLERS = {ActionKind.F: _forward, ActionKind.B: _whole_backward, ActionKind.I: _input_backward,
+                 ActionKind.W: _weight_backward, ActionKind.SEND_F: _send_forward, ActionKind.RECV_F: _recv_forward,
+                 ActionKind.SEND_B: _send_backward, ActionKind.RECV_B: _recv_backward}
 
     @staticmethod
     def _roots(mb: _MicrobatchState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autoshard.runtime import batching
+from autoshard import batching
 
 
 def forward(pm, inputs: tuple):

@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from autoshard import codegen
+from autoshard import batching, codegen
 from autoshard.capture import capture, shapes_of
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
-from autoshard.runtime import batching, gather, inference
+from autoshard.runtime import gather, inference
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, stall_guard
 from autoshard.runtime.pipeline import Pipeline

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import codegen
+from autoshard import codegen, schedules
 from autoshard.compile import RankBuild
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.pipeline_split import Stage
-from autoshard.runtime import schedules, spread
+from autoshard.runtime import spread
 from autoshard.runtime.executor import PipelineExecutor, StageRunner
 from autoshard.runtime.reducer import GradientReducer
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard.runtime.schedules import Action
+from autoshard.schedules import Action
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 

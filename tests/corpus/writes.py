@@ -13,11 +13,11 @@ from __future__ import annotations
 import itertools
 import warnings
 
+from autoshard import batching
 from autoshard.compile import capture_for_training, compile_rank
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import dropped_writes, lost_writes, written_arguments
-from autoshard.runtime import batching
 
 
 def sweep(model, inputs: tuple, target, loss_fn, degrees: dict, options: dict) -> dict:

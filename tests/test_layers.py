@@ -1,0 +1,72 @@
+"""autoshard's modules import one way: foundations <- passes <- compile <- runtime <- api.
+
+A model goes from ``parallelize`` (api) through the runtime's ``ParallelModel``, which asks ``compile`` for each
+rank's build, which runs the ``passes`` over the captured graph. No lower layer may reach up (compile into the
+runtime, a pass into compile), also not by an import inside a function: each layer is then testable, and
+replaceable, without the ones above it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# module (as installed) -> layer; a package's modules take the package's layer unless named
+LAYERS = {
+    "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice"),
+    "passes": ("passes", "plan"),  # plan: the tp plan, made by passes.tensor_parallel
+    "compile": ("capture", "codegen", "compile", "explain", "dot"),
+    "runtime": ("runtime",),
+    "api": ("api", "verify", "inspect_cli", "cli", "planner", "__init__"),
+}
+ORDER = list(LAYERS)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")[1:] or ["__init__"]
+    for layer, names in LAYERS.items():
+        if parts[0] in names:
+            return layer
+    raise AssertionError(f"{module} is in no layer: add it to tests/test_layers.py's LAYERS")
+
+
+def _modules() -> dict[str, Path]:
+    found = {f"autoshard.passes.{p.stem}": p for p in (REPO / "passes").glob("*.py")}
+    for path in (REPO / "autoshard").rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found[name.removesuffix(".__init__") if name != "autoshard.__init__" else "autoshard.__init__"] = path
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("autoshard"):
+            if node.module == "autoshard":
+                found |= {f"autoshard.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("autoshard")}
+    return found
+
+
+def test_every_import_goes_to_the_same_layer_or_one_below():
+    modules = _modules()
+    upward = []
+    for name, path in sorted(modules.items()):
+        here = ORDER.index(_layer(name))
+        for target in sorted(_imports(path)):
+            if target in ("autoshard", "autoshard.__init__") and name == "autoshard.__init__":
+                continue
+            there = ORDER.index(_layer(target))
+            if there > here:
+                upward.append(f"{name} ({ORDER[here]}) imports {target} ({ORDER[there]})")
+    assert not upward, "imports that reach up a layer:\n" + "\n".join(upward)
+
+
+def test_the_layers_name_every_module():
+    for name in _modules():
+        _layer(name)
