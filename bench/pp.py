@@ -189,7 +189,7 @@ NOTES = [
     "/ span; *measured* is the mean over ranks (the same definition as the simulator's 1 - compute / (p · "
     "makespan)), median over steps. Sends, receives and the executor's own work between actions count as bubble; "
     "*of which waiting in receives* is the share of p · span spent in blocking receives. The simulated column is "
-    "`autoshard.runtime.schedules.simulate` of the same action lists with unit costs.",
+    "`autoshard.schedules.simulate` of the same action lists with unit costs.",
     "- *peak MiB*: one extra (untimed) step per runner under `torch.autograd.graph.saved_tensors_hooks` that keep "
     "a running sum of the bytes of tensors saved for backward (each storage once, parameters excluded; a stage's "
     "received activation counts when an op saves it), released when autograd frees them; the peak per rank. "

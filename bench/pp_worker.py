@@ -38,8 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import autoshard
-from autoshard import meta
-from autoshard.runtime import schedules
+from autoshard import meta, schedules
 
 from models import build_gpt_model, token_data, token_loss
 

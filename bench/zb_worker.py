@@ -35,8 +35,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 import autoshard
-from autoshard import meta
-from autoshard.runtime import schedules
+from autoshard import meta, schedules
 
 LR = 1e-3
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
