@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 8
 
-.PHONY: setup demo test test-quick test-full bench lint mutate corpus clean
+.PHONY: setup demo test test-quick test-full bench gpu-check lint mutate corpus clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test-full: setup
 
 bench: setup
 	$(PY) bench/run.py && $(PY) bench/collect.py
+
+# On a machine with one GPU (a CUDA build of torch): one-rank goldens, every axis's goldens on two ranks sharing the
+# GPU, and an HF Llama step's tokens/s and MFU, into bench/results_gpu.md. GPU_CHECK_ARGS=--dry-run runs it on the CPU.
+gpu-check: setup
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Seeded one-line bugs, each against the tests that must catch it, in a copy of HEAD (tests/mutations.py).
 mutate: setup
