@@ -23,7 +23,7 @@ from autoshard import meta
 from autoshard.capture import Captured
 from autoshard.passes.axis import Outputs
 from autoshard.passes.batch_norm import batch_norm_pass
-from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass
+from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass, insert_splits
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import propagate
@@ -98,19 +98,27 @@ class Sharding:
 
 def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None) -> RankProgram:
     """The program of one rank: a copy of the captured graph, sharded for its tp and cp coordinates."""
-    gm = prepare(captured)
+    gm = prepare(captured, _splits(sharding))
     _shard(gm, sharding, store)
     return RankProgram(gm, getattr(captured.gm, "_out_spec", None))
 
 
-def prepare(captured: Captured) -> fx.GraphModule:
-    """A copy of the captured graph with flat inputs and outputs, sharing the captured parameters."""
+def prepare(captured: Captured, splits: dict[str, int] | None = None) -> fx.GraphModule:
+    """A copy of the captured graph with flat inputs and outputs, sharing the captured parameters; with ``splits``
+    (node name -> dim), cp's split marked after each of those nodes (a sequence that starts inside the graph).
+    The captured graph itself is never edited."""
     with warnings.catch_warnings():  # copying export's pytree specs warns about a deprecated check in torch
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(captured.gm.graph)
     gm = fx.GraphModule(captured.gm, graph)
+    if splits:
+        insert_splits(gm, splits)
     _strip_export_wrappers(gm)
     return gm
+
+
+def _splits(sharding: Sharding) -> dict[str, int] | None:
+    return sharding.cp_plan.values if sharding.cp_plan is not None else None
 
 
 def build_stages(
@@ -126,7 +134,7 @@ def build_stages(
     """Every stage of the pipeline (to know what crosses each cut, at global shapes), the programs of this
     rank's stages, and what each of them receives and sends at the shapes this rank holds. Under ``autocast``
     (the programs run under autocast to that dtype) what crosses a cut has the dtype autocast gives it."""
-    whole = prepare(captured)
+    whole = prepare(captured, _splits(sharding))
     stages = split_pipeline(whole, stage_of, num_stages)
     dtypes = autocast_dtypes(whole, autocast) if autocast is not None else {}
     for stage in stages:

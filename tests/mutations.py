@@ -190,7 +190,7 @@ MUTANTS = (
            "and not conflicts and _seeds_divide(prop, state)", "and not conflicts",
            "a bias table of 2 heads is column-split over tp=4 and the first step fails inside autoshard",
            (f"{WRITES}test_a_table_the_degree_does_not_divide_is_not_split_by_it",)),
-    Mutant("batch-norm-stats-per-microbatch-unsaid", "autoshard/compile.py",
+    Mutant("batch-norm-stats-per-microbatch-unsaid", "autoshard/job_plan.py",
            "    if parts:\n        raise ValueError(", "    if False:\n        raise ValueError(",
            "BatchNorm in training normalises with each microbatch's statistics without a word",
            (f"{WRITES}test_batch_norm_in_training_is_refused_where_a_microbatch_sees_part_of_the_batch[pp2-m2]",)),

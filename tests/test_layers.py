@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = {
     "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice"),
     "passes": ("passes", "plan"),  # plan: the tp plan, made by passes.tensor_parallel
-    "compile": ("capture", "codegen", "compile", "explain", "dot"),
+    "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot"),
     "runtime": ("runtime",),
     "api": ("api", "verify", "inspect_cli", "cli", "planner", "__init__"),
 }

@@ -242,6 +242,7 @@ def test_sums_that_feed_attention_stay_all_reduced_and_only_the_residual_streams
     from corpus.architectures import build
 
     from autoshard.compile import capture_for_training, compile_rank
+    from autoshard.job_plan import plan_job
     from autoshard.mesh import Mesh
     from autoshard.options import CompileOptions
     from autoshard.passes.sequence_parallel import ReduceScatterToSequence
@@ -251,7 +252,8 @@ def test_sums_that_feed_attention_stay_all_reduced_and_only_the_residual_streams
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         captured = capture_for_training(case.model, case.inputs, case.target, case.loss_fn)
-        gm = compile_rank(captured, Mesh(**degrees), {"tp": 0}, CompileOptions(**options)).programs[0].gm
+        gm = compile_rank(captured, plan_job(captured, Mesh(**degrees), CompileOptions(**options)), {"tp": 0}
+                          ).programs[0].gm
     scatters = [n for n in gm.graph.nodes if n.op == "call_module"
                 and isinstance(gm.get_submodule(n.target), ReduceScatterToSequence)]
     assert len(scatters) == 1, gm.code

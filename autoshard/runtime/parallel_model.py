@@ -26,6 +26,7 @@ from torch import fx, nn
 from autoshard import batching, codegen
 from autoshard.capture import capture, shapes_of
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
+from autoshard.job_plan import plan_job
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
@@ -93,6 +94,14 @@ class ParallelModel(nn.Module):
     def plan(self):
         """The tensor-parallel plan (None at tp=1 or before the first capture)."""
         return self.builds[0].tp_plan if self.builds else self.options.tp_plan
+
+    @property
+    def job_plan(self):
+        """The job's decisions (``job_plan.JobPlan``) from the first capture, the same on every rank: it prints and
+        round-trips through JSON, so a running job can be compared with ``autoshard inspect``'s."""
+        if not self.builds:
+            raise ValueError("nothing is captured yet: run step() or pass target=... to autoshard.parallelize")
+        return self.builds[0].plan
 
     @property
     def rank(self) -> int:
@@ -214,11 +223,12 @@ class ParallelModel(nn.Module):
 
     def _compile(self, key: tuple, captured) -> RankBuild:
         """This rank's build of ``captured``; its warnings are said by one rank of each pipeline stage only."""
-        like = self.builds[0] if self._builds else None
+        earlier = self.builds[0].plan if self._builds else None
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            build = compile_rank(captured, self.mesh, dict(self.groups.coords) if self.groups else {}, self.options,
-                                 like=like, groups=self.groups, store=self.store)
+            plan = plan_job(captured, self.mesh, self.options, earlier=earlier)
+            build = compile_rank(captured, plan, dict(self.groups.coords) if self.groups else {}, groups=self.groups,
+                                 store=self.store)
         if all(self.coord(axis) == 0 for axis in ("dp", "tp", "cp")):
             for w in said:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -14,6 +14,7 @@ import warnings
 
 from autoshard import batching
 from autoshard.compile import capture_for_training, compile_rank
+from autoshard.job_plan import plan_job
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 
@@ -32,10 +33,9 @@ def fingerprint(model, inputs: tuple, target, loss_fn, degrees: dict, options: d
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
-            first = None
+            plan = plan_job(captured, mesh, compile_options)
             for pp, tp, cp in itertools.product(range(mesh.pp), range(mesh.tp), range(mesh.cp)):
-                build = compile_rank(captured, mesh, {"pp": pp, "tp": tp, "cp": cp}, compile_options, like=first)
-                first = first or build
+                build = compile_rank(captured, plan, {"pp": pp, "tp": tp, "cp": cp})
                 digest = hashlib.sha256()
                 for stage, program in sorted(build.programs.items()):
                     programs += 1

@@ -15,6 +15,7 @@ import warnings
 
 from autoshard import batching
 from autoshard.compile import capture_for_training, compile_rank
+from autoshard.job_plan import plan_job
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import dropped_writes, lost_writes, written_arguments
@@ -34,12 +35,12 @@ def sweep(model, inputs: tuple, target, loss_fn, degrees: dict, options: dict) -
             warnings.simplefilter("ignore")
             captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
             writers = sum(1 for node in captured.gm.graph.nodes if written_arguments(node))
-            lost, programs, first = [], 0, None
+            lost, programs = [], 0
+            plan = plan_job(captured, mesh, compile_options)
             for tp, cp in itertools.product(range(mesh.tp), range(mesh.cp)):
                 pipeline = []  # every stage of the pipeline of these tp and cp coordinates
                 for pp in range(mesh.pp):
-                    build = compile_rank(captured, mesh, {"pp": pp, "tp": tp, "cp": cp}, compile_options, like=first)
-                    first = first or build
+                    build = compile_rank(captured, plan, {"pp": pp, "tp": tp, "cp": cp})
                     for stage, program in build.programs.items():
                         programs += 1
                         pipeline.append(program.gm)

@@ -1,0 +1,316 @@
+"""The job plan: what the compiler decides for a whole job, made once and read by every rank's build.
+
+A ``JobPlan`` holds, for one capture of the model, the decisions every rank shares: the tensor-parallel plan,
+where context parallelism splits the sequence, where sequence parallelism does (``None`` when it is off:
+``sequence_parallel="auto"`` is settled here and nowhere else), where the pipeline is cut, which weights are
+spread over the pp ranks, whether BatchNorm sums its statistics over dp, and the notes a person should read.
+Each rank's build is then a pure function of (capture, plan, coordinates): ``compile.compile_rank``.
+
+A later capture of the same model (another input shape, inference) is planned from the first one's plan
+(``earlier``): the same tp plan, cuts and spread weights, so every capture places every parameter on the same
+rank; its cp plan is the first one's when its sequence is as long, else its own.
+
+A plan prints, and round-trips through JSON (``to_json``, ``from_json``), so ``autoshard inspect`` and a running
+job can be compared by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard import codegen, meta, schedules, spread_choice
+from autoshard.capture import Captured
+from autoshard.mesh import Mesh
+from autoshard.options import CompileOptions
+from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
+from autoshard.passes.partition import Partition, partition
+from autoshard.passes.pipeline_split import split_pipeline
+from autoshard.passes.placements import Shard
+from autoshard.passes.sequence_parallel import SequenceParallelError
+from autoshard.passes.tensor_parallel import plan_tensor_parallel
+from autoshard.plan import TensorParallelPlan
+
+aten = torch.ops.aten
+
+
+@dataclass
+class JobPlan:
+    """The decisions of a whole job for one capture (see the module docstring)."""
+
+    mesh: Mesh
+    options: CompileOptions
+    tp_plan: TensorParallelPlan | None = None
+    cp_plan: ContextParallelPlan | None = None
+    sp_plan: ContextParallelPlan | None = None  # where sequence parallelism splits the sequence over tp
+    cut_after: tuple[str, ...] | None = None  # under pp: the last activation of every stage but the last
+    spread: tuple[str, ...] = ()  # weights stored in rows over the pp ranks, gathered for each step
+    batch_norm_sync: bool = False  # BatchNorm in training mode sums its statistics over the dp ranks
+    notes: list[str] = field(default_factory=list)
+    partition: Partition | None = field(default=None, compare=False, repr=False)  # the cuts' costs (not in JSON)
+
+    @property
+    def splits(self) -> dict[str, int]:
+        """Nodes after which cp's split starts inside the graph (an image's patch tokens), by name -> dim."""
+        return dict(self.cp_plan.values) if self.cp_plan is not None else {}
+
+    def to_json(self) -> str:
+        options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        options["timeout"] = options["timeout"].total_seconds()
+        options["tp_plan"] = options["tp_plan"] is not None  # the plan given is the tp plan below
+        options = {k: (str(v) if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v)
+                   for k, v in options.items()}
+        return json.dumps({
+            "mesh": dataclasses.asdict(self.mesh), "options": options,
+            "tp_plan": json.loads(self.tp_plan.to_json()) if self.tp_plan is not None else None,
+            "cp_plan": dataclasses.asdict(self.cp_plan) if self.cp_plan is not None else None,
+            "sp_plan": dataclasses.asdict(self.sp_plan) if self.sp_plan is not None else None,
+            "cut_after": list(self.cut_after) if self.cut_after is not None else None,
+            "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "notes": self.notes,
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobPlan:
+        data = json.loads(text)
+        tp_plan = TensorParallelPlan.from_json(json.dumps(data["tp_plan"])) if data["tp_plan"] else None
+        options = dict(data["options"], timeout=datetime.timedelta(seconds=data["options"]["timeout"]))
+        options["tp_plan"] = tp_plan if options["tp_plan"] else None
+
+        def cp(d):
+            return ContextParallelPlan(**d) if d is not None else None
+
+        return cls(Mesh(**data["mesh"]), CompileOptions(**options), tp_plan=tp_plan, cp_plan=cp(data["cp_plan"]),
+                   sp_plan=cp(data["sp_plan"]),
+                   cut_after=tuple(data["cut_after"]) if data["cut_after"] is not None else None,
+                   spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"], notes=list(data["notes"]))
+
+    def __str__(self) -> str:
+        lines = [f"job plan for {self.mesh}:"]
+        if self.tp_plan is not None:
+            split = sum(isinstance(p.placement, Shard) for p in self.tp_plan.params.values())
+            lines.append(f"  tp: {split} of {len(self.tp_plan.params)} parameters split over {self.tp_plan.size} ranks")
+        if self.cp_plan is not None:
+            lines.append(f"  cp: the sequence of {self.cp_plan.seq_len} over {self.cp_plan.size} ranks, "
+                         f"{self.cp_plan.attention} attention{', load-balanced' if self.cp_plan.load_balance else ''}")
+        if self.sp_plan is not None:
+            lines.append(f"  sp: the sequence of {self.sp_plan.seq_len} split over tp between its regions")
+        if self.cut_after is not None:
+            lines.append(f"  pp: cuts after {', '.join(self.cut_after)}")
+        if self.spread:
+            lines.append(f"  spread over pp: {', '.join(self.spread)}")
+        if self.batch_norm_sync:
+            lines.append("  BatchNorm statistics summed over dp")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier: JobPlan | None = None) -> JobPlan:
+    """The decisions for ``captured`` on ``mesh``, or for a later capture of the same model like ``earlier``.
+
+    Refusals (BatchNorm where no rank sees the batch, a sequence that cannot split, ...) are raised here, alike on
+    every rank and before any collective. Notes are made for the first capture only."""
+    notes: list[str] = []
+    plan = JobPlan(mesh, options, batch_norm_sync=check_batch_norm(captured, mesh, options, notes))
+    plan.tp_plan = earlier.tp_plan if earlier is not None else _tp_plan(captured, mesh, options, notes)
+    plan.cp_plan = _cp_plan(captured, mesh, options, earlier.cp_plan if earlier is not None else None)
+    if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
+        notes.append(plan.cp_plan.note)
+    plan.sp_plan = _sp_plan(captured, plan, notes)
+    if mesh.pp > 1:
+        _pipeline(captured, plan, earlier)
+    if plan.sp_plan is not None and options.sequence_parallel == "auto":
+        _settle_sequence_parallel(captured, plan, notes)
+    plan.notes = notes if earlier is None else []  # said once, for the first capture
+    return plan
+
+
+def tp_local_shape(captured: Captured, tp_plan: TensorParallelPlan | None, tp: int, name: str) -> tuple[int, ...]:
+    """The shape of parameter ``name``'s tp shard (padded up to a multiple of tp, as the tp pass pads it)."""
+    placement = tp_plan.params[name].placement if tp_plan is not None and name in tp_plan.params else None
+    shape = list(captured.gm.get_parameter(name).shape)
+    if isinstance(placement, Shard) and tp > 1:
+        shape[placement.dim] = -(-shape[placement.dim] // tp)
+    return tuple(shape)
+
+
+def spread_bytes(captured: Captured, plan: JobPlan, holders: dict[str, frozenset[int]]) -> dict[str, int]:
+    """The bytes of each held parameter on one rank (its tp shard)."""
+    return {name: math.prod(tp_local_shape(captured, plan.tp_plan, plan.mesh.tp, name))
+            * captured.gm.get_parameter(name).element_size() for name in holders}
+
+
+def holders_of(stages: list, plan: JobPlan) -> dict[str, frozenset[int]]:
+    """Each parameter the stages read -> the pp ranks whose stages read it."""
+    placement = schedules.placement_of(plan.options.schedule)
+    holders: dict[str, set[int]] = {}
+    for stage in stages:
+        for name in stage.parameters:
+            holders.setdefault(name, set()).add(schedules.rank_of(stage.index, plan.mesh.pp, placement))
+    return {name: frozenset(ranks) for name, ranks in holders.items()}
+
+
+# ------------------------------------------------------------------------------------------ the decisions
+
+
+def _tp_plan(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> TensorParallelPlan | None:
+    if mesh.tp == 1:
+        return None
+    plan = options.tp_plan or plan_tensor_parallel(captured.gm, mesh.tp, indivisible=options.tp_indivisible)
+    if all(not isinstance(p.placement, Shard) for p in plan.params.values()):
+        notes.append(f"no block to split over tp={mesh.tp} was found (no column -> row pattern, no vocab-parallel "
+                     "embedding): the tp ranks run the model replicated")
+    else:
+        notes.extend(_replicated_weights(captured, plan, mesh.tp))
+    return plan
+
+
+def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, share: float = 0.01) -> list[str]:
+    """A note naming every matrix (or stack of expert matrices) of more than ``share`` of the parameters that tp left
+    replicated: each tp rank holds it whole, which is the memory tp exists to save."""
+    params = dict(captured.gm.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    found = [(name, p.numel() / total) for name, p in params.items()
+             if p.dim() >= 2 and p.numel() > share * total and plan.params.get(name) is not None
+             and plan.params[name].role == "replicated"]
+    if not found:
+        return []
+    found.sort(key=lambda item: -item[1])
+    named = "; ".join(f"{captured.names.get(name, [name])[0]} ({part:.1%}): {plan.params[name].reason}"
+                      for name, part in found[:4])
+    more = f"; and {len(found) - 4} more" if len(found) > 4 else ""
+    return [f"{len(found)} weight(s) holding {sum(part for _, part in found):.0%} of the parameters stay replicated "
+            f"under tp={tp} (every tp rank holds them whole): {named}{more}"]
+
+
+def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
+             earlier: ContextParallelPlan | None) -> ContextParallelPlan | None:
+    """The first capture's cp plan when this capture's sequence is as long, else a plan of its own."""
+    if mesh.cp == 1:
+        return None
+    if earlier is not None:
+        names = [n.target for n in captured.gm.graph.nodes if n.op == "placeholder"]
+        present = [(name, dim) for name, dim in earlier.inputs.items() if name in names]
+        if all(captured.input_shapes[names.index(name)][dim] == earlier.seq_len for name, dim in present):
+            return earlier  # the same sequence length (an inference capture, whose inputs are named otherwise, too)
+    plan = plan_context_parallel(captured.gm, mesh.cp, load_balance=options.cp_load_balance,
+                                 attention=options.cp_attention, tp=mesh.tp)
+    if not plan.even and mesh.pp > 1:
+        raise ContextParallelError(
+            f"the sequence of {plan.seq_len} tokens does not split evenly over cp={mesh.cp} "
+            f"({plan.parts} chunks), and pipeline stages need every cp rank to hand on as many tokens: with pp > 1 "
+            f"use a cp degree that divides {plan.seq_len} (or pad the sequence)")
+    return plan
+
+
+def _sp_plan(captured: Captured, plan: JobPlan, notes: list[str]) -> ContextParallelPlan | None:
+    """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it, on the graph
+    with cp's splits in it). Under ``"auto"``, none where it does not apply, with a note saying why."""
+    mesh, options = plan.mesh, plan.options
+    if not options.sequence_parallel or mesh.tp == 1:
+        return None
+    gm = codegen.prepare(captured, plan.splits) if plan.splits else captured.gm
+    try:
+        return _sequence(gm, mesh)
+    except SequenceParallelError as e:
+        if options.sequence_parallel != "auto":
+            raise
+        notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        return None
+
+
+def _sequence(gm, mesh: Mesh) -> ContextParallelPlan:
+    try:
+        plan = plan_context_parallel(gm, mesh.tp, attention="gather")
+    except ContextParallelError as e:
+        raise SequenceParallelError(f"sequence parallelism splits the sequence over tp and could not find it: {e}; "
+                                    "use sequence_parallel=False") from e
+    if mesh.cp > 1 and plan.seq_len % (mesh.cp * mesh.tp):
+        raise SequenceParallelError(
+            f"under context parallelism, sequence parallelism splits each cp rank's tokens over tp: the sequence of "
+            f"{plan.seq_len} tokens must divide by cp x tp = {mesh.cp * mesh.tp}: pad it to a multiple, or use "
+            "sequence_parallel=False")
+    return plan
+
+
+def _pipeline(captured: Captured, plan: JobPlan, earlier: JobPlan | None) -> None:
+    """The cuts (the first capture's, repeated on a later one) and the weights spread over the pp ranks."""
+    options = plan.options
+    gm = codegen.prepare(captured, plan.splits)
+    stages = plan.mesh.pp * options.chunks
+    if earlier is None:
+        plan.partition = partition(gm, stages, starts=options.pipeline_starts, balance=options.pipeline_balance,
+                                   v_shape=schedules.placement_of(options.schedule) == "v")
+    else:
+        plan.partition = partition(gm, stages, cut_after=earlier.cut_after)
+    plan.cut_after = plan.partition.cut_after
+    if earlier is not None:
+        plan.spread = earlier.spread
+    elif options.data_parallel != "fsdp":  # FSDP2 shards them over dp x cp already
+        holders = holders_of(split_pipeline(gm, plan.partition.stage_of, stages), plan)
+        rows = {name: (tp_local_shape(captured, plan.tp_plan, plan.mesh.tp, name) or (0,))[0] for name in holders}
+        plan.spread = spread_choice.choose(holders, spread_bytes(captured, plan, holders), rows, plan.mesh.pp,
+                                           balance=options.pipeline_balance != "time")
+
+
+def _settle_sequence_parallel(captured: Captured, plan: JobPlan, notes: list[str]) -> None:
+    """Under ``"auto"``: build every stage of tp rank 0 once; where sequence parallelism finds that it cannot split
+    the sharded graph (a split value the model detaches, ...), the plan leaves it off, with a note."""
+    sharding = codegen.Sharding(tp_plan=plan.tp_plan, cp_plan=plan.cp_plan, sp_plan=plan.sp_plan,
+                                training=captured.with_loss)
+    try:
+        if plan.mesh.pp == 1:
+            codegen.build(captured, sharding)
+        else:
+            stages = plan.mesh.pp * plan.options.chunks
+            codegen.build_stages(captured, sharding, plan.partition.stage_of, stages, list(range(stages)))
+    except SequenceParallelError as e:
+        notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        plan.sp_plan = None
+
+
+_BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5,
+                aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
+
+
+def check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:
+    """A BatchNorm in training mode normalises with the statistics of the batch it sees. Under dp with
+    ``batch_norm="unsharded"`` they are computed over the dp group (``passes.batch_norm``: whether to, returned).
+    Where a microbatch or a cp or sp rank sees part of the batch no rank can compute them: refused before any
+    collective, naming the layers and what works, or said once (``"local"``)."""
+    found = [n for n in captured.gm.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORMS
+             and len(n.args) > _BATCH_NORMS[n.target] and n.args[_BATCH_NORMS[n.target]] is True]
+    layers = sorted({meta.module_path(n).removeprefix("model.") or n.name for n in found})
+    syncs = options.batch_norm == "unsharded" and all(n.target is aten.batch_norm.default for n in found)
+    parts = [why for why, on in (
+        (f"dp={mesh.dp} gives each rank 1/{mesh.dp} of the batch", mesh.dp > 1 and not syncs),
+        (f"cp={mesh.cp} gives each rank 1/{mesh.cp} of the sequence", mesh.cp > 1),
+        (f"microbatches={options.microbatches} normalise each microbatch alone (a microbatch cannot pass the "
+         "layer before every microbatch of the step has reached it)", options.microbatches > 1),
+        (f"sequence parallelism gives each tp rank 1/{mesh.tp} of the tokens",
+         mesh.tp > 1 and options.sequence_parallel is True),
+    ) if on]
+    if not layers:
+        return False
+    shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+    if options.batch_norm == "local":
+        if parts:
+            notes.append(f"BatchNorm in training mode ({shown}) keeps each rank's and each microbatch's own "
+                         f"statistics (batch_norm='local'): {'; '.join(parts)}, so it normalises otherwise than the "
+                         "model run whole")
+        return False
+    if parts:
+        raise ValueError(
+            f"BatchNorm in training mode ({shown}) normalises with the statistics of the batch it sees, and here "
+            f"{'; '.join(parts)}: the training would differ from the model run whole. Run it with cp=1 and one "
+            "microbatch (dp sums the statistics over its ranks; tp and pp keep the whole batch), put the BatchNorm "
+            "layers in eval mode, or pass batch_norm='local' to keep each rank's own statistics as DDP does")
+    if mesh.dp > 1:
+        notes.append(f"BatchNorm in training mode ({shown}) computes the whole batch's statistics over the "
+                     f"{mesh.dp} dp ranks (one all-gather of each layer's per-channel statistics, as SyncBatchNorm)")
+        return True
+    return False
