@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from golden import PatchViT
-from models import build
-
 from autoshard.compile import RankBuild, capture_for_training, compile_rank
 from autoshard.job_plan import JobPlan, plan_job
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.sequence_parallel import ReduceScatterToSequence, SequenceParallelError
+
+from golden import PatchViT
+from models import build
 
 
 def _vit(class_token: bool = False):
