@@ -3,7 +3,7 @@
 torch.export in non-strict mode is the route: it runs the model's own Python, so HuggingFace models
 and models built on the ``meta`` device capture exactly, and its training IR keeps the ops the
 passes look for (``aten.linear``, ``aten.embedding``, ``aten.scaled_dot_product_attention``,
-``aten.cross_entropy_loss``). Every node of the result carries ``meta["val"]`` (a fake tensor with
+``aten.cross_entropy_loss``). Every node of the result carries ``meta["val"]`` (``meta.VAL``) (a fake tensor with
 shape and dtype) and ``meta["nn_module_stack"]`` (the modules it came from); parameters keep their
 fully qualified names, prefixed by ``model.`` (the attribute of the capture wrapper).
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autoshard import meta
 from autoshard.passes.causal_mask import causal_attention_pass
 
 MODEL_PREFIX = "model."
@@ -173,7 +174,7 @@ def _inline_no_grad(gm: fx.GraphModule) -> None:
         env: dict[fx.Node, object] = {}
         with gm.graph.inserting_before(node):
             for place, value in zip(places, node.args[2:], strict=True):
-                if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+                if isinstance(value, fx.Node) and isinstance(meta.val(value), torch.Tensor):
                     detached = gm.graph.call_function(torch.ops.aten.detach.default, (value,))
                     detached.meta.update(value.meta)
                     value = detached

@@ -163,12 +163,12 @@ def autocast_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.d
 
     copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [mode.from_tensor(n.meta["val"]) for n in copied.graph.nodes if n.op == "placeholder"]
-    device = next((v.device.type for v in (n.meta.get("val") for n in gm.graph.nodes)
+    inputs = [mode.from_tensor(meta.val(n)) for n in copied.graph.nodes if n.op == "placeholder"]
+    device = next((v.device.type for v in (meta.val(n) for n in gm.graph.nodes)
                    if isinstance(v, torch.Tensor)), "cpu")
     with torch.autocast(device, dtype=dtype):
         FakeTensorProp(copied, mode).propagate(*inputs)
-    return {n.name: n.meta["val"].dtype for n in copied.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    return {n.name: meta.val(n).dtype for n in copied.graph.nodes if isinstance(meta.val(n), torch.Tensor)}
 
 
 def _with_dtypes(specs: list[TensorSpec], names: list[str], dtypes: dict[str, torch.dtype]) -> list[TensorSpec]:
@@ -205,7 +205,7 @@ def _with_received(plan: ContextParallelPlan, whole: fx.GraphModule, stage: Stag
 
 def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
     """Local shapes, in the memory order the whole graph's values have (the same on sender and receiver)."""
-    return [TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype, spec.order)
+    return [TensorSpec(tuple(meta.val(n).shape), meta.val(n).dtype, spec.order)
             for n, spec in zip(nodes, whole, strict=True)]
 
 

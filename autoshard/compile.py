@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autoshard import batching, codegen, schedules, spread_choice
+from autoshard import batching, codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured, capture
 from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, tp_local_shape
 from autoshard.mesh import Mesh, MeshGroups
@@ -265,7 +265,7 @@ def _check_loss_trains(captured: Captured, model: nn.Module) -> None:
 
 
 def _leading_dim(node: fx.Node) -> int | None:
-    val = node.meta.get("val")
+    val = meta.val(node)
     return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
 
 
@@ -275,8 +275,8 @@ def _broadcast_over_batch(redistribution) -> bool:
     value = redistribution.value
     if redistribution.src != R or redistribution.dst != Shard(0) or value.target is not torch.ops.aten.expand.default:
         return False
-    source = value.args[0].meta.get("val")
-    target = value.meta.get("val")
+    source = meta.val(value.args[0])
+    target = meta.val(value)
     return isinstance(source, torch.Tensor) and (source.dim() < target.dim() or source.shape[0] == 1)
 
 

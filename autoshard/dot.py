@@ -84,7 +84,7 @@ def axis_of(node: fx.Node) -> str:
 
 
 def _label(gm: fx.GraphModule, node: fx.Node) -> list[str]:
-    return [line for line in (node.name, _op(gm, node), _shape(node.meta.get("val"))) if line]
+    return [line for line in (node.name, _op(gm, node), _shape(meta.val(node))) if line]
 
 
 def _op(gm: fx.GraphModule, node: fx.Node) -> str:

@@ -289,7 +289,7 @@ def collectives(gm) -> dict[tuple[str, str, str, str], tuple[int, int]]:
         module = _collective(gm, node)
         if module is None:
             continue
-        arg = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
+        arg = meta.val(node.args[0]) if node.args and hasattr(node.args[0], "meta") else None
         shape = list(arg.shape) if arg is not None else []
         forward, backward = module.comm_bytes(shape, arg.element_size() if arg is not None else 4)
         axis, op = node.meta.get(meta.AXIS, "tp"), type(module).__name__

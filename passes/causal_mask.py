@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard import meta
 from autoshard.passes.writes import writers
 
 aten = torch.ops.aten
@@ -41,7 +42,7 @@ def causal_attention_pass(gm: fx.GraphModule) -> int:
         mask = args.get("attn_mask")
         if not isinstance(mask, fx.Node) or args.get("is_causal"):
             continue
-        q, k = args["query"].meta.get("val"), args["key"].meta.get("val")
+        q, k = meta.val(args["query"]), meta.val(args["key"])
         if q is None or k is None or q.shape[-2] != k.shape[-2]:
             continue
         value = _constant(gm, mask, values)
@@ -94,8 +95,8 @@ def _constant(gm: fx.GraphModule, node: fx.Node, values: dict) -> torch.Tensor |
     missing = []
 
     def value_of(a, shape_only: bool = False):
-        if shape_only and isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-            val = a.meta["val"]
+        if shape_only and isinstance(a, fx.Node) and isinstance(meta.val(a), torch.Tensor):
+            val = meta.val(a)
             return torch.zeros(val.shape, dtype=val.dtype)
         got = _constant(gm, a, values)
         if got is None:

@@ -195,7 +195,7 @@ def remove_splits(gm: fx.GraphModule, markers: list[fx.Node]) -> None:
 def _sequence_of(gm: fx.GraphModule, values: dict[str, int]) -> int:
     nodes = {n.name: n for n in gm.graph.nodes}
     name, dim = next(iter(values.items()))
-    return nodes[name].meta["val"].shape[dim]
+    return meta.val(nodes[name]).shape[dim]
 
 
 def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, int]:
@@ -207,11 +207,11 @@ def _inner_split(gm: fx.GraphModule, size: int, tries: int = 12) -> dict[str, in
     from autoshard.passes.loss import ancestors
 
     q = attention.args[0]
-    length = q.meta["val"].shape[-2]
+    length = meta.val(q).shape[-2]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     found = []
     for node in ancestors(q):
-        val = node.meta.get("val")
+        val = meta.val(node)
         if (node.op == "call_function" and node.target is not split_sequence and isinstance(val, torch.Tensor)
                 and val.is_floating_point() and val.dim() >= 3):
             found += [(order[node], node, d) for d in range(1, val.dim()) if val.shape[d] == length]
@@ -231,7 +231,7 @@ def _check_heads(gm: fx.GraphModule, size: int, tp: int) -> None:
     for node in gm.graph.nodes:
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
-        counts = {t.meta["val"].shape[-3] for t in node.args[:3] if t.meta["val"].dim() >= 3}
+        counts = {meta.val(t).shape[-3] for t in node.args[:3] if meta.val(t).dim() >= 3}
         bad = [c for c in counts if c % (tp * size)]
         if bad:
             works = [c for c in range(1, min(counts) + 1) if all(h % (tp * c) == 0 for h in counts)]
@@ -270,9 +270,9 @@ def _token_split(gm: fx.GraphModule, placeholders: list[fx.Node], size: int) -> 
     stops = ""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in placeholders:
-        if node.meta["val"].is_floating_point():
+        if meta.val(node).is_floating_point():
             continue
-        prop = propagate(gm, {node.target: Shard(1)}, _finding(size, node.meta["val"].shape[1]),
+        prop = propagate(gm, {node.target: Shard(1)}, _finding(size, meta.val(node).shape[1]),
                          outputs=Outputs.PARTIAL)
         whole = [n for n, d in prop.decisions.items() if d.fallback and n.op == "call_function"
                  and not n.name.startswith("_guards")]
@@ -316,13 +316,13 @@ def check_divisible(plan: ContextParallelPlan) -> None:
 
 
 def _ndim(node: fx.Node) -> int:
-    val = node.meta.get("val")
+    val = meta.val(node)
     return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 def _shape(gm: fx.GraphModule, name: str) -> tuple[int, ...]:
     node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name)
-    return tuple(node.meta["val"].shape)
+    return tuple(meta.val(node).shape)
 
 
 # ---------------------------------------------------------------------------------------------- applying
@@ -356,7 +356,7 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     no rewrite); with ring attention, the ring module replaces the op.
     """
     q = node.args[0]
-    if rw.placement(q) != Shard(len(q.meta["val"].shape) - 2):
+    if rw.placement(q) != Shard(len(meta.val(q).shape) - 2):
         return
     causal = arg(node, "is_causal")
     if plan.attention == "ring":
@@ -411,7 +411,7 @@ def _all_to_all(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan)
     and all-to-all the output back. A mask's query rows are gathered and its heads (if it has its own) cut to this
     rank's."""
     q, k, v = node.args[:3]
-    seq = q.meta["val"].dim() - 2
+    seq = meta.val(q).dim() - 2
     layout = [plan.positions(r) for r in range(plan.size)]
     exchange = {"heads": seq - 1, "seq": seq, "layout": layout, **rw.collective_args}
     args = list(node.args)
@@ -419,12 +419,12 @@ def _all_to_all(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan)
         args[i] = rw.module(SequenceToHeads(**exchange), (t,), before=node, like=t)
     mask = arg(node, "attn_mask")
     if isinstance(mask, fx.Node):
-        shift = seq + 2 - mask.meta["val"].dim()  # broadcast: the mask lines up with q's trailing dims
-        if seq - shift >= 0 and mask.meta["val"].shape[seq - shift] != 1:
+        shift = seq + 2 - meta.val(mask).dim()  # broadcast: the mask lines up with q's trailing dims
+        if seq - shift >= 0 and meta.val(mask).shape[seq - shift] != 1:
             # the attention rule gave it this rank's query rows (see _mask_rows): the whole sequence's, in order
             mask = rw.module(SequenceGather(dim=seq - shift, blocks=None, layout=layout, **rw.collective_args),
                              (mask,), before=node, like=mask)
-        if seq - 1 - shift >= 0 and mask.meta["val"].shape[seq - 1 - shift] != 1:
+        if seq - 1 - shift >= 0 and meta.val(mask).shape[seq - 1 - shift] != 1:
             mask = rw.module(_HeadPart(dim=seq - 1 - shift, **rw.collective_args), (mask,), before=node, like=mask)
         if len(args) > 3:
             args[3] = mask
@@ -452,7 +452,7 @@ def _check_whole_sequences(plan: ContextParallelPlan, node: fx.Node, placement: 
     """A value gathered or scattered on the cp axis holds whole sequences along its split dim (in each block, the
     sequence outermost: a reshape of (tokens, heads) into one dim); else the split is refused here, at compile
     time, naming the model's line (at run time it would fail inside the collective)."""
-    val = node.meta.get("val")
+    val = meta.val(node)
     sizes = list(placement.blocks) if placement.blocks is not None else (
         [val.shape[placement.dim]] if isinstance(val, torch.Tensor) else [plan.seq_len])
     if any(size % plan.seq_len for size in sizes):

@@ -68,7 +68,7 @@ class Rewriter:
         return self.prop.placements.get(node, self.prop.placements.get(self._original.get(node), R))
 
     def local_shape(self, node: fx.Node) -> tuple[int, ...]:
-        return self.shape_of(tuple(node.meta["val"].shape), self.placement(node))
+        return self.shape_of(tuple(meta.val(node).shape), self.placement(node))
 
     def shape_of(self, shape: tuple[int, ...], placement) -> tuple[int, ...]:
         """The shape this rank holds of a value of global ``shape`` under ``placement``."""
@@ -164,7 +164,7 @@ def _pending_mean(node: fx.Node, rw: Rewriter) -> None:
     becomes that division, so every consumer and every record of it stays as it is)."""
     if not isinstance(rw.placement(node), Partial):
         return
-    source = rw.original(node.args[0]).meta["val"].shape
+    source = meta.val(rw.original(node.args[0])).shape
     dims = arg(node, "dim")
     dims = [dims] if isinstance(dims, int) else list(dims or range(len(source)))
     count = math.prod(source[d % len(source)] for d in dims)
@@ -182,7 +182,7 @@ def _split(node: fx.Node, rw: Rewriter) -> None:
     source = rw.placement(node.args[0])
     if not isinstance(source, Shard):
         return
-    ndim = len(node.args[0].meta["val"].shape)
+    ndim = len(meta.val(node.args[0]).shape)
     if arg(node, "dim") % ndim != source.dim:
         return
     rw.even_parts(f"{node.target}")
@@ -197,7 +197,7 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
     from autoshard.passes.rules import slice_bounds
 
     source = rw.placement(node.args[0])
-    shape = rw.original(node.args[0]).meta["val"].shape
+    shape = meta.val(rw.original(node.args[0])).shape
     if (not isinstance(source, Shard) or not isinstance(rw.placement(node), Shard)
             or arg(node, "dim") % len(shape) != source.dim or slice_bounds(node, shape[source.dim]) is None):
         return
@@ -231,8 +231,8 @@ def _row_patch_conv(node: fx.Node, rw: Rewriter) -> None:
     if rw.placement(w) != Shard(2):
         return
     rw.even_parts("a patch embedding's kernel rows")
-    _, channels, height, width = x.meta["val"].shape
-    kernel, kw = w.meta["val"].shape[2:]
+    _, channels, height, width = meta.val(x).shape
+    kernel, kw = meta.val(w).shape[2:]
     rows = kernel // rw.size
     graph = node.graph
 
@@ -309,7 +309,7 @@ def _vocab_embedding(node: fx.Node, rw: Rewriter) -> None:
         return
     if node.target is aten.embedding.default:
         assert not arg(node, "scale_grad_by_freq") and not arg(node, "sparse"), "the embedding rule refuses these"
-    vocab = w.meta["val"].shape[0]
+    vocab = meta.val(w).shape[0]
     start, end = _vocab_range(vocab, rw)
     module = VocabParallelEmbedding(vocab_start=start, vocab_end=end, num_embeddings=vocab,
                                     padding_idx=None if pad == -1 else pad, **rw.collective_args)
@@ -324,14 +324,14 @@ def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
     if rw.placement(logits) != Shard(1):
         return
     assert arg(node, "weight") is None, "the cross-entropy rule refuses class weights"
-    vocab = logits.meta["val"].shape[1]
+    vocab = meta.val(logits).shape[1]
     start, end = _vocab_range(vocab, rw)
     module = VocabParallelCrossEntropy(
         vocab_start=start, vocab_end=end, vocab_size=vocab, ignore_index=arg(node, "ignore_index"),
         reduction=_REDUCTIONS[arg(node, "reduction")], label_smoothing=arg(node, "label_smoothing"),
         **rw.collective_args,
     )
-    if logits.meta["val"].dim() > 2:  # (N, C, d1, ...): the module takes the classes last
+    if meta.val(logits).dim() > 2:  # (N, C, d1, ...): the module takes the classes last
         with node.graph.inserting_before(node):
             logits = node.graph.call_function(aten.movedim.int, (logits, 1, -1))
         logits.meta.update({k: v for k, v in node.meta.items() if k != meta.VAL})

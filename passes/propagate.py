@@ -168,7 +168,7 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
 
 
 def _whole_sequences(out, node: fx.Node, sequence: int) -> bool:
-    val = node.meta.get("val")
+    val = meta.val(node)
     if not isinstance(out, Shard) or not isinstance(val, torch.Tensor) or out.dim >= val.dim():
         return True
     return val.shape[out.dim] % sequence == 0
@@ -218,7 +218,7 @@ def requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
         elif node.op == "call_function" and (_grad_disabled(node) or node.target is torch.ops.aten.detach.default):
             continue
         elif node.op in ("call_function", "call_module") and any(n in found for n in node.all_input_nodes):
-            val = node.meta.get("val")
+            val = meta.val(node)
             if not isinstance(val, torch.Tensor) or val.is_floating_point():
                 found.add(node)
     return found

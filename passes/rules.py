@@ -9,7 +9,7 @@ Rules decide; ``LOCALIZERS`` rewrite a node's arguments to the sizes one rank ho
 slower, and reported.
 
 Rules never match on names or size values: dims come from the placements of the inputs and the
-shapes that capture recorded (``node.meta["val"]``).
+shapes that capture recorded (``meta.val(node)``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoshard import meta
 from autoshard.passes.axis import Axis
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 
@@ -58,7 +59,7 @@ class Context:
 
     @staticmethod
     def shape(value) -> tuple[int, ...]:
-        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        val = meta.val(value) if isinstance(value, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             return ()
         # a size that depends on the data (the tokens routed to an expert): a rule may split the other dims, and
@@ -213,12 +214,12 @@ def arg(node: fx.Node, name: str, default=_MISSING):
 
 
 def _replicated_like(node: fx.Node):
-    val = node.meta.get("val")
+    val = meta.val(node)
     return tuple(R for _ in val) if isinstance(val, (list, tuple)) else R
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    return [n for n in node.all_input_nodes if isinstance(meta.val(n), torch.Tensor)]
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -351,8 +352,8 @@ def is_table_lookup(node: fx.Node) -> bool:
         return False
     x, indices = node.args[0], node.args[1]
     return (isinstance(x, fx.Node) and x.op == "get_attr"
-            and x.meta["val"].dim() == 2 and len(indices) == 1 and isinstance(indices[0], fx.Node)
-            and not indices[0].meta["val"].dtype.is_floating_point and indices[0].meta["val"].dtype != torch.bool)
+            and meta.val(x).dim() == 2 and len(indices) == 1 and isinstance(indices[0], fx.Node)
+            and not meta.val(indices[0]).dtype.is_floating_point and meta.val(indices[0]).dtype != torch.bool)
 
 
 @rule(aten.index.Tensor)
@@ -365,7 +366,7 @@ def _index(node: fx.Node, ctx: Context) -> Decision:
     if is_table_lookup(node) and p == Shard(0) and ctx.axis.pending_sums:  # a table split by rows: vocab-parallel
         return Decision(R, {indices[0]: R} if ctx.of(indices[0]) != R else {})
     if not isinstance(p, Shard) or p.dim < leading or any(
-            not isinstance(i, fx.Node) or i.meta["val"].dtype == torch.bool or ctx.of(i) != R for i in indices):
+            not isinstance(i, fx.Node) or meta.val(i).dtype == torch.bool or ctx.of(i) != R for i in indices):
         return replicate_all(node, ctx)
     return Decision(Shard(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading), p.blocks))
 
@@ -385,8 +386,8 @@ def _masked_put(node: fx.Node, ctx: Context) -> Decision:
     (a ``masked_fill``), so each rank writes its own part. Any other indexing replicates."""
     x, indices, values = node.args[0], arg(node, "indices"), arg(node, "values")
     mask = indices[0] if len(indices) == 1 and isinstance(indices[0], fx.Node) else None
-    if (mask is None or mask.meta["val"].dtype != torch.bool or ctx.shape(mask) != ctx.shape(x)
-            or not isinstance(values, fx.Node) or values.meta["val"].numel() != 1 or arg(node, "accumulate")):
+    if (mask is None or meta.val(mask).dtype != torch.bool or ctx.shape(mask) != ctx.shape(x)
+            or not isinstance(values, fx.Node) or meta.val(values).numel() != 1 or arg(node, "accumulate")):
         return replicate_all(node, ctx)
     p = ctx.of(x)
     if not isinstance(p, Shard) or ctx.of(mask) not in (p, R) or ctx.of(values) != R:
@@ -681,7 +682,7 @@ def _whole_slice(node: fx.Node, size: int) -> bool:
       aten.chunk.default, aten.unbind.int)
 def _split(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
-    pieces = node.meta["val"]
+    pieces = meta.val(node)
     if p is None:
         if isinstance(ctx.of(node.args[0]), Partial):
             return replicate_all(node, ctx)

@@ -250,7 +250,7 @@ def _attention(size: int, seq_len: int, node: fx.Node, rw: localize.Rewriter) ->
     """Attention reached with the sequence split (a region that gathers it after its attention): this rank's
     contiguous chunk of queries against the gathered keys, as cp's gather attention computes it."""
     q = node.args[0]
-    if rw.placement(q) == Shard(len(q.meta["val"].shape) - 2):
+    if rw.placement(q) == Shard(len(meta.val(q).shape) - 2):
         positions = torch.arange(rw.rank * seq_len // size, (rw.rank + 1) * seq_len // size)
         gathered_attention(node, rw, positions, seq_len)
 

@@ -91,7 +91,7 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
     if isinstance(src, Shard) and src != dst:
         axis.check(value, src)
         make = lambda a, s=src: axis.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
-        full = value.meta["val"].shape[src.dim]
+        full = meta.val(value).shape[src.dim]
         value = rw.cached(value, f"gather{src.dim}", make, consumer)
         if full % rw.size:  # a padded dim: drop the padding the last rank held
             value = _trim(rw, value, src.dim, full, consumer)
@@ -117,9 +117,9 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
     """Record local shapes on sharded nodes, so a pass for another axis sees what this rank holds."""
     for node in gm.graph.nodes:
         placement = prop.placements.get(node)
-        val = node.meta.get("val")
+        val = meta.val(node)
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
-            node.meta["val"] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype, device="meta")
+            node.meta[meta.VAL] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype, device="meta")
 
 
 def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:

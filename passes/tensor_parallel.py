@@ -137,7 +137,7 @@ def _is_linear(node: fx.Node) -> bool:
     of expert matrices (a grouped matmul, or ``bmm`` of tokens gathered per expert, as Llama 4's experts)."""
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
-        return isinstance(w, fx.Node) and w.op == "get_attr" and len(w.meta["val"].shape) == 2
+        return isinstance(w, fx.Node) and w.op == "get_attr" and len(meta.val(w).shape) == 2
     return node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None or is_patch_conv(node)
 
 
@@ -145,7 +145,7 @@ def _is_left(node: fx.Node) -> bool:
     """``W @ x`` of a 2-D parameter stored (out, in): Mamba's ``dt_proj.weight @ dt.transpose(1, 2)``."""
     w = node.args[0]
     return (node.target in _MATMULS and isinstance(w, fx.Node) and w.op == "get_attr"
-            and len(w.meta["val"].shape) == 2 and not (isinstance(node.args[1], fx.Node)
+            and len(meta.val(w).shape) == 2 and not (isinstance(node.args[1], fx.Node)
                                                        and node.args[1].op == "get_attr"))
 
 
@@ -156,7 +156,7 @@ def _stacked(node: fx.Node) -> bool:
     if node.target is not aten.bmm.default:
         return False
     w, _ = _weight_node(node)
-    return isinstance(w, fx.Node) and w.op == "get_attr" and (len(w.meta["val"].shape) == 3
+    return isinstance(w, fx.Node) and w.op == "get_attr" and (len(meta.val(w).shape) == 3
                                                               or _grouped_weight(node) is not None)
 
 
@@ -170,9 +170,9 @@ def _grouped_weight(node: fx.Node) -> fx.Node | None:
         return None
     view = w.args[0]
     param = _undetached(view.args[0]) if isinstance(view, fx.Node) and view.target in _RESHAPES else None
-    if not (isinstance(param, fx.Node) and param.op == "get_attr" and param.meta["val"].dim() == 2):
+    if not (isinstance(param, fx.Node) and param.op == "get_attr" and meta.val(param).dim() == 2):
         return None
-    (rows, cols), shape = param.meta["val"].shape, view.meta["val"].shape
+    (rows, cols), shape = meta.val(param).shape, meta.val(view).shape
     return param if len(shape) == 3 and shape[0] * shape[1] == rows and shape[2] == cols else None
 
 
@@ -254,7 +254,7 @@ def _expert_of(w) -> fx.Node | None:
     """The stack of expert matrices (experts, out, in) behind ``w = stack[i]``, or None."""
     if isinstance(w, fx.Node) and w.target is aten.select.int and w.args[1] in (0, -3):
         stack = _undetached(w.args[0])
-        if isinstance(stack, fx.Node) and stack.op == "get_attr" and len(stack.meta["val"].shape) == 3:
+        if isinstance(stack, fx.Node) and stack.op == "get_attr" and len(meta.val(stack).shape) == 3:
             return stack
     return None
 
@@ -270,7 +270,7 @@ def _piece_of(w, ndim: int = 2) -> fx.Node | None:
     if not (isinstance(split, fx.Node) and split.target in _SPLITS and arg(split, "dim") in (0, -ndim)):
         return None
     param = _undetached(split.args[0])
-    return param if isinstance(param, fx.Node) and param.op == "get_attr" and param.meta["val"].dim() == ndim else None
+    return param if isinstance(param, fx.Node) and param.op == "get_attr" and meta.val(param).dim() == ndim else None
 
 
 def _packed_blocks(node: fx.Node) -> tuple[int, ...] | None:
@@ -281,7 +281,7 @@ def _packed_blocks(node: fx.Node) -> tuple[int, ...] | None:
     if _piece_of(w) is None:
         return None
     split, blocks = w.args[0], []
-    for i, piece in enumerate(split.meta["val"]):
+    for i, piece in enumerate(meta.val(split)):
         size = int(piece.shape[0])
         parts = {_parts(linear, size) for getter in split.users if getter.args[1] == i
                  for linear in getter.users if linear.target is aten.linear.default and arg(linear, "weight") is getter}
@@ -292,7 +292,7 @@ def _packed_blocks(node: fx.Node) -> tuple[int, ...] | None:
 
 def _parts(linear: fx.Node, size: int) -> int:
     """How many parts a linear's ``size`` output features are unflattened into (k and v of one product), else 1."""
-    last = len(linear.meta["val"].shape) - 1
+    last = len(meta.val(linear).shape) - 1
     for user in linear.users:
         if user.target is aten.unflatten.int and user.args[1] in (-1, last) and len(user.args[2]) == 2:
             n, width = user.args[2]
@@ -316,7 +316,7 @@ def _in_dim(node: fx.Node) -> int:
     if is_patch_conv(node):  # the kernel's rows: each rank reads its rows of every patch
         return 2
     out = _out_dim(node)
-    stacked = len(_weight_node(node)[0].meta["val"].shape) == 3
+    stacked = len(meta.val(_weight_node(node)[0]).shape) == 3
     return 3 - out if stacked else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
 
 
@@ -543,8 +543,8 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
     their lookups flow into split values (a bias per head), else by rows as the token embedding is, where the
     lookup takes a few ids per input id at most (prompt tokens prepended; positions): the all-reduce of a lookup
     per pair of positions (a (T, T) bias) would cost more than the table saves."""
-    tokens = max((n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and
-                  isinstance(n.meta.get("val"), torch.Tensor) and not n.meta["val"].is_floating_point()), default=0)
+    tokens = max((meta.val(n).numel() for n in gm.graph.nodes if n.op == "placeholder" and
+                  isinstance(meta.val(n), torch.Tensor) and not meta.val(n).is_floating_point()), default=0)
     for node in gm.graph.nodes:
         if (lookup := _lookup(node)) is None:
             continue
@@ -557,7 +557,7 @@ def _plan_tables(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
                                               "the columns its split consumers take")
             state = columns
             continue
-        if ids.meta["val"].numel() > _IDS_PER_TOKEN * tokens:
+        if meta.val(ids).numel() > _IDS_PER_TOKEN * tokens:
             continue
         rows = _propagate(gm, {**state.seeds, w.target: Shard(0)}, plan.size, base=state)
         if _accepts(rows, state):
@@ -576,7 +576,7 @@ def _plan_sliced(gm, plan: TensorParallelPlan, state: Propagation, params: set[s
         if len(wants) == 1 and isinstance(want := next(iter(wants)), Shard):
             candidates = [want]
         elif reads := _split_reads(state, node):  # read through views or casts: any dim may be the one
-            candidates = list(dict.fromkeys(Shard(d, r.blocks) for r in reads for d in range(node.meta["val"].dim())))
+            candidates = list(dict.fromkeys(Shard(d, r.blocks) for r in reads for d in range(meta.val(node).dim())))
         else:
             continue
         for want in candidates:
@@ -721,7 +721,7 @@ def _indivisible(gm, row: fx.Node, reason: str, size: int, mode: str) -> None:
 def _fed_split(prop: Propagation, c: fx.Node) -> bool:
     """Whether the region splits the features ``c`` reads, which ``c`` as a column would gather."""
     x, decision = _input(c), prop.decisions.get(c)
-    feature = len(x.meta["val"].shape) - (2 if _is_left(c) else 1)
+    feature = len(meta.val(x).shape) - (2 if _is_left(c) else 1)
     return prop.of(x) == Shard(feature) and decision is not None and decision.want.get(x) == R
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import codegen, schedules
+from autoshard import codegen, meta, schedules
 from autoshard.compile import RankBuild
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
@@ -113,7 +113,7 @@ class Pipeline:
     def _broadcast_outputs(self, last: Stage, flat_out: list[torch.Tensor], owner: int,
                            device: torch.device | None) -> list[torch.Tensor]:
         output = next(n for n in last.gm.graph.nodes if n.op == "output")
-        specs = [n.meta["val"] for n in pytree.tree_leaves(output.args[0]) if isinstance(n, fx.Node)]
+        specs = [meta.val(n) for n in pytree.tree_leaves(output.args[0]) if isinstance(n, fx.Node)]
         if not flat_out:
             flat_out = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in specs]
         for tensor in flat_out:
