@@ -206,3 +206,13 @@ def test_sequence_parallelism_shows_its_gathers_and_scatters_on_the_sp_axis(caps
                                 ("backward", "reduce_scatter", "GatherSequenceToParallel")):
         assert re.search(rf"-\s+sp\s+{direction}\s+{kind}\s+{op}\s+5\s+120\.0 KiB", out), (direction, kind, out)
     assert not re.search(r"tp\s+forward\s+all_reduce\s+ReduceFromParallel\s+[2-9]", out), out
+
+
+def test_the_job_plan_prints_as_json_and_reads_back(capsys):
+    from autoshard.job_plan import JobPlan
+
+    out = inspect(capsys, GPT, "--mesh", "tp=2,pp=2", "--microbatches", "2", "--job-plan")
+    plan = JobPlan.from_json(out)
+    assert plan.mesh == Mesh(tp=2, pp=2) and plan.options.microbatches == 2 and len(plan.cut_after) == 1
+    assert {p.role for p in plan.tp_plan.params.values()} >= {"column", "row"}
+    assert plan.to_json() == out.strip()
