@@ -171,7 +171,7 @@ def summary(gm: fx.GraphModule, *, top: int = 5) -> str:
     fresh = [n for n in costs if not (n.op == "call_function" and op_name(n.target) in _VIEWS)]
     for node in sorted(fresh, key=lambda n: costs[n].activation_bytes, reverse=True)[:top]:
         where = meta.module_path(node) or "(top level)"
-        shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in _tensors(node.meta.get(meta.VAL)))
+        shapes = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in _tensors(meta.val(node)))
         lines.append(f"  {node.name:<28} {shapes:<16} {format_bytes(costs[node].activation_bytes):>10}  {where}")
     return "\n".join(lines)
 
@@ -281,7 +281,7 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 def _shape(arg: object, shape_map: ShapeMap) -> tuple[Dim, ...]:
     """The shape of a node's tensor value, mapped by ``shape_map``; () for anything else."""
-    value = arg.meta.get(meta.VAL) if isinstance(arg, fx.Node) else None
+    value = meta.val(arg) if isinstance(arg, fx.Node) else None
     return shape_map(_ints(value.shape)) if isinstance(value, torch.Tensor) else ()
 
 
@@ -307,7 +307,7 @@ def _numel(shape: Iterable[Dim]) -> Dim:
 
 
 def _output_numel(node: fx.Node, shape_map: ShapeMap) -> Dim:
-    return sum((_numel(shape_map(_ints(t.shape))) for t in _tensors(node.meta.get(meta.VAL))), 0)
+    return sum((_numel(shape_map(_ints(t.shape))) for t in _tensors(meta.val(node))), 0)
 
 
 def _arg(node: fx.Node, index: int, name: str, default: object = None) -> object:
@@ -317,7 +317,7 @@ def _arg(node: fx.Node, index: int, name: str, default: object = None) -> object
 def _activation_bytes(node: fx.Node) -> int:
     if node.op in ("get_attr", "output"):
         return 0
-    return sum(t.numel() * t.dtype.itemsize for t in _tensors(node.meta.get(meta.VAL)))
+    return sum(t.numel() * t.dtype.itemsize for t in _tensors(meta.val(node)))
 
 
 def _param_bytes(gm: fx.GraphModule, node: fx.Node) -> int:

@@ -23,7 +23,14 @@ On ``GraphModule.meta``:
 - ``PARTIAL_OUTPUT``: the loss the graph returns is this cp rank's partial sum (``passes.context_parallel``); read
   by the runtime, which then sums it over cp instead of averaging.
 
-``val(node)``: the node's ``VAL`` (None where it has none), the one way code here reads it.
+Written by the passes that split values (``passes.sharding``, after an axis's rewrite):
+- ``LOCAL``: on every value the pass split, a fake tensor of the part this rank holds. ``VAL`` stays what export
+  recorded (the global value), so a pass for another axis that runs next (tp, then cp, then sp) sees what this
+  rank holds through ``val`` and the whole through ``global_val``; rewrites that stand a new node for an old one
+  copy both (``SHAPES``).
+
+``val(node)``: the value as this graph holds it (``LOCAL`` where a pass split it, else ``VAL``; None where there
+is none), the one way code here reads it; ``global_val(node)``: export's ``VAL`` alone.
 """
 
 import os
@@ -41,10 +48,24 @@ IDLE_F = "autoshard_idle_f"
 COST = "autoshard_cost"
 FALLBACKS = "autoshard_fallbacks"
 PARTIAL_OUTPUT = "autoshard_partial_output"
+LOCAL = "autoshard_local_val"
+SHAPES = (VAL, LOCAL)  # what a node standing for another takes of its metadata about the value
 
 
 def val(node):
-    """The fake tensor (or value) export recorded for ``node``'s output; None for a node without one."""
+    """The fake tensor (or value) of ``node``'s output as this graph holds it: this rank's part where a pass split
+    it, else what export recorded; None for a node without one."""
+    found = node.meta
+    return found[LOCAL] if LOCAL in found else found.get(VAL)
+
+
+def standing_for(node) -> dict:
+    """The metadata a node inserted to stand for ``node``'s value takes from it: its values and where it came from."""
+    return {k: v for k, v in node.meta.items() if k in (*SHAPES, MODULE_STACK, STACK_TRACE)}
+
+
+def global_val(node):
+    """What export recorded for ``node``'s output (the whole value, however a pass split it); None without one."""
     return node.meta.get(VAL)
 
 

@@ -115,7 +115,7 @@ def batch_norm_pass(gm: fx.GraphModule, *, group: ProcessGroup | None, size: int
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_module(name, (x, weight, bias, running_mean, running_var, momentum, eps))
-        new.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.MODULE_STACK, meta.STACK_TRACE)})
+        new.meta.update(meta.standing_for(node))
         new.meta[meta.AXIS] = axis
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

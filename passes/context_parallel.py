@@ -176,7 +176,7 @@ def insert_splits(gm: fx.GraphModule, values: dict[str, int]) -> list[fx.Node]:
             continue
         with gm.graph.inserting_after(node):
             marker = gm.graph.call_function(split_sequence, (node, dim))
-        marker.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.STACK_TRACE, meta.MODULE_STACK)})
+        marker.meta.update(meta.standing_for(node))
         node.replace_all_uses_with(marker, delete_user_cb=lambda user, marker=marker: user is not marker)
         inserted.append(marker)
     if inserted:

@@ -116,14 +116,14 @@ def _cut(gm: fx.GraphModule, values: list[fx.Node]) -> fx.GraphModule:
 
 
 def _size(node, dim: int) -> int | None:
-    val = node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None
+    val = meta.val(node) if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() <= dim:
         return None
     return int(val.shape[dim])
 
 
 def _ndim(node) -> int:
-    val = node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None
+    val = meta.val(node) if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else 0
 
 

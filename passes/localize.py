@@ -109,7 +109,7 @@ class Rewriter:
         self.gm.add_submodule(name, module)
         with self.gm.graph.inserting_before(before):
             node = self.gm.graph.call_module(name, args)
-        node.meta.update({k: v for k, v in like.meta.items() if k in (meta.VAL, meta.MODULE_STACK, meta.STACK_TRACE)})
+        node.meta.update(meta.standing_for(like))
         node.meta[meta.AXIS] = self.axis
         return node
 
@@ -334,9 +334,11 @@ def _vocab_cross_entropy(node: fx.Node, rw: Rewriter) -> None:
     if meta.val(logits).dim() > 2:  # (N, C, d1, ...): the module takes the classes last
         with node.graph.inserting_before(node):
             logits = node.graph.call_function(aten.movedim.int, (logits, 1, -1))
-        logits.meta.update({k: v for k, v in node.meta.items() if k != meta.VAL})
-        val = logits.args[0].meta[meta.VAL]
-        logits.meta[meta.VAL] = torch.empty(val.movedim(1, -1).shape, dtype=val.dtype, device="meta")
+        logits.meta.update({k: v for k, v in node.meta.items() if k not in meta.SHAPES})
+        for key in meta.SHAPES:
+            if key in logits.args[0].meta:
+                val = logits.args[0].meta[key]
+                logits.meta[key] = torch.empty(val.movedim(1, -1).shape, dtype=val.dtype, device="meta")
     rw.replace(node, rw.module(module, (logits, target), before=node, like=node))
 
 

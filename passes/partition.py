@@ -178,7 +178,7 @@ def _contiguous(node: fx.Node) -> bool:
     ``TensorSpec``), so a transposed value is fine, but a dim broadcast by ``expand`` (stride 0) would come out
     materialised. Gaps between rows (a ``select`` of one layer's slice from a tensor of every layer's) are allowed:
     the copy only closes them, which leaves every view that worked valid."""
-    val = node.meta.get(meta.VAL)
+    val = meta.val(node)
     if not isinstance(val, torch.Tensor):
         return False
     return all(stride > 0 for size, stride in zip(val.shape, val.stride(), strict=True) if size > 1)
@@ -352,11 +352,11 @@ def _costs(gm: fx.GraphModule, order: list[fx.Node]) -> list[float]:
 
 
 def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get(meta.VAL), torch.Tensor)
+    return isinstance(meta.val(node), torch.Tensor)
 
 
 def _bytes(node: fx.Node) -> int:
-    val = node.meta.get(meta.VAL)
+    val = meta.val(node)
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 

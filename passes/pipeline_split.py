@@ -205,7 +205,7 @@ def _needed(nodes, grad, stage_of, index, sends, by_name, writes) -> set[fx.Node
 def _specs(by_name: dict[str, fx.Node], names: list[str]) -> list[TensorSpec]:
     specs = []
     for name in names:
-        val = by_name[name].meta.get(meta.VAL)
+        val = meta.val(by_name[name])
         if not isinstance(val, torch.Tensor):
             raise ValueError(f"{name} crosses a pipeline cut but is not a tensor; cut elsewhere")
         specs.append(TensorSpec.of(val))

@@ -114,12 +114,13 @@ def _trim(rw, value: fx.Node, dim: int, size: int, consumer: fx.Node) -> fx.Node
 
 
 def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
-    """Record local shapes on sharded nodes, so a pass for another axis sees what this rank holds."""
+    """Record local shapes on sharded nodes (``meta.LOCAL``), so a pass for another axis sees what this rank holds."""
     for node in gm.graph.nodes:
         placement = prop.placements.get(node)
         val = meta.val(node)
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
-            node.meta[meta.VAL] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype, device="meta")
+            node.meta[meta.LOCAL] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype,
+                                                device="meta")
 
 
 def _refuse_lost_writes(node: fx.Node, prop: Propagation, axis: str) -> None:
