@@ -115,12 +115,17 @@ class Rewriter:
         return node
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
-        old.replace_all_uses_with(new)
+        self.follow(old, new)
+        self.gm.graph.erase_node(old)
+
+    def follow(self, old: fx.Node, new: fx.Node) -> None:
+        """Every reader of ``old`` reads ``new`` instead, also those whose collectives are inserted later (the graph's
+        output gathered); ``new`` may read ``old`` (an op whose output is exchanged after it)."""
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         self._replaced[old] = new
         self._original[new] = self._original.get(old, old)
         if old in self.grad:
             self.grad.add(new)
-        self.gm.graph.erase_node(old)
 
 
 def localize(node: fx.Node, rw: Rewriter) -> None:

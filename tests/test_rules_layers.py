@@ -425,6 +425,22 @@ def test_attention_over_a_split_sequence(extra, kwargs, load_balance, attention)
     out.assert_exact(rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv,size", [(2, 2), (1, 2), (2, 4), (1, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
+def test_grouped_query_attention_all_to_all(kv, size, load_balance):
+    """All-to-all attention splits the heads over the cp ranks: with ``enable_gqa=True`` and fewer kv heads than
+    ranks, each kv head is repeated (``repeat_interleave``, which keeps query head h reading kv head h // group) until
+    every rank takes the kv heads its query heads read."""
+    from rules_sim import simulate_cp
+
+    qkv_ = seq_qkv(heads_kv=kv)
+    out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, None, 0.0, True), {"enable_gqa": True},
+                      seq={0: 2, 1: 2, 2: 2}, out_dim=2, size=size, load_balance=load_balance, attention="alltoall")
+    assert "SequenceToHeads" in out.modules, out.modules
+    assert ("repeat_interleave" in out.code) == (kv < size), out.code
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["gather", "ring"])
 def test_attention_arguments_by_keyword_over_a_split_sequence(attention):
     """The same call with every argument by keyword (the rewrite once padded missing positions with None)."""
