@@ -17,6 +17,7 @@ Gradients of parameters are summed over dp x cp by the data-parallel reduction, 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -231,7 +232,10 @@ def _check_heads(gm: fx.GraphModule, size: int, tp: int) -> None:
     for node in gm.graph.nodes:
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
-        counts = {meta.val(t).shape[-3] for t in node.args[:3] if meta.val(t).dim() >= 3}
+        # grouped-query attention (enable_gqa=True) reads its kv heads as they are: the all-to-all repeats each as
+        # often as the split of the query heads needs (see _grouped_kv_heads), so only those must divide
+        split = node.args[:1] if arg(node, "enable_gqa") else node.args[:3]
+        counts = {meta.val(t).shape[-3] for t in split if meta.val(t).dim() >= 3}
         bad = [c for c in counts if c % (tp * size)]
         if bad:
             works = [c for c in range(1, min(counts) + 1) if all(h % (tp * c) == 0 for h in counts)]
@@ -353,7 +357,8 @@ def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) 
     """Queries of this rank against all keys: ``is_causal`` would align the mask top-left; use positions.
 
     The cp axis's own localizer of attention (the shared table has none: on tp, attention over local heads needs
-    no rewrite); with ring attention, the ring module replaces the op.
+    no rewrite but grouped-query attention's kv heads cut to its query heads'); with ring attention, the ring
+    module replaces the op.
     """
     q = node.args[0]
     if rw.placement(q) != Shard(len(meta.val(q).shape) - 2):
@@ -416,6 +421,8 @@ def _all_to_all(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan)
     exchange = {"heads": seq - 1, "seq": seq, "layout": layout, **rw.collective_args}
     args = list(node.args)
     for i, t in enumerate((q, k, v)):
+        if i and arg(node, "enable_gqa"):
+            t = _grouped_kv_heads(node, t, seq - 1, plan.size)
         args[i] = rw.module(SequenceToHeads(**exchange), (t,), before=node, like=t)
     mask = arg(node, "attn_mask")
     if isinstance(mask, fx.Node):
@@ -432,9 +439,26 @@ def _all_to_all(node: fx.Node, rw: localize.Rewriter, plan: ContextParallelPlan)
             node.kwargs = {**node.kwargs, "attn_mask": mask}
     node.args = tuple(args)
     out = rw.module(HeadsToSequence(**exchange), (node,), before=node.next, like=node)
-    node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
-    if node in rw.grad:
-        rw.grad.add(out)
+    rw.follow(node, out)
+
+
+def _grouped_kv_heads(node: fx.Node, kv: fx.Node, heads: int, size: int) -> fx.Node:
+    """The kv heads of grouped-query attention (query head ``h`` reads kv head ``h // group``), each repeated so
+    that ``size`` ranks can take equal parts of them: ``repeat_interleave`` by ``f`` keeps the mapping (query head
+    ``h`` reads copy ``h // (group / f)``, of kv head ``h // group``), and once the kv heads divide by ``size``, the
+    rank that takes query heads ``j/size`` takes the copies they read. ``f`` divides ``group`` where ``size`` divides
+    the query heads (``_check_heads``)."""
+    count = meta.val(kv).shape[heads]  # the kv heads this tp rank holds
+    repeats = size // math.gcd(count, size)
+    if repeats == 1:
+        return kv
+    with node.graph.inserting_before(node):
+        repeated = node.graph.call_function(aten.repeat_interleave.self_int, (kv, repeats, heads))
+    val = meta.val(kv)
+    repeated.meta.update({k: v for k, v in kv.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
+    repeated.meta[meta.VAL] = torch.empty((*val.shape[:heads], count * repeats, *val.shape[heads + 1:]),
+                                          dtype=val.dtype, device="meta")
+    return repeated
 
 
 class _HeadPart(nn.Module):

@@ -32,6 +32,7 @@ from autoshard.passes.collectives import (
 from autoshard.passes.placements import Partial, R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
 from autoshard.passes.rules import LOCALIZERS, arg, is_table_lookup, localizer
+from autoshard.passes.rules_nn import grouped_kv_heads
 
 aten = torch.ops.aten
 _REDUCTIONS = ("none", "mean", "sum")
@@ -114,12 +115,17 @@ class Rewriter:
         return node
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
-        old.replace_all_uses_with(new)
+        self.follow(old, new)
+        self.gm.graph.erase_node(old)
+
+    def follow(self, old: fx.Node, new: fx.Node) -> None:
+        """Every reader of ``old`` reads ``new`` instead, also those whose collectives are inserted later (the graph's
+        output gathered); ``new`` may read ``old`` (an op whose output is exchanged after it)."""
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         self._replaced[old] = new
         self._original[new] = self._original.get(old, old)
         if old in self.grad:
             self.grad.add(new)
-        self.gm.graph.erase_node(old)
 
 
 def localize(node: fx.Node, rw: Rewriter) -> None:
@@ -260,6 +266,28 @@ def _repeat_interleave(node: fx.Node, rw: Rewriter) -> None:
     placement = rw.placement(node)
     if isinstance(placement, Shard) and node.kwargs.get("output_size") is not None:
         node.kwargs = {**node.kwargs, "output_size": rw.local_shape(node)[placement.dim]}
+
+
+def grouped_query_attention(node: fx.Node, rw: Rewriter) -> None:
+    """tp's localizer of attention: ``enable_gqa=True`` over this rank's query heads, k and v whole (fewer kv heads
+    than ranks; see the rule): k and v become the kv heads those queries read. Their gradient, this rank's heads
+    only, is summed over the ranks by the f before them."""
+    q = node.args[0]
+    heads = meta.global_val(q).dim() - 3
+    if not arg(node, "enable_gqa") or rw.placement(node) != Shard(heads):
+        return
+    args = list(node.args)
+    for i in (1, 2):
+        t, val = args[i], meta.global_val(args[i])  # k and v are whole on tp: the held value is the whole
+        if val.shape[heads] % rw.size == 0:  # split: this rank's 1/t of the kv heads, those its query heads read
+            continue
+        start, stop = grouped_kv_heads(meta.global_val(node).shape[heads], val.shape[heads], rw.size, rw.rank)
+        with node.graph.inserting_before(node):
+            args[i] = node.graph.call_function(aten.slice.Tensor, (t, heads, start, stop))
+        args[i].meta.update({k: v for k, v in t.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
+        shape = (*val.shape[:heads], stop - start, *val.shape[heads + 1:])
+        args[i].meta[meta.VAL] = torch.empty(shape, dtype=val.dtype, device="meta")
+    node.args = tuple(args)
 
 
 @localizer(aten.linear.default, aten.addmm.default)

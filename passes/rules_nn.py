@@ -344,14 +344,39 @@ def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     for dim in (heads, *range(heads)):  # attention is independent along the head and batch dims
         if any(ctx.of(t) == Shard(dim) for t in (q, k, v)):
             if dim == heads and arg(node, "enable_gqa"):
-                counts = {ctx.shape(t)[dim] for t in (q, k, v)}
-                if any(c % ctx.size for c in counts):  # query head i reads kv head i // group: split both evenly
-                    what = "heads of the grouped-query attention (enable_gqa=True)"
-                    return replicate_all(node, ctx, conflict=_indivisible(min(counts), ctx.size, what))
+                return _grouped_query(node, ctx, dim, ndim)
             want = {t: Shard(dim) for t in (q, k, v) if ctx.of(t) != Shard(dim)}
             _mask_rows(node, ctx, want, dim, ndim)
             return Decision(Shard(dim), want)
     return _pointwise(node, ctx) if all(ctx.of(t) == R for t in (q, k, v)) else replicate_all(node, ctx)
+
+
+def _grouped_query(node: fx.Node, ctx: Context, dim: int, ndim: int) -> Decision:
+    """``enable_gqa=True`` split by heads: query head ``h`` reads kv head ``h // (heads // kv heads)``, so a rank's
+    query heads read the kv heads it holds when the degree splits both evenly (each its ``1/t``), or, where the kv
+    heads divide the degree instead, one kv head: k and v then stay whole on every rank (duplicated, as a model that
+    repeats them does) and the localizer takes the head this rank's queries read. Any other count is a conflict."""
+    q, k, v = node.args[:3]
+    heads = ctx.shape(q)[dim]
+    kv = {ctx.shape(t)[dim] for t in (k, v)}
+    if heads % ctx.size or any(c % ctx.size and ctx.size % c for c in kv):  # else a rank would read parts of heads
+        what = "heads of the grouped-query attention (enable_gqa=True)"
+        count = heads if heads % ctx.size else min(c for c in kv if c % ctx.size and ctx.size % c)
+        return replicate_all(node, ctx, conflict=_indivisible(count, ctx.size, what))
+    want: dict[fx.Node, Placement] = {}
+    for t in (q, k, v):
+        split = t is q or ctx.shape(t)[dim] % ctx.size == 0
+        if ctx.of(t) != Shard(dim) and (split or not isinstance(ctx.of(t), Replicate)):
+            want[t] = Shard(dim) if split else R  # a pending sum or another split is made whole first
+    _mask_rows(node, ctx, want, dim, ndim)
+    return Decision(Shard(dim), want)
+
+
+def grouped_kv_heads(heads: int, kv: int, size: int, rank: int) -> tuple[int, int]:
+    """The kv heads ``[start, stop)`` that query heads ``rank``'s ``1/size`` of ``heads`` read under grouped-query
+    attention (query head ``h`` reads kv head ``h // (heads // kv)``)."""
+    group, per_rank = heads // kv, heads // size
+    return rank * per_rank // group, ((rank + 1) * per_rank - 1) // group + 1
 
 
 def _mask_rows(node: fx.Node, ctx: Context, want: dict, dim: int, ndim: int) -> None:

@@ -57,7 +57,8 @@ def tensor_axis(size: int, *, mark_entries: bool = False) -> Axis:
     norm over a split width) may stay pending; a fused projection (q, k, v in one linear) splits in blocks.
     ``mark_entries``: see ``tensor_parallel_pass``."""
     return Axis("tp", size, pending_sums=True, blocked_splits=True, copy_without_grad=mark_entries,
-                localizers={aten.dropout.default: localize.dropout_of_part})
+                localizers={aten.dropout.default: localize.dropout_of_part,
+                            aten.scaled_dot_product_attention.default: localize.grouped_query_attention})
 
 
 def _propagate(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *,

@@ -279,7 +279,8 @@ def _gathered(results: list, rank: int, expected_grads: dict, seeds: dict) -> di
 
 @contextlib.contextmanager
 def simulated_sequence_collectives():
-    """The cp axis's all-gather, reduce-scatter and ring exchange, in process (with ``simulated_collectives``)."""
+    """The cp axis's all-gather, reduce-scatter, all-to-all and ring exchange, in process (with
+    ``simulated_collectives``)."""
     from autoshard.passes import ring_attention
 
     def all_gather(parts, x, group=None, async_op=False):
@@ -294,13 +295,22 @@ def simulated_sequence_collectives():
         values = self.group.world.exchange(self.group.rank, [t.contiguous() for t in tensors])
         return [], values[self.prev]
 
-    saved = dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift
-    dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift = all_gather, reduce_scatter_tensor, shift
+    def all_to_all_single(out, x, group=None, async_op=False):  # part j of dim 0 goes to rank j
+        values = group.world.exchange(group.rank, x)
+        out.copy_(torch.cat([v.chunk(len(values))[group.rank] for v in values]))
+
+    names = ("all_gather", "reduce_scatter_tensor", "all_to_all_single")
+    saved = [getattr(dist, n) for n in names], ring_attention._Ring.shift
+    for name, fn in zip(names, (all_gather, reduce_scatter_tensor, all_to_all_single), strict=True):
+        setattr(dist, name, fn)
+    ring_attention._Ring.shift = shift
     try:
         with simulated_collectives():
             yield
     finally:
-        dist.all_gather, dist.reduce_scatter_tensor, ring_attention._Ring.shift = saved
+        for name, fn in zip(names, saved[0], strict=True):
+            setattr(dist, name, fn)
+        ring_attention._Ring.shift = saved[1]
 
 
 def _run_inputs(gm: fx.GraphModule, inputs: list, cotangent: torch.Tensor, autocast: torch.dtype | None = None):

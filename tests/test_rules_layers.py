@@ -113,10 +113,39 @@ def test_attention(args, kwargs, shard, placement):
     out.assert_exact()
 
 
-def test_grouped_query_heads_the_degree_does_not_divide_are_refused():
-    args = qkv(heads_kv=2)
-    out = simulate(aten.scaled_dot_product_attention.default, args, {"enable_gqa": True},
-                   shard={0: Shard(1), 1: Shard(1), 2: Shard(1)}, size=4)
+def _gqa(heads: int, kv: int):
+    return rand(B, heads, T, E), rand(B, kv, T, E, seed=1), rand(B, kv, T, E, seed=2)
+
+
+GQA_CASES = [  # (heads, kv heads, degree, extra args, what is split): query head h reads kv head h // (heads // kv)
+    pytest.param(4, 2, 4, (), {0: Shard(1)}, id="heads4-kv2-tp4"),
+    pytest.param(8, 2, 4, (None, 0.0, True), {0: Shard(1)}, id="heads8-kv2-tp4-causal"),
+    pytest.param(8, 2, 8, (), {0: Shard(1)}, id="heads8-kv2-tp8"),
+    pytest.param(8, 4, 8, (None, 0.0, True), {0: Shard(1)}, id="heads8-kv4-tp8-causal"),
+    pytest.param(8, 1, 4, (), {0: Shard(1)}, id="heads8-kv1-tp4"),  # multi-query
+    pytest.param(8, 4, 2, (), {0: Shard(1)}, id="heads8-kv4-tp2-kv-taken-split"),
+    pytest.param(8, 4, 2, (), {0: Shard(1), 1: Shard(1), 2: Shard(1)}, id="heads8-kv4-tp2-all-split"),
+    pytest.param(8, 2, 4, (rand(B, 8, T, T, seed=3),), {0: Shard(1)}, id="heads8-kv2-tp4-mask-per-head"),
+    pytest.param(8, 2, 4, (rand(B, 1, T, T, seed=3),), {0: Shard(1)}, id="heads8-kv2-tp4-mask-broadcast"),
+]
+
+
+@pytest.mark.parametrize("heads,kv,size,extra,shard", GQA_CASES)
+def test_grouped_query_attention_split_by_query_heads(heads, kv, size, extra, shard):
+    """``enable_gqa=True`` with the query heads split: where the degree does not divide the kv heads but they divide
+    it, k and v stay whole and each rank reads the kv head its query heads read; exact, gradients included."""
+    out = simulate(aten.scaled_dot_product_attention.default, (*_gqa(heads, kv), *extra), {"enable_gqa": True},
+                   shard=shard, size=size)
+    assert out.placement == Shard(1)
+    assert out.fallbacks == []
+    out.assert_exact()
+
+
+def test_grouped_query_heads_a_rank_would_read_in_parts_are_refused():
+    """12 query heads and 3 kv heads over 4 ranks: rank 1's query heads (3, 4, 5) read kv heads 0 and 1, neither
+    whole on any rank as a split of either count: attention is not split by heads, and stays exact."""
+    out = simulate(aten.scaled_dot_product_attention.default, _gqa(12, 3), {"enable_gqa": True}, shard={0: Shard(1)},
+                   size=4)
     assert out.placement == R
     out.assert_exact()
 
@@ -393,6 +422,22 @@ def test_attention_over_a_split_sequence(extra, kwargs, load_balance, attention)
     out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, *extra), kwargs, seq={0: 2, 1: 2, 2: 2},
                       out_dim=2, load_balance=load_balance, attention=attention)
     assert ("RingAttention" in out.modules) == (attention == "ring"), out.modules
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv,size", [(2, 2), (1, 2), (2, 4), (1, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
+def test_grouped_query_attention_all_to_all(kv, size, load_balance):
+    """All-to-all attention splits the heads over the cp ranks: with ``enable_gqa=True`` and fewer kv heads than
+    ranks, each kv head is repeated (``repeat_interleave``, which keeps query head h reading kv head h // group) until
+    every rank takes the kv heads its query heads read."""
+    from rules_sim import simulate_cp
+
+    qkv_ = seq_qkv(heads_kv=kv)
+    out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, None, 0.0, True), {"enable_gqa": True},
+                      seq={0: 2, 1: 2, 2: 2}, out_dim=2, size=size, load_balance=load_balance, attention="alltoall")
+    assert "SequenceToHeads" in out.modules, out.modules
+    assert ("repeat_interleave" in out.code) == (kv < size), out.code
     out.assert_exact(rtol=1e-5, atol=1e-5)
 
 

@@ -61,6 +61,35 @@ def test_grouped_query_kv_heads_shard_when_divisible_else_duplicate(tp, kv_role)
         assert any("k_proj kept replicated" in note and why in note for note in plan.notes)
 
 
+@pytest.mark.parametrize("style", ["titan", "mistral", "gptfast", "sdpa_gqa", "repeat", "tiled"])
+def test_kv_heads_repeated_any_way_that_keeps_their_mapping_are_duplicated_or_split(style):
+    """However the model gives query head h kv head h // group (torchtitan's expand + reshape over dim 2,
+    ``repeat_interleave`` over dim 2 or 1, ``enable_gqa=True``, ``repeat`` of a new dim), q is split by heads at tp 4
+    and 8, k and v split where tp divides the kv heads and duplicated (held whole) where the kv heads divide tp.
+    Heads tiled by ``repeat`` (query head h reads kv head h % kv heads) are split so only when k and v are whole."""
+    import warnings
+
+    import golden_gqa
+
+    for kv in (2, 4):
+        model, tokens, target = golden_gqa.build(style, kv)
+        gm = capture(model, (tokens,), loss_fn=golden_gqa.token_loss, example_target=target).gm
+        for tp in (4, 8):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = plan_tensor_parallel(gm, tp)
+            roles = [p.role for name, p in plan.params.items() if ".layers.0.attention." in name
+                     and name.endswith("weight")]  # q, k, v, o
+            duplicated = kv % tp != 0
+            if style == "tiled" and not duplicated:
+                assert roles[0] != "column", "q split by heads against kv heads split otherwise"
+                continue
+            assert roles == ["column", "replicated" if duplicated else "column",
+                             "replicated" if duplicated else "column", "row"], (kv, tp, roles)
+            if duplicated:
+                assert any("kept replicated" in note for note in plan.notes), plan.notes
+
+
 def test_heads_the_degree_does_not_divide_name_the_layer_and_the_degrees_that_work():
     message = r"layers\.0\.self_attn\.o_proj: 4 heads.*degrees that divide 4: \[1, 2, 4\]"
     with pytest.raises(TensorParallelError, match=message):
