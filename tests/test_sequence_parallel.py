@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autoshard
+from autoshard import meta
 
 import golden
 from launcher import WorkerError
@@ -77,7 +78,7 @@ def _collectives(gm) -> tuple[dict[str, int], float, float]:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if not isinstance(module, collectives._ParallelOp) or module.size == 1:
             continue
-        value = node.all_input_nodes[0].meta["val"]
+        value = meta.val(node.all_input_nodes[0])
         f, b = collectives.comm_bytes(module, tuple(value.shape), value.element_size())
         if f or b:
             key = f"{module.kind}/{module.backward_kind}"
@@ -98,7 +99,7 @@ def test_a_region_s_all_reduce_becomes_a_reduce_scatter_and_its_f_an_all_gather_
     assert kinds["all_gather/reduce_scatter"] == kinds["reduce_scatter/all_gather"] == 4 + 1, kinds  # + the head's
     assert forward <= tp_forward * 1.05 and backward <= tp_backward * 1.05, (forward, tp_forward, backward,
                                                                              tp_backward)
-    norms = {tuple(n.meta["val"].shape) for n in sp.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
+    norms = {tuple(meta.val(n).shape) for n in sp.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
     assert not norms or norms == {(8, 8, 48)}, f"every layer norm runs on this rank's 8 of 16 tokens: {norms}"
 
 
@@ -181,7 +182,7 @@ def test_golden_sequence_parallel_with_context_tensor_and_pipeline_parallelism(p
 
 def test_under_context_parallelism_norms_run_on_a_tp_rank_s_part_of_a_cp_rank_s_tokens():
     gm = _compiled("gpt", True, {"cp": 2, "tp": 2})
-    norms = {tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
+    norms = {tuple(meta.val(n).shape) for n in gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default}
     assert norms == {(8, 4, 48)}, f"16 tokens over cp=2 then tp=2: 4 per rank, not {norms}"
 
 
