@@ -16,6 +16,10 @@ Written by autoshard:
 - ``IDLE_F``: on a Megatron f put where no gradient flows, only to mark a tp region's entry for sequence
   parallelism (``passes.sharding``); sequence parallelism drops them once it has read them.
 - ``COST``: a ``cost.NodeCost``, written by ``cost.annotate``; read by the planner and the partitioner.
+- ``REGION``: on the collectives at the borders of tensor parallelism's regions, written by
+  ``tensor_parallel_pass``: ``"entry"`` (Megatron's f before the columns), ``"split entry"`` (a split before a
+  row-parallel linear alone) or ``"exit"`` (the all-reduce of the rows' partial sums). Read by sequence
+  parallelism, which gathers the sequence at the entries and reduce-scatters it at the exits.
 
 On ``GraphModule.meta``:
 - ``FALLBACKS``: the ops a pass ran replicated for want of a rule, with the warning each gave
@@ -49,6 +53,7 @@ COST = "autoshard_cost"
 FALLBACKS = "autoshard_fallbacks"
 PARTIAL_OUTPUT = "autoshard_partial_output"
 LOCAL = "autoshard_local_val"
+REGION = "autoshard_region"
 SHAPES = (VAL, LOCAL)  # what a node standing for another takes of its metadata about the value
 
 

@@ -12,7 +12,8 @@ along the sequence over the same tp ranks:
 - in between, ops run on each rank's 1/tp of the tokens. A replicated weight read there (a norm's) gets a
   gradient from this rank's tokens only, so its read gets an f: its gradient is summed over tp.
 
-Where the sequence is, is found as context parallelism finds it (``plan_context_parallel`` on the same graph):
+The regions are read from what tensor parallelism recorded at their borders (``meta.REGION`` on its f's, splits
+and all-reduces), not found again. Where the sequence is, is found as context parallelism finds it (``plan_context_parallel`` on the same graph):
 the tp graph is propagated once with the sequence split from the inputs, and every all-reduce whose value
 carries that split dim becomes a reduce-scatter along it. Then a propagation on the tp axis from those
 reduce-scatters decides every other value, and ``apply_placements`` inserts what it asks for (a scatter where a
@@ -34,7 +35,6 @@ from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import (
     CopyToParallel,
     GatherFromParallel,
-    ReduceFromParallel,
     ScatterToParallel,
     _ParallelOp,
 )
@@ -174,7 +174,7 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     from_inputs = _from_inputs(gm)
     exits = {}
     for node in gm.graph.nodes:
-        if node.op != "call_module" or type(gm.get_submodule(node.target)) is not ReduceFromParallel:
+        if node.op != "call_module" or node.meta.get(meta.REGION) != "exit":
             continue
         where = probe.of(node.args[0])
         if isinstance(where, Shard) and where.blocks is None and _feeds_residual(node, from_inputs):
@@ -216,10 +216,10 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
-        module = gm.get_submodule(node.target)
-        if type(module) is CopyToParallel:
+        module, border = gm.get_submodule(node.target), node.meta.get(meta.REGION)
+        if border == "entry":
             _swap(gm, node, _EntryMark(group=group, size=size, rank=rank))
-        elif type(module) is ScatterToParallel:
+        elif border == "split entry":
             marked = _SplitEntryMark(group=group, size=size, rank=rank, dim=module.dim, blocks=module.blocks)
             _swap(gm, node, marked)
             entries.append((node, module))

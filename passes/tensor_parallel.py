@@ -38,7 +38,7 @@ from torch import fx
 from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
-from autoshard.passes.collectives import local_indices
+from autoshard.passes.collectives import CopyToParallel, ReduceFromParallel, ScatterToParallel, local_indices
 from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
 from autoshard.passes.rules import arg, is_table_lookup
@@ -808,11 +808,24 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
     if size == 1:
         return gm
     shard_axis(gm, tensor_axis(size, mark_entries=mark_entries), plan.placements(), rank=rank, group=group)
+    _record_regions(gm)
     _shard_parameters(gm, plan, rank)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+_BORDERS = {CopyToParallel: "entry", ScatterToParallel: "split entry", ReduceFromParallel: "exit"}
+
+
+def _record_regions(gm: fx.GraphModule) -> None:
+    """Where this rank's regions begin and end, on the collectives tp put at their borders (``meta.REGION``)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.meta.get(meta.AXIS) == "tp":
+            border = _BORDERS.get(type(gm.get_submodule(node.target)))
+            if border is not None:
+                node.meta[meta.REGION] = border
 
 
 def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -> None:
