@@ -47,6 +47,8 @@ FULL_ONLY = {
     "tests/test_training_loop.py::test_t5_with_its_embeddings_and_head_tied_is_exact[dp2xtp2xpp2]":
         "the same test at tp2xpp2 (the cross-attention's input gradient summed over tp before it is sent back), "
         "and the dp2 x tp2 x pp2 goldens of test_composition.py",
+    "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[titan]":
+        "the same test's sdpa_gqa cell (8 ranks, the kv heads repeated for the all-to-all), and titan's tp=4 cells",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
         "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
     **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
