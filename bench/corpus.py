@@ -198,7 +198,7 @@ def fingerprints(buildable: list[str], meshes: list[str], path: Path, against: P
                 case = build(name)
                 found[name][label] = fingerprint(case.model, case.inputs, case.target, case.loss_fn,
                                                  *cells.MESHES[label])
-                path.write_text(json.dumps(found, indent=1, sort_keys=True))
+                save(found, path)  # through a temporary file: a run stopped mid-write keeps what it had
             if label in old.get(name, {}) and old[name][label] != found[name][label]:
                 moved.append(f"{label} {name}")
             print(f"programs {label:12s} {name:28s} {'MOVED' if moved and moved[-1] == f'{label} {name}' else ''}",
