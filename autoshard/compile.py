@@ -53,8 +53,6 @@ class RankBuild:
     options: CompileOptions
     programs: dict[int, codegen.RankProgram]  # this rank's programs, by stage (0 without pipelining)
     plan: JobPlan | None = None  # the job's decisions this build was made from
-    tp_plan: TensorParallelPlan | None = None
-    cp_plan: ContextParallelPlan | None = None
     partition: Partition | None = None
     stages: list[Stage] = field(default_factory=list)  # every stage, its specs at global shapes (empty without pp)
     local_specs: dict[int, tuple[list[TensorSpec], list[TensorSpec]]] = field(default_factory=dict)  # this rank's
@@ -67,6 +65,14 @@ class RankBuild:
     actions: schedules.Schedule | None = None
     checks: InputChecks | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def tp_plan(self) -> TensorParallelPlan | None:
+        return self.plan.tp_plan if self.plan is not None else None
+
+    @property
+    def cp_plan(self) -> ContextParallelPlan | None:
+        return self.plan.cp_plan if self.plan is not None else None
 
     @property
     def rank(self) -> int:
@@ -193,8 +199,7 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
     """Everything the rank at ``coords`` runs for ``captured`` under ``plan`` (made by ``job_plan.plan_job``)."""
     mesh, options = plan.mesh, plan.options
     coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
-    build = RankBuild(captured, mesh, coords, options, programs={}, plan=plan, tp_plan=plan.tp_plan,
-                      cp_plan=plan.cp_plan, notes=list(plan.notes))
+    build = RankBuild(captured, mesh, coords, options, programs={}, plan=plan, notes=list(plan.notes))
     sharding = codegen.Sharding(
         tp_plan=plan.tp_plan, tp_rank=coords["tp"], cp_plan=plan.cp_plan, cp_rank=coords["cp"], sp_plan=plan.sp_plan,
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,

@@ -16,13 +16,16 @@ job can be compared by it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx, nn
 
 from autoshard import codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured
@@ -219,7 +222,7 @@ def _sp_plan(captured: Captured, plan: JobPlan, notes: list[str]) -> ContextPara
     except SequenceParallelError as e:
         if options.sequence_parallel != "auto":
             raise
-        notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        notes.append(_SP_OFF + str(e))
         return None
 
 
@@ -258,19 +261,38 @@ def _pipeline(captured: Captured, plan: JobPlan, earlier: JobPlan | None) -> Non
 
 
 def _settle_sequence_parallel(captured: Captured, plan: JobPlan, notes: list[str]) -> None:
-    """Under ``"auto"``: build every stage of tp rank 0 once; where sequence parallelism finds that it cannot split
-    the sharded graph (a split value the model detaches, ...), the plan leaves it off, with a note."""
+    """Under ``"auto"``: build every stage of tp rank 0 once, on parameters that hold no data and without a word
+    (the rank's own build says what it finds); where sequence parallelism finds that it cannot split the sharded
+    graph (a split value the model detaches, ...), the plan leaves it off, with a note."""
     sharding = codegen.Sharding(tp_plan=plan.tp_plan, cp_plan=plan.cp_plan, sp_plan=plan.sp_plan,
                                 training=captured.with_loss)
     try:
-        if plan.mesh.pp == 1:
-            codegen.build(captured, sharding)
-        else:
-            stages = plan.mesh.pp * plan.options.chunks
-            codegen.build_stages(captured, sharding, plan.partition.stage_of, stages, list(range(stages)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trial = _weightless(captured)
+            if plan.mesh.pp == 1:
+                codegen.build(trial, sharding)
+            else:
+                stages = plan.mesh.pp * plan.options.chunks
+                codegen.build_stages(trial, sharding, plan.partition.stage_of, stages, list(range(stages)))
     except SequenceParallelError as e:
-        notes.append(f"sequence_parallel='auto' leaves sequence parallelism off: {e}")
+        notes.append(_SP_OFF + str(e))
         plan.sp_plan = None
+
+
+_SP_OFF = "sequence_parallel='auto' leaves sequence parallelism off: "
+
+
+def _weightless(captured: Captured) -> Captured:
+    """The capture with its parameters on ``meta`` (its graph copied, its buffers shared): a trial build then
+    allocates no shards. A parameter held by a module the graph calls is shared with the capture and kept."""
+    gm = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+    for name, p in list(gm.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        container = gm.get_submodule(owner) if owner else gm
+        if container is not (captured.gm.get_submodule(owner) if owner else captured.gm):
+            setattr(container, attr, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+    return dataclasses.replace(captured, gm=gm)
 
 
 _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5,

@@ -17,8 +17,9 @@ Written by autoshard:
   parallelism (``passes.sharding``); sequence parallelism drops them once it has read them.
 - ``COST``: a ``cost.NodeCost``, written by ``cost.annotate``; read by the planner and the partitioner.
 - ``REGION``: on the collectives at the borders of tensor parallelism's regions, written by
-  ``tensor_parallel_pass``: ``"entry"`` (Megatron's f before the columns), ``"split entry"`` (a split before a
-  row-parallel linear alone) or ``"exit"`` (the all-reduce of the rows' partial sums). Read by sequence
+  ``tensor_parallel_pass``: ``"entry"`` (Megatron's f before the columns), ``"split entry"`` (a replicated value split
+  where a split consumer reads it, such as a row-parallel linear alone) or ``"exit"`` (the all-reduce of the rows'
+  partial sums). Read by sequence
   parallelism, which gathers the sequence at the entries and reduce-scatters it at the exits.
 
 On ``GraphModule.meta``:

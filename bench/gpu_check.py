@@ -89,6 +89,8 @@ def one_rank(device: str) -> dict:
 
 def two_ranks(device: str, out: Path, timeout: float) -> dict:
     """Every axis's golden cell on two processes sharing ``device``, joined by gloo over loopback."""
+    for rank in (0, 1):  # a run that dies before its first cell must not report an earlier run's results
+        out.with_name(f"{out.stem}.rank{rank}.json").unlink(missing_ok=True)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                __file__, "--worker", "--device", device, "--out", str(out)]
@@ -383,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         write()
     print(args.out.read_text())
     failed = [n for n, r in results.get("one_rank", {}).items() if not r.get("ok")] + [
-        c for c, *_ in TWO_RANKS if not all(r.get("ok") for r in results.get("two_ranks", {}).get(c, {}).values())]
+        c for c, *_ in TWO_RANKS if not all(r.get("ok") for r in results.get("two_ranks", {}).get(c, {}).values())] + [
+        f"{part} ({r['error']})" for part in ("one_rank", "two_ranks") if "error" in (r := results.get(part, {}))] + [
+        f"throughput {label}" for label, r in results.get("throughput", {}).items()
+        if isinstance(r, dict) and "error" in r]
     if failed:
         print(f"gpu-check: not exact: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -454,10 +454,12 @@ def _grouped_kv_heads(node: fx.Node, kv: fx.Node, heads: int, size: int) -> fx.N
         return kv
     with node.graph.inserting_before(node):
         repeated = node.graph.call_function(aten.repeat_interleave.self_int, (kv, repeats, heads))
-    val = meta.val(kv)
-    repeated.meta.update({k: v for k, v in kv.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
-    repeated.meta[meta.VAL] = torch.empty((*val.shape[:heads], count * repeats, *val.shape[heads + 1:]),
-                                          dtype=val.dtype, device="meta")
+    repeated.meta.update(meta.standing_for(kv))
+    for key in meta.SHAPES:  # the whole and what this rank holds, each with its heads repeated
+        if key in repeated.meta:
+            val = repeated.meta[key]
+            shape = (*val.shape[:heads], val.shape[heads] * repeats, *val.shape[heads + 1:])
+            repeated.meta[key] = torch.empty(shape, dtype=val.dtype, device="meta")
     return repeated
 
 

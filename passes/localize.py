@@ -284,9 +284,9 @@ def grouped_query_attention(node: fx.Node, rw: Rewriter) -> None:
         start, stop = grouped_kv_heads(meta.global_val(node).shape[heads], val.shape[heads], rw.size, rw.rank)
         with node.graph.inserting_before(node):
             args[i] = node.graph.call_function(aten.slice.Tensor, (t, heads, start, stop))
-        args[i].meta.update({k: v for k, v in t.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
+        args[i].meta.update(meta.standing_for(t))  # the whole k or v, and (below) the heads this rank reads of it
         shape = (*val.shape[:heads], stop - start, *val.shape[heads + 1:])
-        args[i].meta[meta.VAL] = torch.empty(shape, dtype=val.dtype, device="meta")
+        args[i].meta[meta.LOCAL] = torch.empty(shape, dtype=val.dtype, device="meta")
     node.args = tuple(args)
 
 

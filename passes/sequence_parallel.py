@@ -13,12 +13,12 @@ along the sequence over the same tp ranks:
   gradient from this rank's tokens only, so its read gets an f: its gradient is summed over tp.
 
 The regions are read from what tensor parallelism recorded at their borders (``meta.REGION`` on its f's, splits
-and all-reduces), not found again. Where the sequence is, is found as context parallelism finds it (``plan_context_parallel`` on the same graph):
-the tp graph is propagated once with the sequence split from the inputs, and every all-reduce whose value
-carries that split dim becomes a reduce-scatter along it. Then a propagation on the tp axis from those
-reduce-scatters decides every other value, and ``apply_placements`` inserts what it asks for (a scatter where a
-replicated value meets a split one, a gather where a whole sequence is needed), tensor parallelism's way: a
-replicated value's gradient is whole on every rank.
+and all-reduces), not found again. Where the sequence is, is found as context parallelism finds it
+(``plan_context_parallel`` on the same graph): the tp graph is propagated once with the sequence split from the
+inputs, and every all-reduce whose value carries that split dim becomes a reduce-scatter along it. Then a
+propagation on the tp axis from those reduce-scatters decides every other value, and ``apply_placements`` inserts
+what it asks for (a scatter where a replicated value meets a split one, a gather where a whole sequence is
+needed), tensor parallelism's way: a replicated value's gradient is whole on every rank.
 """
 
 from __future__ import annotations

@@ -515,4 +515,17 @@ MUTANTS = (
            'elif node.op == "call_function" and any(n in found for n in node.all_input_nodes):',
            "a value computed from another axis's collective by parameter-free ops is taken for one without gradient",
            ("tests/test_sequence_parallel.py::test_golden_sequence_parallel_where_a_whole_summary_gates_split_tokens",)),
+    Mutant("gqa-kv-heads-tiled", "passes/rules_nn.py",
+           "    return rank * per_rank // group, ((rank + 1) * per_rank - 1) // group + 1",
+           "    return rank % kv, rank % kv + 1",
+           "under enable_gqa a rank's query heads read kv head rank % kv heads instead of the one h // group names",
+           ("tests/test_rules_layers.py::test_grouped_query_attention_split_by_query_heads[heads8-kv2-tp4-causal]",
+            "tests/test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads"
+            "[sdpa_gqa-tp4-kv2]")),
+    Mutant("gqa-alltoall-kv-tiled", "passes/context_parallel.py",
+           "        repeated = node.graph.call_function(aten.repeat_interleave.self_int, (kv, repeats, heads))",
+           "        repeated = node.graph.call_function(aten.repeat.default, (kv, [repeats if d == heads else 1 "
+           "for d in range(meta.val(kv).dim())]))",
+           "the all-to-all repeats the kv heads tiled (h % kv) instead of interleaved: cp ranks read other kv heads",
+           ("tests/test_rules_layers.py::test_grouped_query_attention_all_to_all[contiguous-1-2]",)),
 )

@@ -47,8 +47,9 @@ def _every_rank(captured, plan: JobPlan) -> list[RankBuild]:
 
 
 def _graph(captured) -> list[tuple]:
-    """What a pass could change of a captured graph: its code, and every node's name, op, arguments and shape."""
-    return [captured.gm.code] + [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+    """What a pass could change of a captured graph: its code, and every node's name, op, arguments, metadata keys
+    and shape."""
+    return [captured.gm.code] + [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), sorted(n.meta),
                                   tuple(v.shape) if isinstance(v := n.meta.get("val"), torch.Tensor) else None)
                                  for n in captured.gm.graph.nodes]
 
