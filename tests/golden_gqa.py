@@ -27,6 +27,7 @@ from torch import nn
 import autoshard
 
 from golden import groups_for
+from models import rotate_half
 
 BATCH, SEQ, HEADS, HEAD_DIM, FFN, VOCAB = 3, 12, 8, 6, 56, 72
 HIDDEN = HEADS * HEAD_DIM
@@ -40,11 +41,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class TitanAttention(nn.Module):
@@ -97,7 +93,7 @@ class MistralAttention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, self.n_heads, HEAD_DIM)
         xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, HEAD_DIM)
         xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, HEAD_DIM)
-        xq, xk = xq * cos + _rotate_half(xq) * sin, xk * cos + _rotate_half(xk) * sin  # cos: (slen, 1, hd)
+        xq, xk = xq * cos + rotate_half(xq) * sin, xk * cos + rotate_half(xk) * sin  # cos: (slen, 1, hd)
         key = torch.repeat_interleave(xk, repeats=self.repeats, dim=2)  # (bsz, slen, nh, hd)
         value = torch.repeat_interleave(xv, repeats=self.repeats, dim=2)
         xq, key, value = xq.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (bsz, nh, slen, hd)
@@ -160,7 +156,7 @@ class HeadsFirstAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2)  # (b, nkv, t, hd)
         v = self.v_proj(x).view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2)
         cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)  # (1, t, hd)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if self.how == "sdpa_gqa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
