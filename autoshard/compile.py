@@ -48,11 +48,9 @@ class RankBuild:
     """What the compiler decided for the rank at ``coords`` of ``mesh`` from one capture."""
 
     captured: Captured
-    mesh: Mesh
+    plan: JobPlan  # the job's decisions this build was made from: its mesh, options, tp and cp plans
     coords: dict[str, int]
-    options: CompileOptions
     programs: dict[int, codegen.RankProgram]  # this rank's programs, by stage (0 without pipelining)
-    plan: JobPlan | None = None  # the job's decisions this build was made from
     partition: Partition | None = None
     stages: list[Stage] = field(default_factory=list)  # every stage, its specs at global shapes (empty without pp)
     local_specs: dict[int, tuple[list[TensorSpec], list[TensorSpec]]] = field(default_factory=dict)  # this rank's
@@ -67,12 +65,20 @@ class RankBuild:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def mesh(self) -> Mesh:
+        return self.plan.mesh
+
+    @property
+    def options(self) -> CompileOptions:
+        return self.plan.options
+
+    @property
     def tp_plan(self) -> TensorParallelPlan | None:
-        return self.plan.tp_plan if self.plan is not None else None
+        return self.plan.tp_plan
 
     @property
     def cp_plan(self) -> ContextParallelPlan | None:
-        return self.plan.cp_plan if self.plan is not None else None
+        return self.plan.cp_plan
 
     @property
     def rank(self) -> int:
@@ -165,7 +171,7 @@ class RankBuild:
     def batched_outputs(self) -> list[bool] | None:
         """For each flat output of an inference capture: whether it carries the capture's batch along dim 0 (so
         dp ranks may compute slices of a batch and gather them). None when an op mixes the batch."""
-        gm = codegen.prepare(self.captured, self.plan.splits if self.plan else None)  # without export's guards
+        gm = codegen.prepare(self.captured, self.plan.splits)  # without export's shape guards
         batch = next((s[0] for s in self.captured.input_shapes if isinstance(s, tuple) and s), None)
         seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder" and _leading_dim(n) == batch}
         prop = propagate(gm, seeds, Axis("dp", max(self.mesh.dp, 2)), outputs=Outputs.KEPT)
@@ -197,9 +203,9 @@ def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, 
 def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, groups: MeshGroups | None = None,
                  store: codegen.ParamStore | None = None) -> RankBuild:
     """Everything the rank at ``coords`` runs for ``captured`` under ``plan`` (made by ``job_plan.plan_job``)."""
-    mesh, options = plan.mesh, plan.options
+    mesh = plan.mesh
     coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
-    build = RankBuild(captured, mesh, coords, options, programs={}, plan=plan, notes=list(plan.notes))
+    build = RankBuild(captured, plan, coords, programs={}, notes=list(plan.notes))
     sharding = codegen.Sharding(
         tp_plan=plan.tp_plan, tp_rank=coords["tp"], cp_plan=plan.cp_plan, cp_rank=coords["cp"], sp_plan=plan.sp_plan,
         tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
