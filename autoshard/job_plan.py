@@ -34,7 +34,7 @@ from autoshard.options import CompileOptions
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import split_pipeline
-from autoshard.passes.placements import Shard
+from autoshard.passes.placements import Shard, local_shape
 from autoshard.passes.sequence_parallel import SequenceParallelError
 from autoshard.passes.tensor_parallel import plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
@@ -135,10 +135,8 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
 def tp_local_shape(captured: Captured, tp_plan: TensorParallelPlan | None, tp: int, name: str) -> tuple[int, ...]:
     """The shape of parameter ``name``'s tp shard (padded up to a multiple of tp, as the tp pass pads it)."""
     placement = tp_plan.params[name].placement if tp_plan is not None and name in tp_plan.params else None
-    shape = list(captured.gm.get_parameter(name).shape)
-    if isinstance(placement, Shard) and tp > 1:
-        shape[placement.dim] = -(-shape[placement.dim] // tp)
-    return tuple(shape)
+    shape = tuple(captured.gm.get_parameter(name).shape)
+    return local_shape(shape, placement, tp) if isinstance(placement, Shard) and tp > 1 else shape
 
 
 def spread_bytes(captured: Captured, plan: JobPlan, holders: dict[str, frozenset[int]]) -> dict[str, int]:

@@ -18,8 +18,9 @@ Written by autoshard:
 - ``COST``: a ``cost.NodeCost``, written by ``cost.annotate``; read by the planner and the partitioner.
 - ``REGION``: on the collectives at the borders of tensor parallelism's regions, written by
   ``tensor_parallel_pass``: ``"entry"`` (Megatron's f before the columns), ``"split entry"`` (a replicated value split
-  where a split consumer reads it, such as a row-parallel linear alone) or ``"exit"`` (the all-reduce of the rows'
-  partial sums). Read by sequence
+  where a split consumer reads it, such as a row-parallel linear alone), ``"whole entry"`` (``ReadWhole``: the input of
+  a fused column's blocks every rank computes whole) or ``"exit"`` (the all-reduce of the rows' partial sums). Read
+  by sequence
   parallelism, which gathers the sequence at the entries and reduce-scatters it at the exits.
 
 On ``GraphModule.meta``:

@@ -162,10 +162,18 @@ def planned_share(name: str, tp: int) -> dict:
     local = {n: p for program in built.programs.values() for n, p in program.gm.named_parameters()}
     size = lambda p: p.numel() * p.element_size()  # noqa: E731
     total = sum(size(full[n]) for n in local)
-    whole = sum(size(full[n]) for n in local if built.tp_plan.params[n].role == "replicated"
-                and (full[n].dim() <= 1 or built.tp_plan.params[n].reason.startswith("heads duplicated")))
+    whole = sum(_held_whole(built.tp_plan.params[n], full[n]) * size(full[n]) for n in local)
     return {"share": sum(size(p) for p in local.values()) / total,
             "allowed": 1 / tp + whole / total * (1 - 1 / tp) + SLACK}
+
+
+def _held_whole(planned, full) -> float:
+    """The part of a parameter every rank holds whole on purpose: a norm weight, a bias, duplicated kv heads (a
+    k or v projection kept whole, or a fused projection's k and v blocks)."""
+    if planned.role == "replicated":
+        return float(full.dim() <= 1 or planned.reason.startswith("heads duplicated"))
+    placement = getattr(planned.placement, "whole", ())
+    return sum(planned.placement.blocks[i] for i in placement) / sum(planned.placement.blocks) if placement else 0.0
 
 
 def writes_of(name: str) -> dict:

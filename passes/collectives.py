@@ -9,7 +9,8 @@ Terms:
 - **shard**: the part of a tensor one rank holds along one dim. A plain shard is the rank-th 1/size slice.
 - **blocked shard**: the dim is made of consecutive blocks given by their global sizes, e.g. a fused q, k, v
   projection ``(48, 48, 48)`` or the same with grouped-query attention ``(48, 24, 24)``; a rank holds the
-  rank-th 1/size part of *each* block, concatenated in block order. ``blocks=None`` means one block.
+  rank-th 1/size part of *each* block, concatenated in block order. ``blocks=None`` means one block. Blocks
+  named ``whole`` are held whole by every rank (the kv heads of a fused projection the degree does not divide).
 - **partial**: a value of which each rank holds a summand; the full value is the sum over the group
   (the output of a row-parallel matmul or of a vocab-parallel embedding lookup).
 
@@ -56,51 +57,69 @@ _REDUCTIONS = ("mean", "sum", "none")
 # Blocked-shard index math (pure: no processes)
 
 
-def check_blocks(n: int, size: int, blocks: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The global block sizes of a dim of size ``n`` (one block when ``blocks`` is None), validated for ``size``."""
+def check_blocks(n: int, size: int, blocks: Sequence[int] | None = None, whole: Sequence[int] = ()) -> tuple[int, ...]:
+    """The global block sizes of a dim of size ``n`` (one block when ``blocks`` is None), validated for ``size``;
+    the blocks ``whole`` indexes are held whole by every rank, so need not divide."""
     blocks = (n,) if blocks is None else tuple(int(b) for b in blocks)
     if sum(blocks) != n:
         raise ValueError(f"blocks {blocks} add up to {sum(blocks)}, but the dim has size {n}; "
                          f"give the global block sizes, which must add up to {n}")
-    uneven = [b for b in blocks if b % size]
+    uneven = [b for i, b in enumerate(blocks) if b % size and i not in whole]
     if uneven:
         raise ValueError(f"blocks {uneven} of {blocks} do not divide by the degree {size}; "
                          f"use a degree that divides every block, or pad the blocks")
     return blocks
 
 
-def local_indices(n: int, rank: int, size: int, blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """The global indices along a dim of size ``n`` that ``rank`` holds, in its local order."""
-    parts, start = [], 0
-    for block in check_blocks(n, size, blocks):
-        part = block // size
-        parts.append(torch.arange(start + rank * part, start + (rank + 1) * part))
-        start += block
-    return torch.cat(parts)
-
-
-def shard(x: torch.Tensor, dim: int, rank: int, size: int, blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's (blocked) shard of ``x`` along ``dim``: ``x.index_select(dim, local_indices(...))``."""
+def _pieces(n: int, rank: int, size: int, blocks, whole) -> list[tuple[int, int]]:
+    """(start, length) along the dim of each piece ``rank`` holds, in its local order."""
     pieces, start = [], 0
-    for block in check_blocks(x.shape[dim], size, blocks):
-        part = block // size
-        pieces.append(x.narrow(dim, start + rank * part, part))
+    for i, block in enumerate(check_blocks(n, size, blocks, whole)):
+        part = block if i in whole else block // size
+        pieces.append((start if i in whole else start + rank * part, part))
         start += block
+    return pieces
+
+
+def local_indices(n: int, rank: int, size: int, blocks: Sequence[int] | None = None,
+                  whole: Sequence[int] = ()) -> torch.Tensor:
+    """The global indices along a dim of size ``n`` that ``rank`` holds, in its local order."""
+    return torch.cat([torch.arange(start, start + part) for start, part in _pieces(n, rank, size, blocks, whole)])
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, size: int, blocks: Sequence[int] | None = None,
+          whole: Sequence[int] = ()) -> torch.Tensor:
+    """This rank's (blocked) shard of ``x`` along ``dim``: ``x.index_select(dim, local_indices(...))``."""
+    pieces = [x.narrow(dim, start, part) for start, part in _pieces(x.shape[dim], rank, size, blocks, whole)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def unshard(parts: Sequence[torch.Tensor], dim: int, blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """The global tensor from every rank's (blocked) shard, ``parts`` ordered by rank; the inverse of ``shard``."""
+def unshard(parts: Sequence[torch.Tensor], dim: int, blocks: Sequence[int] | None = None,
+            whole: Sequence[int] = ()) -> torch.Tensor:
+    """The global tensor from every rank's (blocked) shard, ``parts`` ordered by rank; the inverse of ``shard``
+    (a block held whole is taken from the first part: every rank holds the same)."""
     size = len(parts)
-    blocks = check_blocks(parts[0].shape[dim] * size, size, blocks)
+    n = sum(blocks) if blocks is not None else parts[0].shape[dim] * size
+    blocks = check_blocks(n, size, blocks, whole)
     if len(blocks) == 1:
         return torch.cat(list(parts), dim)
     pieces, offset = [], 0
-    for block in blocks:
-        part = block // size
-        pieces.extend(p.narrow(dim, offset, part) for p in parts)
+    for i, block in enumerate(blocks):
+        part = block if i in whole else block // size
+        pieces.extend(p.narrow(dim, offset, part) for p in (parts[:1] if i in whole else parts))
         offset += part
     return torch.cat(pieces, dim)
+
+
+def local_part(full: torch.Tensor, placement, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``full`` under a ``Shard`` placement: its blocks (some perhaps held whole), or its
+    chunk of a dim the degree does not divide, padded up with zeros first (a padded vocabulary)."""
+    dim = placement.dim
+    if placement.blocks is None and full.shape[dim] % size:
+        extra = list(full.shape)
+        extra[dim] = -full.shape[dim] % size
+        full = torch.cat([full, full.new_zeros(extra)], dim)
+    return shard(full, dim, rank, size, placement.blocks, placement.whole)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,13 +135,14 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, size: int, blocks: tuple[int, ...] | None, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, size: int, blocks: tuple[int, ...] | None, group,
+                whole: tuple[int, ...] = ()) -> torch.Tensor:
     if group is None:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
-    return unshard(parts, dim, blocks)
+    return unshard(parts, dim, blocks, whole)
 
 
 class _Copy(torch.autograd.Function):
@@ -148,26 +168,26 @@ class _Reduce(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, size, blocks, group):
-        ctx.args = (dim, rank, size, blocks)
-        return _all_gather(x, dim, size, blocks, group)
+    def forward(ctx, x, dim, rank, size, blocks, group, whole=()):
+        ctx.args = (dim, rank, size, blocks, whole)
+        return _all_gather(x, dim, size, blocks, group, whole)
 
     @staticmethod
     def backward(ctx, grad):
         if grad.layout != torch.strided:  # a sparse gradient (an embedding with sparse=True, run replicated)
             grad = grad.to_dense()
-        return shard(grad, *ctx.args).contiguous(), None, None, None, None, None
+        return shard(grad, *ctx.args).contiguous(), None, None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, rank, size, blocks, group):
-        ctx.args = (dim, size, blocks, group)
-        return shard(x, dim, rank, size, blocks).contiguous()
+    def forward(ctx, x, dim, rank, size, blocks, group, whole=()):
+        ctx.args = (dim, size, blocks, group, whole)
+        return shard(x, dim, rank, size, blocks, whole).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, *ctx.args), None, None, None, None, None
+        return _all_gather(grad, *ctx.args), None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,6 +259,25 @@ class CopyToParallel(_ParallelOp):
         return 0, (_numel(input_shape) * elem_size if self.size > 1 else 0)
 
 
+class ReadWhole(_ParallelOp):
+    """The input of blocks every rank computes whole (the k and v of a fused projection whose kv heads the degree
+    does not divide), beside an f that feeds the split blocks: the identity both ways, since their gradient is
+    whole on every rank, not a part to sum. A region's entry all the same: sequence parallelism gathers the
+    sequence here, and splits the gradient back without summing it."""
+
+    kind, backward_kind = "identity", "identity"
+    calls = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
+        return 0, 0
+
+
 class ReduceFromParallel(_ParallelOp):
     """Megatron's g: sums a partial value over the group; the gradient of a sum is passed through."""
 
@@ -256,16 +295,18 @@ class ReduceFromParallel(_ParallelOp):
 
 class _AlongDim(_ParallelOp):
     def __init__(self, *, group: ProcessGroup | None, size: int, rank: int, dim: int,
-                 blocks: Sequence[int] | None = None) -> None:
+                 blocks: Sequence[int] | None = None, whole: Sequence[int] = ()) -> None:
         super().__init__(group=group, size=size, rank=rank)
         self.dim = dim
         self.blocks = None if blocks is None else tuple(int(b) for b in blocks)
+        self.whole = tuple(whole)
         if self.blocks is not None:
-            check_blocks(sum(self.blocks), size, self.blocks)
+            check_blocks(sum(self.blocks), size, self.blocks, self.whole)
 
     def extra_repr(self) -> str:
         blocks = "" if self.blocks is None else f", blocks={self.blocks}"
-        return f"dim={self.dim}{blocks}, size={self.size}, rank={self.rank}"
+        whole = f", whole={self.whole}" if self.whole else ""
+        return f"dim={self.dim}{blocks}{whole}, size={self.size}, rank={self.rank}"
 
 
 class GatherFromParallel(_AlongDim):
@@ -274,7 +315,7 @@ class GatherFromParallel(_AlongDim):
     kind, backward_kind = "all_gather", "split"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(x, self.dim, self.rank, self.size, self.blocks, self._run_group())
+        return _Gather.apply(x, self.dim, self.rank, self.size, self.blocks, self._run_group(), self.whole)
 
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return (_numel(input_shape) * self.size * elem_size if self.size > 1 else 0), 0
@@ -286,7 +327,7 @@ class ScatterToParallel(_AlongDim):
     kind, backward_kind = "split", "all_gather"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Scatter.apply(x, self.dim, self.rank, self.size, self.blocks, self._run_group())
+        return _Scatter.apply(x, self.dim, self.rank, self.size, self.blocks, self._run_group(), self.whole)
 
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, (_numel(input_shape) * elem_size if self.size > 1 else 0)

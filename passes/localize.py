@@ -16,6 +16,7 @@ consulted first; no axis changes the shared table.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
 
@@ -25,6 +26,7 @@ from torch import fx
 from autoshard import meta
 from autoshard.passes.collectives import (
     CopyToParallel,
+    ReadWhole,
     ReduceFromParallel,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
@@ -193,8 +195,27 @@ def _split(node: fx.Node, rw: Rewriter) -> None:
         return
     rw.even_parts(f"{node.target}")
     sizes = node.args[1]
+    if source.whole:  # pieces of whole blocks, some held whole: each piece's size here
+        sizes = [int(t.shape[source.dim]) for t in meta.global_val(node)]
+        edges = [_local_edge(source, e, rw.size) for e in itertools.accumulate(sizes, initial=0)]
+        local = [b - a for a, b in itertools.pairwise(edges)]
+        node.target, node.args = aten.split_with_sizes.default, (node.args[0], local, *node.args[2:])
+        return
     local = [s // rw.size for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // rw.size
     node.args = (node.args[0], local, *node.args[2:])
+
+
+def _local_edge(source: Shard, edge: int, size: int) -> int:
+    """Where the block edge ``edge`` (a global index along the split dim) lies in this rank's part."""
+    local = start = 0
+    for i, block in enumerate(source.blocks):
+        if start == edge:
+            return local
+        local += block if i in source.whole else block // size
+        start += block
+    if start == edge:
+        return local
+    raise ValueError(f"{edge} is not an edge of the blocks {source.blocks}")
 
 
 @localizer(aten.slice.Tensor)
@@ -204,10 +225,15 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
 
     source = rw.placement(node.args[0])
     shape = meta.val(rw.original(node.args[0])).shape
-    if (not isinstance(source, Shard) or not isinstance(rw.placement(node), Shard)
+    held = isinstance(rw.placement(node), Shard) or isinstance(source, Shard) and bool(source.whole)
+    if (not isinstance(source, Shard) or not held
             or arg(node, "dim") % len(shape) != source.dim or slice_bounds(node, shape[source.dim]) is None):
         return
     start, end = slice_bounds(node, shape[source.dim])
+    if source.whole:  # blocks of a split holding some whole (k of a fused q, k, v): where they lie here
+        edges = (_local_edge(source, start, rw.size), _local_edge(source, end, rw.size))
+        node.args, node.kwargs = (node.args[0], source.dim, *edges, 1), {}
+        return
     if source.blocks is None:  # the whole dim (x[:, -n:] of a dim of n): the whole local part, not its last n
         node.args, node.kwargs = (node.args[0], source.dim, 0, None, 1), {}
         return
@@ -291,6 +317,51 @@ def grouped_query_attention(node: fx.Node, rw: Rewriter) -> None:
 
 
 @localizer(aten.linear.default, aten.addmm.default)
+def _linear(node: fx.Node, rw: Rewriter) -> None:
+    placement = rw.placement(arg(node, "weight" if node.target is aten.linear.default else "mat2"))
+    if isinstance(placement, Shard) and placement.whole:
+        _column_with_whole_blocks(node, rw, placement)
+    else:
+        _row_linear(node, rw)
+
+
+def _column_with_whole_blocks(node: fx.Node, rw: Rewriter, placement: Shard) -> None:
+    """A fused column holding some blocks whole (k and v, kv heads the degree does not divide): their outputs are
+    whole on every rank, and so are their gradients, which must not be summed over the ranks as the split blocks'
+    are. So the split blocks read the input through Megatron's f, the whole ones through ``ReadWhole`` (no sum):
+    one linear per run of blocks of one kind, joined in block order."""
+    x, w, b = node.args[0], node.args[1], arg(node, "bias")
+    f = x if x.op == "call_module" and isinstance(rw.gm.get_submodule(x.target), CopyToParallel) else None
+    if f is None:  # no gradient is summed into the input: the one linear is right
+        return
+    raw = rw.cached(f.args[0], "whole", lambda args: ReadWhole(**args), before=node)
+    graph, runs, start = node.graph, [], 0
+    for i, block in enumerate(placement.blocks):
+        kept = i in placement.whole
+        part = block if kept else block // rw.size
+        if runs and runs[-1][0] == kept:
+            runs[-1][2] += part
+        else:
+            runs.append([kept, start, part])
+        start += part
+    last = meta.val(node).dim() - 1
+
+    def add(op, args, shape) -> fx.Node:
+        with graph.inserting_before(node):
+            new = graph.call_function(op, args)
+        new.meta.update(node.meta)
+        new.meta[meta.VAL] = new.meta[meta.LOCAL] = torch.empty(shape, dtype=meta.val(node).dtype, device="meta")
+        return new
+
+    outs = []
+    for kept, begin, width in runs:
+        rows = add(aten.slice.Tensor, (w, 0, begin, begin + width), (width, meta.val(w).shape[1]))
+        bias = None if b is None else add(aten.slice.Tensor, (b, 0, begin, begin + width), (width,))
+        shape = (*meta.val(node).shape[:last], width)
+        outs.append(add(aten.linear.default, (raw if kept else f, rows, bias), shape))
+    rw.replace(node, add(aten.cat.default, (outs, last), (*meta.val(node).shape[:last], start)))
+
+
 def _row_linear(node: fx.Node, rw: Rewriter) -> None:
     """alpha * x @ W_local is a partial sum: all-reduce it, then add beta * bias once.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -117,8 +118,17 @@ def localizer(*ops) -> Callable:
     return register
 
 
+# The ops a split with blocks held whole may reach (the fused projection that makes it, its bias, the slices that
+# cut it into q, k and v, casts): any other is run on the gathered value, a cost that keeps the planner from it.
+WHOLE_BLOCK_OPS = {aten.linear.default, aten.add.Tensor, aten.slice.Tensor, aten.split.Tensor,
+                   aten.split_with_sizes.default, aten._to_copy.default, aten.to.dtype, operator.getitem}
+
+
 def decide(node: fx.Node, ctx: Context) -> Decision:
     """The decision for ``node``: its rule's, or the general fallback (replicate every input)."""
+    if node.target not in WHOLE_BLOCK_OPS and any(isinstance(p := ctx.of(n), Shard) and p.whole
+                                                  for n in node.all_input_nodes):
+        return replicate_all(node, ctx)
     if node.op == "call_module":
         fn = RULES.get(type(node.graph.owning_module.get_submodule(node.target)))
         return fn(node, ctx) if fn is not None else replicate_all(node, ctx)
@@ -243,29 +253,29 @@ _IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_", "copy_")
 def _pointwise(node: fx.Node, ctx: Context) -> Decision:
     out_ndim = len(ctx.shape(node))
     inputs = tensor_inputs(node)
-    shards: set[tuple[int, tuple | None]] = set()
+    shards: set[Shard] = set()
     for n in inputs:
         p = ctx.of(n)
         if isinstance(p, Shard):
-            shards.add((p.dim + out_ndim - len(ctx.shape(n)), p.blocks))
+            shards.add(p.at(p.dim + out_ndim - len(ctx.shape(n))))
     if len(shards) > 1:
         return replicate_all(node, ctx)
     if not shards and _scales_a_sum(node, ctx):
         return Decision(Partial())
     if not shards:
         return Decision(R, {n: R for n in inputs if isinstance(ctx.of(n), Partial)})
-    ((dim, blocks),) = shards
+    (out,) = shards
     want: dict[fx.Node, Placement] = {}
     for n in inputs:
         p, shape = ctx.of(n), ctx.shape(n)
         if isinstance(p, Shard):
             continue
-        d = dim - (out_ndim - len(shape))
+        d = out.dim - (out_ndim - len(shape))
         if d >= 0 and shape[d] != 1:
-            want[n] = Shard(d, blocks)  # a full-size replicated operand: each rank takes its part
+            want[n] = out.at(d)  # a full-size replicated operand: each rank takes its part
         elif isinstance(p, Partial):
             want[n] = R
-    return Decision(Shard(dim, blocks), want)
+    return Decision(out, want)
 
 
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
@@ -368,7 +378,7 @@ def _index(node: fx.Node, ctx: Context) -> Decision:
     if not isinstance(p, Shard) or p.dim < leading or any(
             not isinstance(i, fx.Node) or meta.val(i).dtype == torch.bool or ctx.of(i) != R for i in indices):
         return replicate_all(node, ctx)
-    return Decision(Shard(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading), p.blocks))
+    return Decision(p.at(p.dim - leading + len(ctx.shape(node)) - (len(ctx.shape(x)) - leading)))
 
 
 @rule(aten.index_select.default)
@@ -412,7 +422,7 @@ def _transpose(node: fx.Node, ctx: Context) -> Decision:
     names = ("dim0", "dim1") if node.target is aten.transpose.int else ("axis0", "axis1")
     a, b = (_dim(arg(node, name), ndim) for name in names)
     dim = b if p.dim == a else a if p.dim == b else p.dim
-    return Decision(Shard(dim, p.blocks))
+    return Decision(p.at(dim))
 
 
 @rule(aten.t.default, aten.numpy_T.default)
@@ -420,7 +430,7 @@ def _t(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is not None and len(ctx.shape(node)) != 2:  # numpy_T reverses every dim
         return replicate_all(node, ctx)
-    return Decision(Shard(1 - p.dim, p.blocks)) if p else _pointwise(node, ctx)
+    return Decision(p.at(1 - p.dim)) if p else _pointwise(node, ctx)
 
 
 @rule(aten.permute.default)
@@ -430,7 +440,7 @@ def _permute(node: fx.Node, ctx: Context) -> Decision:
         return _pointwise(node, ctx)
     ndim = len(ctx.shape(node))
     order = [_dim(d, ndim) for d in arg(node, "dims")]
-    return Decision(Shard(order.index(p.dim), p.blocks))
+    return Decision(p.at(order.index(p.dim)))
 
 
 @rule(aten.movedim.int)
@@ -442,7 +452,7 @@ def _movedim(node: fx.Node, ctx: Context) -> Decision:
     source, destination = _dim(arg(node, "source"), ndim), _dim(arg(node, "destination"), ndim)
     order = [d for d in range(ndim) if d != source]
     order.insert(destination, source)  # output dim i holds input dim order[i]
-    return Decision(Shard(order.index(p.dim), p.blocks))
+    return Decision(p.at(order.index(p.dim)))
 
 
 @rule(aten.unsqueeze.default)
@@ -451,7 +461,7 @@ def _unsqueeze(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     k = _dim(arg(node, "dim"), len(ctx.shape(node)))
-    return Decision(Shard(p.dim + (1 if k <= p.dim else 0), p.blocks))
+    return Decision(p.at(p.dim + (1 if k <= p.dim else 0)))
 
 
 @rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
@@ -463,7 +473,7 @@ def _squeeze(node: fx.Node, ctx: Context) -> Decision:
     dims = range(len(in_shape)) if node.target is aten.squeeze.default else arg(node, "dim")
     dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
     removed = [d for d in (_dim(d, len(in_shape)) for d in dims) if in_shape[d] == 1]
-    return Decision(Shard(p.dim - sum(d < p.dim for d in removed), p.blocks))
+    return Decision(p.at(p.dim - sum(d < p.dim for d in removed)))
 
 
 @rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.flatten.using_ints)
@@ -489,7 +499,7 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
         return replicate_all(node, ctx)
     ins, outs = group
     if len(ins) == 1 and len(outs) == 1:
-        return Decision(Shard(outs[0], p.blocks))
+        return Decision(p.at(outs[0]))
     if len(ins) == 1:  # one dim split into several: the shard moves to the outermost that is not a block index
         return _split_dim(node, ctx, p, [out_shape[o] for o in outs], outs)
     if len(outs) == 1 and p.blocks is None:  # dims merged into one
@@ -615,7 +625,7 @@ def _expand(node: fx.Node, ctx: Context) -> Decision:
     if p is None:
         return _pointwise(node, ctx)
     offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
-    return Decision(Shard(p.dim + offset, p.blocks))
+    return Decision(p.at(p.dim + offset))
 
 
 @rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
@@ -643,10 +653,9 @@ def _slice(node: fx.Node, ctx: Context) -> Decision:
         edges = list(itertools.accumulate(p.blocks, initial=0))
         if bounds[0] not in edges or bounds[1] not in edges:
             return replicate_all(node, ctx)
-        covered = p.blocks[edges.index(bounds[0]):edges.index(bounds[1])]
-        return Decision(Shard(dim, covered if len(covered) > 1 else None))  # whole blocks: each rank's part of each
+        return Decision(_blocks_of(p, edges.index(bounds[0]), edges.index(bounds[1])))
     removed = node.target is aten.select.int and dim < p.dim
-    return Decision(Shard(p.dim - removed, p.blocks))
+    return Decision(p.at(p.dim - removed))
 
 
 def _strided_whole(node: fx.Node, size: int, p: Shard, ranks: int) -> bool:
@@ -691,19 +700,30 @@ def _split(node: fx.Node, ctx: Context) -> Decision:
     dim = _dim(arg(node, "dim"), len(in_shape))
     if dim != p.dim:
         shift = node.target is aten.unbind.int and dim < p.dim
-        return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in pieces))
+        return Decision(tuple(p.at(p.dim - shift) for _ in pieces))
     sizes = tuple(int(piece.shape[dim]) for piece in pieces)
     if node.target is aten.unbind.int:
         return replicate_all(node, ctx)
     if p.blocks is not None and _aligned(sizes, p.blocks):  # every piece whole blocks: each rank's part of each
-        if any(b % ctx.size for b in p.blocks):
+        if any(b % ctx.size for i, b in enumerate(p.blocks) if i not in p.whole):
             reason = _indivisible(math.gcd(*p.blocks), ctx.size, f"(the common width of a fused projection {sizes})")
             return replicate_all(node, ctx, conflict=reason)
         edges = list(itertools.accumulate(p.blocks, initial=0))
-        covered = [p.blocks[edges.index(a):edges.index(b)]
-                   for a, b in itertools.pairwise(itertools.accumulate(sizes, initial=0))]
-        return Decision(tuple(Shard(dim, blocks if len(blocks) > 1 else None) for blocks in covered))
+        return Decision(tuple(_blocks_of(p, edges.index(a), edges.index(b))
+                              for a, b in itertools.pairwise(itertools.accumulate(sizes, initial=0))))
     return replicate_all(node, ctx, hint=sizes if p.blocks is None and len(sizes) > 1 else None)
+
+
+def _blocks_of(p: Shard, first: int, stop: int) -> Placement:
+    """The placement of blocks ``[first, stop)`` of ``p`` cut out of it: each rank's part of each (those held
+    whole, whole: replicated when all of them are)."""
+    blocks = p.blocks[first:stop]
+    whole = tuple(i - first for i in p.whole if first <= i < stop)
+    if len(whole) == len(blocks):
+        return R
+    if len(blocks) == 1:
+        return Shard(p.dim)
+    return Shard(p.dim, blocks, whole)
 
 
 def _aligned(sizes: tuple[int, ...], blocks: tuple[int, ...]) -> bool:
@@ -796,7 +816,7 @@ def _stack(node: fx.Node, ctx: Context) -> Decision:
         return replicate_all(node, ctx)
     (p,) = shards
     want = {t: p for t in tensors if ctx.of(t) != p}
-    return Decision(Shard(p.dim + (p.dim >= dim), p.blocks), want)
+    return Decision(p.at(p.dim + (p.dim >= dim)), want)
 
 
 @rule(aten.repeat_interleave.self_int)
@@ -820,7 +840,7 @@ def _repeat(node: fx.Node, ctx: Context) -> Decision:
     dim = p.dim + len(repeats) - len(ctx.shape(node.args[0]))  # repeat prepends the dims it adds
     width = ctx.shape(node.args[0])[p.dim]
     if repeats[dim] == 1:
-        return Decision(Shard(dim, p.blocks))
+        return Decision(p.at(dim))
     if not ctx.axis.blocked_splits:  # a split in contiguous chunks (cp) is never blocks
         return replicate_all(node, ctx)
     blocks = (p.blocks or (width,)) * repeats[dim]

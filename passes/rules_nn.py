@@ -58,7 +58,7 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
         if ctx.axis.pending_sums and p.blocks is None and node.target in (aten.mean.dim, aten.sum.dim_IntList):
             return Decision(Partial())  # each rank's sum over its part (a mean: divided by the whole count)
         return replicate_all(node, ctx)
-    return Decision(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks))
+    return Decision(p.at(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
 
 
 @rule(aten.conv1d.default)
@@ -71,7 +71,7 @@ def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
     depthwise = channels is not None and arg(node, "groups") == channels == ctx.shape(w)[0]
     if not (isinstance(p, Shard) and p.dim == 1 and depthwise):
         return replicate_all(node, ctx)
-    want = {n: Shard(0, p.blocks) for n in (w, b) if n is not None and ctx.of(n) != Shard(0, p.blocks)}
+    want = {n: p.at(0) for n in (w, b) if n is not None and ctx.of(n) != p.at(0)}
     return Decision(p, want)
 
 
@@ -111,7 +111,7 @@ def _reduce_with_indices(node: fx.Node, ctx: Context) -> Decision:
     dim = _dim(arg(node, "dim"), ndim)
     if dim == p.dim:
         return replicate_all(node, ctx)
-    out = Shard(p.dim if arg(node, "keepdim") else p.dim - (dim < p.dim), p.blocks)
+    out = p.at(p.dim if arg(node, "keepdim") else p.dim - (dim < p.dim))
     return Decision((out, out))
 
 
@@ -149,10 +149,10 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
     x_last = len(ctx.shape(x)) - 1
     out_last = len(ctx.shape(node)) - 1
     if isinstance(pw, Shard) and pw.dim == out_dim_of_weight:
-        bias_ok = b is None or ctx.of(b) == Shard(0, pw.blocks)
+        bias_ok = b is None or ctx.of(b) == pw.at(0)
         if not bias_ok:
             return replicate_all(node, ctx)
-        return Decision(Shard(out_last, pw.blocks), {x: R} if px != R else {})
+        return Decision(pw.at(out_last), {x: R} if px != R else {})
     if isinstance(pw, Shard) and pw.blocks is None:  # row-parallel: input sharded on its last dim; summed inside
         want = {} if px == Shard(x_last) else {x: Shard(x_last)}
         if b is not None and ctx.of(b) != R:
@@ -163,7 +163,7 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
     if b is not None and ctx.of(b) != R or isinstance(px, Partial):
         return replicate_all(node, ctx)
     if isinstance(px, Shard) and px.dim != x_last:
-        return Decision(Shard(px.dim + out_last - x_last, px.blocks))
+        return Decision(px.at(px.dim + out_last - x_last))
     return replicate_all(node, ctx)
 
 
@@ -248,19 +248,19 @@ def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
     dim = batch_a if batch_a is not None else batch_b
     if dim is None:
         if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
-            return Decision(Shard(nout - 2, pa.blocks), {b: R} if pb != R else {})
+            return Decision(pa.at(nout - 2), {b: R} if pb != R else {})
         if na == 2 and ctx.axis.pending_sums and pa == Shard(1) and pb in (R, Shard(nb - 2)):
             # W @ x with W's input features split: a row, x taken split alike, each rank's product a summand
             return Decision(Partial(), {b: Shard(nb - 2)} if pb == R else {})
         if nb == 2 and pa == R and pb == Shard(1, pb.blocks if isinstance(pb, Shard) else None):
-            return Decision(Shard(nout - 1, pb.blocks))  # x @ W.T with W's output features split: a column
+            return Decision(pb.at(nout - 1))  # x @ W.T with W's output features split: a column
         if (nb == 2 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 0 and pa.blocks == pb.blocks):
             return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
         if nb == 2 and ctx.axis.pending_sums and pa == R and pb == Shard(0):
             return Decision(Partial(), {a: Shard(na - 1)})  # ... a row alone: each rank takes its part of x
         if nb == 3 and pa == R and isinstance(pb, Shard) and pb.dim == 2:
-            return Decision(Shard(nout - 1, pb.blocks))  # tokens per expert @ experts' columns (Llama 4's experts)
+            return Decision(pb.at(nout - 1))  # tokens per expert @ experts' columns (Llama 4's experts)
         if (nb == 3 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
                 and pb.dim == 1 and pa.blocks == pb.blocks):
             return Decision(Partial())  # ... and their rows: each rank's product a summand
@@ -301,7 +301,7 @@ def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
     if isinstance(ctx.of(offsets), Shard):
         return replicate_all(node, ctx)
     if px == R and isinstance(pw, Shard) and pw.dim == 2:
-        return Decision(Shard(1, pw.blocks))
+        return Decision(pw.at(1))
     if isinstance(px, Shard) and px.dim == 1 and isinstance(pw, Shard) and pw.dim == 1 and px.blocks == pw.blocks:
         return Decision(Partial())
     if px == R and pw == Shard(1) and ctx.axis.pending_sums:  # a row alone: each rank takes its part of x
@@ -429,7 +429,7 @@ def _cross_entropy(node: fx.Node, ctx: Context) -> Decision:
         return Decision(R, {target: R} if ctx.of(target) != R else {})
     reduction = arg(node, "reduction")
     if isinstance(p, Shard) and p.dim != 1 and ndim >= 2 and reduction in (0, 2):  # rows (tokens) split
-        rows = Shard(p.dim if probabilities or p.dim == 0 else p.dim - 1, p.blocks)  # the target has no class dim
+        rows = p.at(p.dim if probabilities or p.dim == 0 else p.dim - 1)  # the target has no class dim
         want: dict[fx.Node, Placement] = {target: rows} if ctx.of(target) != rows else {}
         if isinstance(weight, fx.Node) and ctx.of(weight) != R:
             want[weight] = R
@@ -443,7 +443,7 @@ def _cross_entropy(node: fx.Node, ctx: Context) -> Decision:
 def _vocab_embedding_module(node: fx.Node, ctx: Context) -> Decision:
     ids = node.args[0]
     p = ctx.of(ids)
-    return Decision(Shard(p.dim, p.blocks)) if isinstance(p, Shard) else replicate_all(node, ctx)
+    return Decision(p) if isinstance(p, Shard) else replicate_all(node, ctx)
 
 
 def _vocab_cross_entropy_module(node: fx.Node, ctx: Context) -> Decision:
@@ -451,7 +451,7 @@ def _vocab_cross_entropy_module(node: fx.Node, ctx: Context) -> Decision:
     module = node.graph.owning_module.get_submodule(node.target)
     vocab_dim = len(ctx.shape(node.args[0])) - 1  # the module takes the vocab last, the target without it
     if isinstance(p, Shard) and p.dim < vocab_dim and module.reduction in ("sum", "none"):
-        target, rows = node.args[1], Shard(p.dim, p.blocks)
+        target, rows = node.args[1], p
         want = {target: rows} if ctx.of(target) != rows else {}
         return Decision(rows if module.reduction == "none" else Partial(), want)
     return replicate_all(node, ctx)

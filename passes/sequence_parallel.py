@@ -35,6 +35,7 @@ from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import (
     CopyToParallel,
     GatherFromParallel,
+    ReadWhole,
     ScatterToParallel,
     _ParallelOp,
 )
@@ -134,6 +135,11 @@ class _EntryMark(CopyToParallel):
     """Megatron's f while sequence parallelism is planned: asks for its input whole (gathered)."""
 
 
+class _WholeEntryMark(ReadWhole):
+    """``ReadWhole`` while sequence parallelism is planned: asks for its input whole (gathered), then is dropped:
+    the gather's backward splits the gradient back without summing it."""
+
+
 class _SplitEntryMark(ScatterToParallel):
     """A split of the hidden dim before a row-parallel linear alone (an MLM head's transform), while sequence
     parallelism is planned: its weight's shards need every token, so it asks for its input whole too."""
@@ -152,6 +158,7 @@ def _exit_rule(node: fx.Node, ctx) -> Decision:
 
 
 RULES[_EntryMark] = _entry_rule
+RULES[_WholeEntryMark] = _entry_rule
 RULES[_SplitEntryMark] = _entry_rule
 RULES[ReduceScatterToSequence] = _exit_rule
 
@@ -219,6 +226,9 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
         module, border = gm.get_submodule(node.target), node.meta.get(meta.REGION)
         if border == "entry":
             _swap(gm, node, _EntryMark(group=group, size=size, rank=rank))
+        elif border == "whole entry":
+            _swap(gm, node, _WholeEntryMark(group=group, size=size, rank=rank))
+            idle.append(node)
         elif border == "split entry":
             marked = _SplitEntryMark(group=group, size=size, rank=rank, dim=module.dim, blocks=module.blocks)
             _swap(gm, node, marked)

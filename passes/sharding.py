@@ -90,7 +90,7 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
         src = R
     if isinstance(src, Shard) and src != dst:
         axis.check(value, src)
-        make = lambda a, s=src: axis.gather(dim=s.dim, blocks=s.blocks, **a)  # noqa: E731
+        make = lambda a, s=src: axis.gather(dim=s.dim, blocks=s.blocks, **_whole(s), **a)  # noqa: E731
         full = meta.val(value).shape[src.dim]
         value = rw.cached(value, f"gather{src.dim}", make, consumer)
         if full % rw.size:  # a padded dim: drop the padding the last rank held
@@ -98,9 +98,14 @@ def _redistribute(rw, value: fx.Node, src: Placement, dst: Placement, consumer: 
         src = R
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         axis.check(value, dst)
-        make = lambda a, d=dst: axis.scatter(dim=d.dim, blocks=d.blocks, **a)  # noqa: E731
+        make = lambda a, d=dst: axis.scatter(dim=d.dim, blocks=d.blocks, **_whole(d), **a)  # noqa: E731
         value = rw.cached(value, f"split{dst.dim}", make, consumer)
     return rw.current(value)
+
+
+def _whole(placement: Shard) -> dict:
+    """The blocks every rank holds whole, as the gather and scatter take them (only tp's blocked splits have any)."""
+    return {"whole": placement.whole} if placement.whole else {}
 
 
 def _trim(rw, value: fx.Node, dim: int, size: int, consumer: fx.Node) -> fx.Node:

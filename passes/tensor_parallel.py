@@ -28,6 +28,7 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 import warnings
@@ -38,10 +39,16 @@ from torch import fx
 from autoshard import meta
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
-from autoshard.passes.collectives import CopyToParallel, ReduceFromParallel, ScatterToParallel, local_indices
+from autoshard.passes.collectives import (
+    CopyToParallel,
+    ReadWhole,
+    ReduceFromParallel,
+    ScatterToParallel,
+    local_part,
+)
 from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
-from autoshard.passes.rules import arg, is_table_lookup
+from autoshard.passes.rules import arg, is_table_lookup, slice_bounds
 from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm, is_patch_conv
 from autoshard.passes.sharding import FALLBACKS, shard_axis  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
@@ -416,11 +423,11 @@ def _walk(start: list[fx.Node], grad: set[fx.Node], step) -> list[fx.Node]:
     return found
 
 
-def _column_seeds(node: fx.Node, blocks) -> dict[str, Placement]:
+def _column_seeds(node: fx.Node, blocks, whole: tuple[int, ...] = ()) -> dict[str, Placement]:
     blocks = blocks or _packed_blocks(node)
-    seeds = {_weight(node): Shard(_out_dim(node), blocks)}
+    seeds = {_weight(node): Shard(_out_dim(node), blocks, whole)}
     if _bias(node):
-        seeds[_bias(node)] = Shard(0, blocks)
+        seeds[_bias(node)] = Shard(0, blocks, whole)
     return seeds
 
 
@@ -434,6 +441,7 @@ def _row_seeds(node: fx.Node) -> dict[str, Placement]:
 def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | None = None) -> Propagation:
     """Try ``columns`` -> ``row``; keep the first variant that needs no all-gather. Returns the new state."""
     blocks: dict[fx.Node, tuple | None] = {c: None for c in columns}
+    whole: dict[fx.Node, tuple[int, ...]] = {}  # blocks held whole (kv heads the degree does not divide)
     dropped: dict[fx.Node, str] = {}
     inner: set[fx.Node] = set()  # candidates fed by the region's split values: rows inside it
     hinted: set[fx.Node] = set()
@@ -445,15 +453,16 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
             break
         seeds = dict(state.seeds)
         for c in live:
-            seeds.update(_row_seeds(c) if c in inner else _column_seeds(c, blocks[c]))
+            seeds.update(_row_seeds(c) if c in inner else _column_seeds(c, blocks[c], whole.get(c, ())))
         if row is not None:
             seeds.update(_row_seeds(row))
-        problem = _width_problem(gm, [c for c in live if c not in inner], blocks, plan.size, lone=row is None)
+        problem = _width_problem(gm, [c for c in live if c not in inner], blocks, whole, plan.size,
+                                 lone=row is None)
         prop = _propagate(gm, seeds, plan.size, base=state)
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
-            _record(gm, plan, prop, live, row, blocks, dropped, inner)
+            _record(gm, plan, prop, live, row, blocks, dropped, inner, whole)
             return prop
         fed = [c for c in live if c not in inner and blocks[c] is None and _fed_split(prop, c)]
         if fed and row is not None:  # Mamba's x_proj reads the split channels: a row, its small output summed
@@ -469,6 +478,10 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
                 if _weight(c) == _weight(hint[0]):
                     hinted.add(c)
                     blocks[c] = layout
+            continue
+        held = {c: _conflicted_blocks(prop, c, blocks[c]) for c in culprits if blocks[c] and c not in whole}
+        if any(held.values()):  # a fused q, k, v whose kv heads do not divide: k and v held whole, as k_proj would be
+            whole.update((c, found) for c, found in held.items() if found)
             continue
         if baseline:
             # the blocked layouts did not help (heads viewed as (heads, head dim), not a fused projection): back
@@ -517,7 +530,7 @@ def _seeds_divide(prop: Propagation, state: Propagation) -> bool:
         except AttributeError:  # not a parameter: nothing of it is stored split
             continue
         blocks = placement.blocks or (size,)
-        if sum(blocks) != size or any(block % prop.size for block in blocks):
+        if sum(blocks) != size or any(b % prop.size for i, b in enumerate(blocks) if i not in placement.whole):
             return False
     return True
 
@@ -653,14 +666,14 @@ def _note_refusals(plan: TensorParallelPlan, prop: Propagation) -> None:
             warnings.warn(f"autoshard: {note}", stacklevel=4)
 
 
-def _width_problem(gm, columns, blocks, size, *, lone: bool = False) -> tuple[fx.Node, str] | None:
+def _width_problem(gm, columns, blocks, whole, size, *, lone: bool = False) -> tuple[fx.Node, str] | None:
     """A column whose output features the degree does not divide (a lone column's are padded instead)."""
     if lone:
         return None
     for c in columns:
         width = gm.get_parameter(_weight(c)).shape[_out_dim(c)]
         pieces = blocks[c] or (width,)
-        if any(p % size for p in pieces):
+        if any(p % size for i, p in enumerate(pieces) if i not in whole.get(c, ())):
             works = [d for d in range(1, width + 1) if width % d == 0]
             return c, (f"{width} output features of {meta.module_path(c) or c.name} do not divide over {size} ranks; "
                        f"degrees that divide {width}: {works}")
@@ -685,6 +698,43 @@ def _hint(prop: Propagation, columns) -> tuple[fx.Node, tuple] | None:
                 if _reaches(c, node, prop.changed):
                     return c, decision.blocks_hint
     return None
+
+
+def _conflicted_blocks(prop: Propagation, column: fx.Node, blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks of a fused ``column`` the degree does not divide, or (as the slices that cut its output apart find
+    them) from whose slice a conflict follows (kv heads the degree does not divide); none when all would be."""
+    edges = list(itertools.accumulate(blocks, initial=0))
+    pieces = _pieces_of(column, edges[-1])
+    if not pieces or any(start not in edges or stop not in edges for _, (start, stop) in pieces):
+        return ()  # not a projection cut apart into its blocks (heads viewed apart): nothing to hold whole
+    conflicted = [n for n in prop.changed if (d := prop.decisions.get(n)) is not None and d.conflict]
+    found = {i for i, block in enumerate(blocks) if block % prop.size}
+    for piece, (start, stop) in pieces:
+        if any(_reaches(piece, n, prop.changed) for n in conflicted):
+            found.update(range(edges.index(start), edges.index(stop)))
+    return tuple(sorted(found)) if len(found) < len(blocks) else ()
+
+
+def _pieces_of(column: fx.Node, width: int) -> list[tuple[fx.Node, tuple[int, int]]]:
+    """The pieces a fused projection's output is cut into along its last dim, each with its ``[start, stop)``:
+    ``qkv[..., a:b]`` slices, and the items of a ``split``."""
+    last = meta.val(column).dim() - 1
+    pieces = []
+    for user in column.users:
+        if user.target not in (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
+            continue
+        dim = arg(user, "dim")
+        if not isinstance(dim, int) or dim % (last + 1) != last:
+            continue
+        if user.target is aten.slice.Tensor and (bounds := slice_bounds(user, width)) is not None:
+            pieces.append((user, bounds))
+        elif user.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            sizes = [int(t.shape[last]) for t in meta.val(user)]
+            starts = list(itertools.accumulate(sizes, initial=0))
+            for item in user.users:
+                if item.target is operator.getitem:
+                    pieces.append((item, (starts[item.args[1]], starts[item.args[1] + 1])))
+    return pieces
 
 
 def _conflicted(prop: Propagation, columns) -> dict[fx.Node, str]:
@@ -726,7 +776,7 @@ def _fed_split(prop: Propagation, c: fx.Node) -> bool:
     return prop.of(x) == Shard(feature) and decision is not None and decision.want.get(x) == R
 
 
-def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset()) -> None:
+def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset(), whole=None) -> None:
     kind = "attention" if any(_is_attention(n) for n in prop.changed) else "MLP" if row is not None else "output"
     closed = f"{kind} block closed by {meta.module_path(row) or row.name}" if row is not None else ""
     for c in columns:
@@ -736,9 +786,13 @@ def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset()) ->
                 plan.params[name] = ParamPlan(placement, role, f"row inside {closed}" if role == "row"
                                               else "bias added after the sum")
             continue
+        held = (whole or {}).get(c, ())
         layout = f", blocked {blocks[c]}" if blocks[c] else ""
+        if held:
+            layout += (f" with block{'s' if len(held) > 1 else ''} {', '.join(str(i) for i in held)} whole on every "
+                       "rank (kv heads the degree does not divide, duplicated)")
         reason = f"column of {closed}{layout}" if row is not None else "column-parallel output (vocab-parallel loss)"
-        for name, placement in _column_seeds(c, blocks[c]).items():
+        for name, placement in _column_seeds(c, blocks[c], held).items():
             plan.params[name] = ParamPlan(placement, "column", reason)
     if row is not None:
         for name, placement in _row_seeds(row).items():
@@ -816,7 +870,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
     return gm
 
 
-_BORDERS = {CopyToParallel: "entry", ScatterToParallel: "split entry", ReduceFromParallel: "exit"}
+_BORDERS = {CopyToParallel: "entry", ScatterToParallel: "split entry", ReduceFromParallel: "exit",
+            ReadWhole: "whole entry"}
 
 
 def _record_regions(gm: fx.GraphModule) -> None:
@@ -834,18 +889,8 @@ def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -
         if not isinstance(p.placement, Shard) or name not in present:
             continue
         full = gm.get_parameter(name)
-        padded = _pad(full.detach(), p.placement.dim, plan.size)
-        index = local_indices(padded.shape[p.placement.dim], rank, plan.size, p.placement.blocks).to(full.device)
-        local = torch.nn.Parameter(padded.index_select(p.placement.dim, index), full.requires_grad)
+        local = torch.nn.Parameter(local_part(full.detach(), p.placement, rank, plan.size).contiguous(),
+                                   full.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, attr, local)
 
-
-def _pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``tensor`` with zeros appended along ``dim`` up to a multiple of ``size`` (a padded vocabulary)."""
-    extra = -tensor.shape[dim] % size
-    if not extra:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = extra
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)

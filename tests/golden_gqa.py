@@ -11,6 +11,8 @@ the way one codebase writes it, except ``tiled``, which reads kv head ``h % kv h
   ``repeat_interleave(group, dim=1)`` after the transpose, a boolean causal mask from a buffer;
 - ``sdpa_gqa`` (current PyTorch): no repeat, ``F.scaled_dot_product_attention(q, k, v, enable_gqa=True)``;
 - ``repeat`` : ``k[:, :, None].repeat(1, 1, group, 1, 1).flatten(1, 2)``: ``repeat`` giving the same mapping;
+- ``fused`` (OLMo's ``att_proj``): q, k and v from one linear with a bias, cut apart by ``split``, then
+  ``enable_gqa=True``: where tp does not divide the kv heads, the k and v blocks are held whole;
 - ``tiled``: ``k.repeat(1, group, 1, 1)``, the heads tiled: query head ``h`` reads kv head ``h % kv heads``, another
   mapping, which must never be split as if it were the first.
 
@@ -31,7 +33,7 @@ from models import rotate_half
 
 BATCH, SEQ, HEADS, HEAD_DIM, FFN, VOCAB = 3, 12, 8, 6, 56, 72
 HIDDEN = HEADS * HEAD_DIM
-STYLES = ("titan", "mistral", "gptfast", "sdpa_gqa", "repeat", "tiled")
+STYLES = ("titan", "mistral", "gptfast", "sdpa_gqa", "repeat", "tiled", "fused")
 
 
 class RMSNorm(nn.Module):
@@ -168,13 +170,34 @@ class HeadsFirstAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, HIDDEN))
 
 
+class FusedAttention(nn.Module):
+    """q, k and v from one projection with a bias (``att_proj``), cut apart by ``split``; ``enable_gqa=True``."""
+
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.att_proj = nn.Linear(HIDDEN, (HEADS + 2 * kv_heads) * HEAD_DIM)
+        self.attn_out = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        kv = self.kv_heads * HEAD_DIM
+        q, k, v = self.att_proj(x).split((HIDDEN, kv, kv), dim=-1)
+        q = q.view(b, t, HEADS, HEAD_DIM).transpose(1, 2)  # (b, nh, t, hd)
+        k, v = (z.view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2) for z in (k, v))  # (b, nkv, t, hd)
+        cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.attn_out(y.transpose(1, 2).reshape(b, t, HIDDEN))
+
+
 class Block(nn.Module):
     def __init__(self, style: str, kv_heads: int) -> None:
         super().__init__()
         self.style = style
         self.attention_norm, self.ffn_norm = RMSNorm(HIDDEN), RMSNorm(HIDDEN)
         self.attention = {"titan": lambda: TitanAttention(kv_heads), "mistral": lambda: MistralAttention(kv_heads),
-                          "gptfast": lambda: GptFastAttention(kv_heads)}.get(
+                          "gptfast": lambda: GptFastAttention(kv_heads), "fused": lambda: FusedAttention(kv_heads)}.get(
             style, lambda: HeadsFirstAttention(kv_heads, style))()
         self.w1 = nn.Linear(HIDDEN, FFN, bias=False)
         self.w2 = nn.Linear(FFN, HIDDEN, bias=False)
@@ -238,11 +261,15 @@ def expected_share(model: nn.Module, tp: int, kv_heads: int) -> float:
     kv_whole = kv_heads % tp != 0
     total = held = 0
     for name, p in model.named_parameters():
-        whole = p.dim() == 1 and not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+        whole = p.dim() == 1 and not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "att_proj.bias"))
         if kv_whole and any(k in name for k in ("wk.", "wv.", "k_proj.", "v_proj.")):
             whole = True
         total += p.numel()
-        held += p.numel() if whole else p.numel() / tp
+        if "att_proj." in name and kv_whole:  # the fused k and v blocks held whole, the q block split
+            kv_rows = 2 * kv_heads * HEAD_DIM
+            held += p.numel() * (kv_rows + HIDDEN / tp) / (kv_rows + HIDDEN)
+        else:
+            held += p.numel() if whole else p.numel() / tp
     return held / total
 
 

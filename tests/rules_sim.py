@@ -67,10 +67,10 @@ def _all_reduce(x, group, op=dist.ReduceOp.SUM):
     return values.amax(0) if op == dist.ReduceOp.MAX else values.sum(0)
 
 
-def _all_gather(x, dim, size, blocks, group):
+def _all_gather(x, dim, size, blocks, group, whole=()):
     if group is None:
         return x
-    return collectives.unshard(group.world.exchange(group.rank, x), dim, blocks)
+    return collectives.unshard(group.world.exchange(group.rank, x), dim, blocks, whole)
 
 
 @contextlib.contextmanager
@@ -157,19 +157,13 @@ def _build(op, args, kwargs, frozen=(), params: bool = True) -> tuple[fx.GraphMo
 def _local(t: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
     if not isinstance(placement, Shard):
         return t
-    extra = -t.shape[placement.dim] % size
-    if extra:  # a dim the degree does not divide is padded with zeros, as the pass pads parameters
-        shape = list(t.shape)
-        shape[placement.dim] = extra
-        t = torch.cat([t, t.new_zeros(shape)], placement.dim)
-    index = collectives.local_indices(t.shape[placement.dim], rank, size, placement.blocks)
-    return t.index_select(placement.dim, index)
+    return collectives.local_part(t, placement, rank, size).contiguous()  # padded where the degree does not divide
 
 
 def _full(parts: list[torch.Tensor], placement: Placement, n: int) -> torch.Tensor:
     if not isinstance(placement, Shard):
         return parts[0]
-    return collectives.unshard(parts, placement.dim, placement.blocks).narrow(placement.dim, 0, n)
+    return collectives.unshard(parts, placement.dim, placement.blocks, placement.whole).narrow(placement.dim, 0, n)
 
 
 def _run(gm: fx.GraphModule, inputs: list, cotangents, autocast: torch.dtype | None):

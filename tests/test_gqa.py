@@ -38,14 +38,14 @@ def test_heads_tiled_by_repeat_are_never_split_as_if_grouped(pools):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
 
 
-@pytest.mark.parametrize("style", ["sdpa_gqa", "titan"])
+@pytest.mark.parametrize("style", ["sdpa_gqa", "titan", "fused"])
 def test_grouped_query_attention_over_tp_and_all_to_all_cp(pools, style):
     """tp=4 x cp=2 with all-to-all attention: each cp rank takes half of a tp rank's query heads, and the kv heads
     they read (one kv head per tp rank, with 2 kv heads)."""
     _check(pools.get(8).run(golden_gqa.gqa_golden, style, 2, {"tp": 4, "cp": 2}, cp_attention="alltoall"))
 
 
-@pytest.mark.parametrize("style", ["sdpa_gqa"])
+@pytest.mark.parametrize("style", ["sdpa_gqa", "fused"])
 def test_grouped_query_attention_with_sequence_parallelism(pools, style):
     """tp=4 with sequence parallelism, 2 kv heads: the duplicated k and v read the gathered sequence."""
     _check(pools.get(4).run(golden_gqa.gqa_golden, style, 2, {"tp": 4}, sequence_parallel=True))

@@ -75,6 +75,7 @@ LAYOUTS = [
     ("corpus/gpt2", "Conv1D weights, tied head"),
     ("corpus/mixtral", "mixture of experts"),
     ("gpt_vocab101", "a padded vocabulary"),
+    ("corpus/phi3", "fused qkv whose k and v blocks tp=4 holds whole (2 kv heads)"),
 ]
 
 
@@ -83,6 +84,13 @@ def test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees(
     path = str(tmp_path / "ckpt")
     first = pools.get(2).run(golden_resume.first_half, name, {"tp": 2}, path)[0]
     _check(pools.get(4).run(golden_resume.second_half, name, {"tp": 4}, path), first)
+
+
+def test_a_fused_projection_with_kv_blocks_held_whole_moves_back_to_fewer_ranks(pools, tmp_path):
+    """Saved at tp=4, where phi3's k and v blocks are whole on every rank (written once), resumed at tp=2."""
+    path = str(tmp_path / "ckpt")
+    first = pools.get(4).run(golden_resume.first_half, "corpus/phi3", {"tp": 4}, path)[0]
+    _check(pools.get(2).run(golden_resume.second_half, "corpus/phi3", {"tp": 2}, path), first)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adagrad", "rmsprop"])

@@ -39,6 +39,10 @@ LINEAR_CASES = [  # (op, args, kwargs, shard, expected output placement)
                  {1: Shard(1)}, R, id="linear-row-bias-by-keyword"),
     pytest.param(aten.linear.default, (rand(2, 3, 8), rand(6, 8, seed=1)), {"bias": rand(6, seed=2)},
                  {1: Shard(0), 2: Shard(0)}, Shard(2), id="linear-column-bias-by-keyword"),
+    # a fused q, k, v whose k and v blocks every rank holds whole: their input gradient is not summed over the ranks
+    pytest.param(aten.linear.default, (rand(2, 3, 8), rand(14, 8, seed=1), rand(14, seed=2)), {},
+                 {1: Shard(0, (8, 3, 3), (1, 2)), 2: Shard(0, (8, 3, 3), (1, 2))}, Shard(2, (8, 3, 3), (1, 2)),
+                 id="linear-column-kv-whole"),
     pytest.param(aten.linear.default, (rand(4, 3, 8), rand(6, 8, seed=1), rand(6, seed=2)), {}, {0: Shard(0)},
                  Shard(0), id="linear-batch-split"),
     pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {},

@@ -27,6 +27,7 @@ def rand(*shape, seed: int = 0) -> torch.Tensor:
 
 x3 = rand(2, 4, 6)
 QKV = Shard(1, (4, 4, 4))  # a fused projection's columns: every rank holds its part of each block
+GQA = Shard(1, (8, 3, 3), (1, 2))  # a fused q, k, v whose k and v (3 wide: kv heads 2 ranks do not divide) are whole
 
 VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.transpose.int, (x3, 1, 2), {}, {0: Shard(1)}, Shard(2)),
@@ -69,6 +70,19 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.slice.Tensor, (rand(4, 12), -1, -4, BIG), {}, {0: QKV}, Shard(1)),
     (aten.slice.Tensor, (rand(4, 12), 1, None, 8), {}, {0: QKV}, Shard(1, (4, 4))),
     (aten.slice.Tensor, (rand(4, 12), 1, 2, 8), {}, {0: QKV}, R),  # not on a block's edge
+    # the same with k and v held whole on every rank: q is split, k and v replicated, and the rest gathered
+    (aten.slice.Tensor, (rand(4, 14), 1, 0, 8), {}, {0: GQA}, Shard(1)),
+    (aten.slice.Tensor, (rand(4, 14), -1, 8, 11), {}, {0: GQA}, R),
+    (aten.slice.Tensor, (rand(4, 14), 1, 8, BIG), {}, {0: GQA}, R),
+    (aten.slice.Tensor, (rand(4, 14), 1, 0, 11), {}, {0: GQA}, Shard(1, (8, 3), (1,))),
+    (aten.slice.Tensor, (rand(4, 14), 1, 2, 8), {}, {0: GQA}, R),
+    (aten.split_with_sizes.default, (rand(4, 14), [8, 3, 3], -1), {}, {0: GQA}, (Shard(1), R, R)),
+    (aten.split_with_sizes.default, (rand(4, 14), [8, 6], 1), {}, {0: GQA}, (Shard(1), R)),
+    (aten.split.Tensor, (rand(4, 14), 7, 1), {}, {0: GQA}, (R, R)),
+    (aten.add.Tensor, (rand(4, 14), rand(14, seed=1)), {}, {0: GQA, 1: Shard(0, (8, 3, 3), (1, 2))}, GQA),
+    (aten.add.Tensor, (rand(4, 14), rand(14, seed=1)), {}, {0: GQA}, GQA),
+    (aten.mul.Tensor, (rand(4, 14), 2.0), {}, {0: GQA}, R),  # no rule for whole blocks but the fused path's
+    (aten.gelu.default, (rand(4, 14),), {}, {0: GQA}, R),
     (aten.numpy_T.default, (rand(4, 6),), {}, {0: Shard(1)}, Shard(0)),
     # Llama 4's rotary as complex numbers: pairs of reals in and out, heads split
     (aten.view_as_complex.default, (rand(2, 4, 3, 2),), {}, {0: Shard(1)}, Shard(1)),
@@ -189,7 +203,7 @@ def test_views_and_slices(op, args, kwargs, shard, placement, size):
 def _blocks_of(t: torch.Tensor, p: Shard) -> int:
     import math
 
-    return math.gcd(*(p.blocks or (t.shape[p.dim],)))
+    return math.gcd(*(b for i, b in enumerate(p.blocks or (t.shape[p.dim],)) if i not in p.whole))
 
 
 # ------------------------------------------------------------------------------------------ element-wise

@@ -90,6 +90,29 @@ def test_kv_heads_repeated_any_way_that_keeps_their_mapping_are_duplicated_or_sp
                 assert any("kept replicated" in note for note in plan.notes), plan.notes
 
 
+@pytest.mark.parametrize("kv,tp", [(2, 4), (2, 8), (4, 8), (4, 4)])
+def test_a_fused_qkv_holds_k_and_v_whole_where_the_degree_does_not_divide_the_kv_heads(kv, tp):
+    """One projection for q, k and v (``split`` apart): q is split by heads; k and v are split too where tp divides
+    the kv heads, else every rank holds those two blocks whole, as a separate k_proj and v_proj would be. The
+    placement says so, and round-trips through the plan's JSON."""
+    import golden_gqa
+
+    from autoshard.passes.placements import Shard
+
+    model, tokens, target = golden_gqa.build("fused", kv)
+    gm = capture(model, (tokens,), loss_fn=golden_gqa.token_loss, example_target=target).gm
+    plan = plan_tensor_parallel(gm, tp)
+    width = kv * golden_gqa.HEAD_DIM
+    blocks = (golden_gqa.HIDDEN, width, width)
+    whole = () if kv % tp == 0 else (1, 2)
+    for name in ("model.layers.0.attention.att_proj.weight", "model.layers.0.attention.att_proj.bias"):
+        assert plan.params[name].placement == Shard(0, blocks, whole), (name, plan.params[name])
+    assert plan.params["model.layers.0.attention.attn_out.weight"].role == "row"
+    assert TensorParallelPlan.from_json(plan.to_json()) == plan
+    if whole:
+        assert "blocks 1, 2 whole on every rank" in plan.params["model.layers.0.attention.att_proj.weight"].reason
+
+
 def test_heads_the_degree_does_not_divide_name_the_layer_and_the_degrees_that_work():
     message = r"layers\.0\.self_attn\.o_proj: 4 heads.*degrees that divide 4: \[1, 2, 4\]"
     with pytest.raises(TensorParallelError, match=message):

@@ -294,7 +294,7 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
     view = {}
     for item in items:
         key, target, local, placement = item
-        padded = placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp
+        padded = _padded(pm, target, placement)
         blocked_here = placement is not None and placement.blocks is not None
         saved = _saved_blocks(metadata, key) if for_load else None
         if _fsdp_direct(pm, item, saved):
@@ -309,8 +309,10 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
             continue
         same_layout = not for_load or (saved is not None) == blocked_here
         if blocked_here and same_layout:
-            for i, part in enumerate(local.split([b // pm.mesh.tp for b in placement.blocks], placement.dim)):
-                view[f"{key}{_BLOCK}{i}"] = _dtensor(part, mesh, placement.dim, for_load)
+            sizes = [b if i in placement.whole else b // pm.mesh.tp for i, b in enumerate(placement.blocks)]
+            for i, part in enumerate(local.split(sizes, placement.dim)):  # a block held whole: written once
+                whole = i in placement.whole
+                view[f"{key}{_BLOCK}{i}"] = _dtensor(part, mesh, None if whole else placement.dim, for_load)
         elif placement is not None and same_layout:
             view[key] = _dtensor(local, mesh, placement.dim, for_load)
         elif not for_load:
@@ -332,7 +334,7 @@ def _read_local(pm, item: Item, view: dict, metadata) -> torch.Tensor:
 
         return DTensor.from_local(view[key].to_local(), local.device_mesh, local.placements, run_check=False,
                                   shape=local.shape, stride=local.stride())
-    if placement is not None and pm.full_shape(target)[placement.dim] % pm.mesh.tp:
+    if _padded(pm, target, placement):
         part = _local_part(view[key], placement, pm.coord("tp"), pm.mesh.tp)
     else:
         part = _assemble(pm, key, view, metadata, local, placement)
@@ -377,12 +379,19 @@ def _saved_blocks(metadata, key: str) -> list[int] | None:
     return sizes or None
 
 
-def _dtensor(local: torch.Tensor, mesh, dim: int, for_load: bool):
-    from torch.distributed.tensor import DTensor
+def _padded(pm, target: str, placement: Shard | None) -> bool:
+    """Whether ``target``'s tp shard is padded (a dim the degree does not divide, not cut in blocks)."""
+    return (placement is not None and placement.blocks is None
+            and bool(pm.full_shape(target)[placement.dim] % pm.mesh.tp))
+
+
+def _dtensor(local: torch.Tensor, mesh, dim: int | None, for_load: bool):
+    """``local`` as this rank's part of a DTensor over tp: split along ``dim``, or replicated where None."""
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
 
     data = torch.empty_like(local) if for_load else local.detach().contiguous()
-    return DTensor.from_local(data, mesh, [DShard(dim)], run_check=False)
+    return DTensor.from_local(data, mesh, [Replicate() if dim is None else DShard(dim)], run_check=False)
 
 
 def _tp_mesh(pm):

@@ -53,5 +53,5 @@ def gather(pm, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
         return local
     parts = [torch.empty_like(local) for _ in range(pm.mesh.tp)]
     dist.all_gather(parts, local.contiguous(), group=pm.groups.group("tp"))
-    full = unshard(parts, placement.dim, placement.blocks)
+    full = unshard(parts, placement.dim, placement.blocks, placement.whole)
     return full.narrow(placement.dim, 0, pm.full_shape(target)[placement.dim])  # drop vocab padding

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from autoshard.passes.collectives import shard
+from autoshard.passes.collectives import local_part
 from autoshard.passes.placements import Shard
 from autoshard.runtime import meta_buffers, spread
 
@@ -43,10 +43,13 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
             continue
         if target in tied and pp_index != min(tied[target]):
             continue
-        weight = 1.0 if placement is not None else 1.0 / pm.mesh.tp
-        grad = param.grad.detach()
-        grad = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP2 shard over dp x cp
-        total += weight * grad.double().pow(2).sum()
+        grad, share = param.grad.detach(), 1.0
+        if hasattr(grad, "to_local"):  # an FSDP2 shard over dp x cp
+            if placement is not None and placement.whole:  # its blocks are known in the whole tp shard only
+                grad, share = grad.full_tensor(), 1.0 / (pm.mesh.dp * pm.mesh.cp)
+            else:
+                grad = grad.to_local()
+        total += share * _squares(grad, placement, pm.mesh.tp)
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
@@ -58,6 +61,20 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
             if param.grad is not None:
                 param.grad.mul_(coef)
     return norm
+
+
+def _squares(grad: torch.Tensor, placement: Shard | None, tp: int) -> torch.Tensor:
+    """This rank's summand of the squared global norm of a gradient, to be summed over the tp ranks: what it holds
+    of a split, and ``1/tp`` of what every rank holds alike (a replicated weight, a fused weight's blocks held
+    whole)."""
+    squares = grad.double().pow(2)
+    if placement is None:
+        return squares.sum() / tp
+    if not placement.whole:
+        return squares.sum()
+    sizes = [b if i in placement.whole else b // tp for i, b in enumerate(placement.blocks)]
+    parts = squares.split(sizes, placement.dim)
+    return sum(part.sum() / (tp if i in placement.whole else 1) for i, part in enumerate(parts))
 
 
 def state_dict(pm) -> dict[str, torch.Tensor]:
@@ -136,11 +153,7 @@ def _few(names: list[str]) -> str:
 
 def _local_part(full: torch.Tensor, placement: Shard | None, rank: int, size: int) -> torch.Tensor:
     """This tp rank's part of a full tensor (padded up first when the degree does not divide the dim)."""
-    if placement is None:
-        return full
-    from autoshard.passes.tensor_parallel import _pad
-
-    return shard(_pad(full, placement.dim, size), placement.dim, rank, size, placement.blocks)
+    return full if placement is None else local_part(full, placement, rank, size)
 
 
 def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
