@@ -24,9 +24,9 @@ _PREFIX = re.compile(r"(?<![\w.])model\.")  # the capture's prefix of parameter 
 
 
 def render(builds: list, *, model: nn.Module, mesh: Mesh, rank: int, options: CompileOptions, lint: list | None,
-           code: bool = False) -> str:
+           code: bool = False, compiler=None) -> str:
     """The report of rank ``rank`` from its ``builds`` (every capture so far; the latest is described)."""
-    sections = [_header(model, mesh, rank), _graphs(builds, options, mesh)]
+    sections = [_header(model, mesh, rank), _graphs(builds, options, mesh, compiler)]
     if builds:
         build = ([b for b in builds if b.training] or builds)[-1]
         sections += [_loss(build, options, mesh), _parameters(build), _context_parallel(build), _pipeline(build)]
@@ -49,7 +49,7 @@ def _header(model: nn.Module, mesh: Mesh, rank: int) -> list[str]:
     return lines
 
 
-def _graphs(builds: list, options: CompileOptions, mesh: Mesh) -> list[str]:
+def _graphs(builds: list, options: CompileOptions, mesh: Mesh, compiler=None) -> list[str]:
     per = f"{options.microbatches} microbatch(es) per dp rank" + (f", {mesh.dp} dp ranks" if mesh.dp > 1 else "")
     lines = [f"captured graphs, at the shapes of one microbatch ({per}):"]
     for build in builds:
@@ -59,6 +59,9 @@ def _graphs(builds: list, options: CompileOptions, mesh: Mesh) -> list[str]:
         lines.append(f"  {kind} {_shapes(c.input_shapes)}{mode}: {c.num_nodes} nodes, captured in {c.seconds:.2f} s")
     if not builds:
         lines.append("  none yet (the training graph is captured at the first step())")
+    if compiler is not None:
+        lines.append(f"  torch.compile (compile=True): {compiler.summary()} so far (each program once, on its first "
+                     "call; the same shapes again compile nothing)")
     return lines
 
 

@@ -92,6 +92,9 @@ class CompileOptions:
         a cp or sp rank sees part of the batch is refused naming the layers (a microbatch cannot pass the layer
         before every microbatch of the step has reached it); ``"local"`` keeps each rank's and each microbatch's
         own statistics (DDP's behaviour), said once.
+    compile: run each rank's program (each pipeline stage's) through ``torch.compile`` (inductor), forward and
+        backward. autoshard's collectives are traced into the compiled graph (as functional collectives), so the
+        compiler sees the whole step; a new shape compiles again, and ``explain()`` counts the graphs compiled.
     """
 
     microbatches: int = 1
@@ -110,6 +113,7 @@ class CompileOptions:
     data_parallel: str = "ddp"
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     batch_norm: str = "unsharded"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():
@@ -128,7 +132,7 @@ class CompileOptions:
                 raise ValueError(f"schedule={self.schedule!r} runs {V_CHUNKS[self.schedule]} chunks per pipeline rank "
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
-        for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel"):
+        for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "sequence_parallel" and value == "auto"):
                 raise ValueError(f"{name}={value!r} is not valid: pass True or False"

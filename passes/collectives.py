@@ -346,13 +346,20 @@ class _VocabRange(_ParallelOp):
                              f"range [{self.vocab_start}, {self.vocab_end}) holds {self.vocab_end - self.vocab_start}")
 
 
-def _first_bad(values: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
-    """The first of ``values`` where ``bad(values)`` holds, or None. Values without data (a graph run on meta or
-    fake tensors to find shapes) are not checked."""
+def _refuse_bad(values: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor],
+                message: Callable[[object], str]) -> None:
+    """Raise ``IndexError(message(v))`` for the first of ``values`` where ``bad(values)`` holds. On the host (CPU,
+    run op by op) the value is named; where reading it back would stall the device or break a compiled graph (CUDA,
+    ``torch.compile``) the check runs on the device without a host sync (``_assert_async``), and the message says
+    "an id" instead. Values without data (a graph run on meta or fake tensors to find shapes) are not checked."""
+    if torch.compiler.is_compiling() or values.device.type not in ("cpu", "meta"):
+        torch._assert_async(~bad(values).any(), message("an id"))
+        return
     if values.device.type == "meta" or isinstance(values, FakeTensor):
-        return None
+        return
     found = values[bad(values)]
-    return int(found[0]) if found.numel() else None
+    if found.numel():
+        raise IndexError(message(int(found[0])))
 
 
 class VocabParallelEmbedding(_VocabRange):
@@ -374,11 +381,10 @@ class VocabParallelEmbedding(_VocabRange):
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self._check_local(weight.shape[0], "the local weight")
-        bad = _first_bad(ids, lambda v: (v < 0) | (v >= self.num_embeddings))
-        if bad is not None:
-            raise IndexError(f"index out of range in self: token id {bad} is not in the vocabulary of "
-                             f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}); check that the "
-                             f"tokenizer matches the model's vocabulary)")
+        _refuse_bad(ids, lambda v: (v < 0) | (v >= self.num_embeddings),
+                    lambda bad: f"index out of range in self: token id {bad} is not in the vocabulary of "
+                                f"{self.num_embeddings} (ids must be in [0, {self.num_embeddings}); check that the "
+                                f"tokenizer matches the model's vocabulary)")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = torch.where(outside, 0, ids - self.vocab_start)  # row 0 stands in, then is zeroed
         pad = self.padding_idx
@@ -431,11 +437,10 @@ class VocabParallelCrossEntropy(_VocabRange):
         if target.shape != logits.shape[:-1]:
             raise ValueError(f"VocabParallelCrossEntropy: target of shape {tuple(target.shape)} does not match "
                              f"logits of shape {tuple(logits.shape)} (the vocab must be the last dim)")
-        bad = _first_bad(target, lambda v: (v != self.ignore_index) & ((v < 0) | (v >= self.vocab_size)))
-        if bad is not None:
-            raise IndexError(f"Target {bad} is out of bounds. The vocabulary has {self.vocab_size} entries "
-                             f"and the ignored target is {self.ignore_index}; check the labels against the model's "
-                             f"vocabulary")
+        _refuse_bad(target, lambda v: (v != self.ignore_index) & ((v < 0) | (v >= self.vocab_size)),
+                    lambda bad: f"Target {bad} is out of bounds. The vocabulary has {self.vocab_size} entries and "
+                                f"the ignored target is {self.ignore_index}; check the labels against the model's "
+                                f"vocabulary")
         device = logits.device.type
         autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         out_dtype = torch.float32 if autocast else logits.dtype

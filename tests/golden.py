@@ -7,6 +7,8 @@ asserts on.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,6 +46,24 @@ def golden(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 
     )
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
             "parameters": names, "steps": steps, "share": report.share}
+
+
+def compiled(name: str, mesh_kwargs: dict, *, microbatches: int = 1, **options) -> dict:
+    """The zoo model ``name`` with ``compile=True``: compared with the unsharded model over one step, then two more;
+    the graphs compiled by the first step, and those compiled after it (none: the same shapes again)."""
+    from autoshard.verify import compare
+
+    case = build(name)
+    reference = copy.deepcopy(case.model)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), microbatches=microbatches, compile=True,
+                               **options)
+    first = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=1)
+    graphs = pm.compiler.graphs
+    later = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
+    return {"ok": first.ok and later.ok, "report": f"{first}\n{later}", "graphs": graphs,
+            "recompiled": pm.compiler.graphs - graphs, "explained": "torch.compile" in pm.explain()}
 
 
 def check(results: list[dict], mesh: dict | None = None) -> None:

@@ -42,11 +42,12 @@ class Replica(nn.Module):
         super().__init__()
         self.store = store
         self.sharded_data = False
+        self.run = lambda gm: gm  # what runs a program: itself, or its compiled function (compile=True)
 
     def forward(self, gm: fx.GraphModule, *args):
         if self.sharded_data:  # fully_shard swaps the store's parameters: point the program at the current ones
             self.store.adopt(gm)
-        return gm(*args)
+        return self.run(gm)(*args)
 
 
 class GradientSync:

@@ -31,6 +31,7 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
 from autoshard.runtime import gather, inference
+from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, stall_guard
 from autoshard.runtime.pipeline import Pipeline
@@ -48,6 +49,9 @@ class ParallelModel(nn.Module):
         options.check_mesh(mesh)
         self.mesh, self.groups, self.options, self.loss_fn, self.lint = mesh, groups, options, loss_fn, lint
         self.replica = Replica(codegen.ParamStore())
+        self.compiler = Compiler() if options.compile else None
+        if self.compiler is not None:
+            self.replica.run = self.compiler
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._builds: dict[tuple, RankBuild] = {}  # by (input shapes, mode, with loss)
@@ -185,9 +189,12 @@ class ParallelModel(nn.Module):
     def call(self, fn, *args):
         """Run a program's forward under this model's precision and activation-checkpointing options."""
         bf16 = self.options.mixed_precision == "bf16"
+        program = fn if isinstance(fn, fx.GraphModule) else args[0]
+        if self.compiler is not None and fn is program:
+            fn = self.compiler(program)
         with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             if self.options.activation_checkpointing:
-                state = written_state(fn if isinstance(fn, fx.GraphModule) else args[0])
+                state = written_state(program)
                 return torch.utils.checkpoint.checkpoint(
                     fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))
             return fn(*args)
@@ -330,7 +337,7 @@ class ParallelModel(nn.Module):
         from autoshard.explain import render
 
         return render(self.builds, model=self.model, mesh=self.mesh, rank=self.rank, options=self.options,
-                             lint=self.lint, code=code)
+                             lint=self.lint, code=code, compiler=self.compiler)
 
     # the state functions live in ``state``; these are the model's own methods for them
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature
