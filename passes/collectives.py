@@ -126,6 +126,10 @@ def local_part(full: torch.Tensor, placement, rank: int, size: int) -> torch.Ten
 # The collectives themselves, without autograd
 
 
+# torch >= 2.12 names it reduce_scatter_single and warns that reduce_scatter_tensor is deprecated
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """A reduced copy of ``x``; the input is left alone because autograd may still need it."""
     if group is None:
@@ -346,16 +350,25 @@ class _VocabRange(_ParallelOp):
                              f"range [{self.vocab_start}, {self.vocab_end}) holds {self.vocab_end - self.vocab_start}")
 
 
+HOST_DEVICES = ("cpu",)  # where kernels run op by op and a value read back costs nothing (tests may pretend not)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s kernels take the host path: CPU's fused kernels, and checks that read values back. Elsewhere
+    (CUDA) every kernel is one that exists on the device, and nothing is read back to the host within a step."""
+    return t.device.type in HOST_DEVICES
+
+
 def _refuse_bad(values: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor],
                 message: Callable[[object], str]) -> None:
     """Raise ``IndexError(message(v))`` for the first of ``values`` where ``bad(values)`` holds. On the host (CPU,
     run op by op) the value is named; where reading it back would stall the device or break a compiled graph (CUDA,
     ``torch.compile``) the check runs on the device without a host sync (``_assert_async``), and the message says
     "an id" instead. Values without data (a graph run on meta or fake tensors to find shapes) are not checked."""
-    if torch.compiler.is_compiling() or values.device.type not in ("cpu", "meta"):
-        torch._assert_async(~bad(values).any(), message("an id"))
+    if values.device.type == "meta" or isinstance(values, FakeTensor) and not torch.compiler.is_compiling():
         return
-    if values.device.type == "meta" or isinstance(values, FakeTensor):
+    if torch.compiler.is_compiling() or not on_host(values):
+        torch._assert_async(~bad(values).any(), message("an id"))
         return
     found = values[bad(values)]
     if found.numel():

@@ -28,7 +28,7 @@ from autoshard import meta
 from autoshard.kinds import Attention
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis, Outputs
-from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.collectives import _ParallelOp, reduce_scatter_single
 from autoshard.passes.placements import Partial, Placement, Replicate, Shard
 from autoshard.passes.propagate import cost, propagate
 from autoshard.passes.rules import Decision, arg, rule
@@ -553,7 +553,7 @@ class _Gather(torch.autograd.Function):
                             dim=ctx.dim) for p in pieces]
         parts = torch.stack(pieces)
         out = parts.new_empty(parts.shape[1:])
-        dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=op.group)
+        reduce_scatter_single(out.view(-1), parts.view(-1), group=op.group)
         return out.narrow(ctx.dim, 0, mine), None, None, None
 
 

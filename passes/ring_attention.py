@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.collectives import _ParallelOp, on_host
 
 _KV_TAG, _GRAD_TAG = 71, 72  # p2p tags of the key/value blocks and of their travelling gradients
 
@@ -75,6 +75,15 @@ class RingAttention(_ParallelOp):
         self.most = max(len(p) for p in self.layout)
         self.seq_len = sum(len(p) for p in self.layout)
         self._pairs: dict = {}  # host-side piece lists per source rank (``pairs``, ``blocks``)
+        self._runs = _runs(self.layout[rank]) if causal else [slice(0, len(self.layout[rank]))]
+        self._on: dict = {}  # each rank's positions on a device, copied there once
+
+    def positions(self, rank: int, device: torch.device) -> torch.Tensor:
+        """Rank ``rank``'s token positions on ``device`` (copied once: a copy per step would wait for the device)."""
+        key = (rank, device)
+        if key not in self._on:
+            self._on[key] = self.layout[rank].to(device)
+        return self._on[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +93,7 @@ class RingAttention(_ParallelOp):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
             mask = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
-        fused = (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and _fusable(q, k, v)
+        fused = (on_host(q) and q.dtype == k.dtype == v.dtype and _fusable(q, k, v)
                  and not (mask is not None and mask.requires_grad and torch.is_grad_enabled()))
         out = (_FusedRingFn if fused else _RingAttentionFn).apply(q, k, v, mask, self)
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
@@ -112,8 +121,7 @@ class RingAttention(_ParallelOp):
     def query_runs(self) -> list[slice]:
         """This rank's queries in the pieces the blocks are computed for: runs of consecutive positions when
         causal (so a wholly masked part can be left out), all at once otherwise."""
-        mine = self.layout[self.rank]
-        return _runs(mine) if self.causal else [slice(0, len(mine))]
+        return self._runs
 
     def pairs(self, src: int) -> list[tuple[slice, list[slice]]]:
         """The parts of rank ``src``'s block this rank's queries attend: for each run of consecutive query
@@ -206,7 +214,7 @@ def _take(t: torch.Tensor, runs: list[slice]) -> torch.Tensor:
 def _pieces(op: RingAttention, src: int, block: tuple[torch.Tensor, torch.Tensor]):
     """For each piece of rank ``src``'s block this rank attends (``op.pairs``): the query rows, the block's row
     runs, their keys and values, and those keys' global positions."""
-    kpos = op.layout[src].to(block[0].device)
+    kpos = op.positions(src, block[0].device)
     for rows, cols in op.pairs(src):
         yield rows, cols, _take(block[0], cols), _take(block[1], cols), torch.cat([kpos[c] for c in cols])
 
@@ -292,7 +300,7 @@ class _RingAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, op: RingAttention):
         group, size, rank = op.ring_group(), op.size, op.rank
         scale = op.scale if op.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        qpos = op.layout[rank].to(q.device)
+        qpos = op.positions(rank, q.device)
         ring = _Ring(group, size, rank) if size > 1 else None
         qf, block = q.to(_acc(q)), (_padded(k, op.most), _padded(v, op.most))
         states = {rows.start: _Online() for rows in op.query_runs()}  # one online softmax per query run
@@ -320,7 +328,7 @@ class _RingAttentionFn(torch.autograd.Function):
         qf, dof = q.to(_acc(q)), dout.to(_acc(q))
         delta = (dof * out).sum(-1, keepdim=True)
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))[..., None]  # fully masked rows: P = 0
-        qpos = op.layout[rank].to(q.device)
+        qpos = op.positions(rank, q.device)
         dmask = qf.new_zeros(mask.shape) if _mask_grad(ctx, mask) else None
         dq = qf.new_zeros(q.shape)
         block = (_padded(k, op.most), _padded(v, op.most))
@@ -373,6 +381,7 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, kpos: torch.Tensor) ->
 # ------------------------------------------------------------------------------------- fused block kernel
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 
 def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -517,9 +526,9 @@ class GatheredCausalAttention(nn.Module):
                      for r in _runs(self.positions)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if (q.device.type != "cpu" or self.dropout_p or not q.dtype == k.dtype == v.dtype or not _fusable(q, k, v)
+        if (not on_host(q) or self.dropout_p or not q.dtype == k.dtype == v.dtype or not _fusable(q, k, v)
                 or torch.is_autocast_enabled(q.device.type)):
-            mask = self.positions.to(q.device)[:, None] >= torch.arange(self.seq_len, device=q.device)[None, :]
+            mask = self.mask_on(q.device)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout_p, scale=self.scale, enable_gqa=self.enable_gqa)
         else:
@@ -527,6 +536,12 @@ class GatheredCausalAttention(nn.Module):
         if out.dim() == 4:  # laid out like SDPA's output, (B, T, H, D) in memory, which models view after a transpose
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         return out
+
+    def mask_on(self, device: torch.device) -> torch.Tensor:
+        """The causal mask of these queries' positions over the sequence, made on ``device`` once."""
+        if getattr(self, "_mask", None) is None or self._mask.device != device:
+            self._mask = self.positions.to(device)[:, None] >= torch.arange(self.seq_len, device=device)[None, :]
+        return self._mask
 
     def pieces(self):
         """(query rows, key slice, causal) of every piece computed."""

@@ -38,6 +38,7 @@ from autoshard.passes.collectives import (
     ReadWhole,
     ScatterToParallel,
     _ParallelOp,
+    reduce_scatter_single,
 )
 from autoshard.passes.context_parallel import ContextParallelPlan, gathered_attention, insert_splits, remove_splits
 from autoshard.passes.placements import R, Shard
@@ -61,7 +62,7 @@ def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
     parts = torch.stack(x.chunk(size, dim=dim)).contiguous()
     out = parts.new_empty(parts.shape[1:])
-    dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), parts.view(-1), group=group)
     return out
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.passes.collectives import reduce_scatter_single
+
 
 class Spread:
     """The weights spread over this rank's pp group, and the collectives that move them."""
@@ -92,7 +94,7 @@ class Spread:
             blocks = [[wholes[i].chunk(self.p)[r].reshape(-1) for i in indices] for r in range(self.p)]
             flat = torch.cat([b for rank in blocks for b in rank])
             mine = flat.new_empty(flat.numel() // self.p)
-            dist.reduce_scatter_tensor(mine, flat, group=self.group)
+            reduce_scatter_single(mine, flat, group=self.group)
             offset = 0
             for i, block in zip(indices, blocks[0], strict=True):
                 shape = (wholes[i].shape[0] // self.p, *wholes[i].shape[1:])

@@ -55,11 +55,11 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
             dist.all_reduce(total, group=pm.groups.group(axis))
     norm = total.sqrt().float()
-    coef = max_norm / (norm.item() + eps)
-    if coef < 1.0:
-        for _, _, param, _ in _entries(pm):
-            if param.grad is not None:
-                param.grad.mul_(coef)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no read back (1 leaves a gradient as is)
+    for _, _, param, _ in _entries(pm):
+        if param.grad is not None:
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard
+            grad.mul_(coef.to(grad.dtype))
     return norm
 
 
