@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,39 @@ def test_plan_540b_from_the_entry_point():
     first = next(line for line in done.stdout.splitlines() if line.startswith("  1 "))
     dp, tp, pp = (int(x) for x in first.split()[1:4])
     assert tp == 8 and dp > 1 and pp > 1
+
+
+DATA = Path(__file__).parent / "data"
+# each published config.json (tests/data) against the flags a user would type for it
+FROM_CONFIG = {
+    "llama3_8b_config.json": ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn",
+                              "14336", "--vocab", "128256", "--gated"],
+    "mixtral_8x7b_config.json": ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn",
+                                 "14336", "--vocab", "32000", "--gated", "--experts", "8", "--experts-per-token", "2"],
+}
+JOB = ["--seq", "8192", "--global-batch", "512", "--gpus", "64", "--gpu", "h200", "--json", "--top", "3"]
+
+
+@pytest.mark.parametrize("name", FROM_CONFIG)
+def test_plan_from_a_config_gives_the_answer_of_the_typed_flags(capsys, name):
+    assert cli.main(["plan", "--config", str(DATA / name), *JOB]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", *FROM_CONFIG[name], *JOB]) == 0
+    typed = json.loads(capsys.readouterr().out)
+    assert from_config == typed
+    # and as HuggingFace counts them: Llama-3-8B 8.03B parameters, Mixtral-8x7B 46.7B
+    expected = {"llama3_8b_config.json": 8_030_261_248, "mixtral_8x7b_config.json": 46_702_792_704}[name]
+    assert from_config["model"]["parameters"] == expected
+
+
+def test_plan_from_a_model_directory_and_a_flag_over_its_config(capsys, tmp_path):
+    (tmp_path / "config.json").write_text((DATA / "llama3_8b_config.json").read_text())
+    assert cli.main(["plan", "--model", str(tmp_path), "--layers", "16", *JOB]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["layers"], model["hidden"], model["kv_heads"]) == (16, 4096, 8)
+
+
+def test_plan_without_a_model_says_what_it_needs(capsys):
+    assert cli.main(["plan", "--hidden", "4096", *JOB]) == 2
+    err = capsys.readouterr().err
+    assert "--layers, --heads, --vocab" in err and "--config" in err

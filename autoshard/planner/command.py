@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from autoshard.mesh import Mesh
@@ -34,21 +35,30 @@ Bandwidths are per GPU and per direction; the network bandwidth is one GPU's net
 example (a 540B-parameter model on 4096 GPUs):
   autoshard plan --layers 118 --hidden 18432 --heads 144 --vocab 256000 --seq 2048 --global-batch 2048 \\
       --gpus 4096 --gpus-per-node 8 --gpu-memory 80GB
+example (a HuggingFace model's config.json on 64 H200s):
+  autoshard plan --config Meta-Llama-3-8B/config.json --seq 8192 --global-batch 512 --gpus 64 --gpu h200
 """
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(NAME, help=HELP, description=HELP, epilog=_EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = parser.add_argument_group("model")
+    m = parser.add_argument_group("model (from --config or --model, or each flag; a flag overrides the file)")
+    m.add_argument("--config", metavar="PATH", help="a HuggingFace config.json: fills every model flag but --seq "
+                   "and --global-batch")
+    m.add_argument("--model", metavar="DIR", help="a local HuggingFace model directory (its config.json)")
     for flag, what in (("--layers", "transformer blocks"), ("--hidden", "hidden size"),
-                       ("--heads", "attention heads"), ("--vocab", "vocabulary size"),
-                       ("--seq", "sequence length in tokens"), ("--global-batch", "sequences per training step")):
+                       ("--heads", "attention heads"), ("--vocab", "vocabulary size")):
+        m.add_argument(flag, type=int, help=what)
+    for flag, what in (("--seq", "sequence length in tokens"), ("--global-batch", "sequences per training step")):
         m.add_argument(flag, type=int, required=True, help=what)
     m.add_argument("--kv-heads", type=int, help="kv heads for grouped-query attention (default: --heads)")
-    m.add_argument("--ffn", type=int, help="MLP hidden size (default: 4 * --hidden)")
-    m.add_argument("--gated", action="store_true", help="SwiGLU-style MLP with three matrices")
-    m.add_argument("--tied-embeddings", action="store_true", help="the LM head shares the embedding's weights")
+    m.add_argument("--ffn", type=int, help="MLP hidden size, of each expert in a mixture (default: 4 * --hidden)")
+    m.add_argument("--gated", action="store_true", default=None, help="SwiGLU-style MLP with three matrices")
+    m.add_argument("--tied-embeddings", action="store_true", default=None,
+                   help="the LM head shares the embedding's weights")
+    m.add_argument("--experts", type=int, help="experts per layer of a mixture of experts (default 1: dense)")
+    m.add_argument("--experts-per-token", type=int, help="experts each token is routed to (default 1)")
     m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype (bf16)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
@@ -71,10 +81,25 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> TransformerConfig:
-    return TransformerConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
-                             seq=args.seq, global_batch=args.global_batch, kv_heads=args.kv_heads, ffn=args.ffn,
-                             gated=args.gated, tied_embeddings=args.tied_embeddings,
-                             dtype_bytes=4 if args.dtype == "fp32" else 2)
+    given = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
+             "seq": args.seq, "global_batch": args.global_batch, "kv_heads": args.kv_heads, "ffn": args.ffn,
+             "gated": args.gated, "tied_embeddings": args.tied_embeddings, "experts": args.experts,
+             "experts_per_token": args.experts_per_token, "dtype_bytes": 4 if args.dtype == "fp32" else 2}
+    path = args.config or (args.model and os.path.join(args.model, "config.json"))
+    if path:
+        if args.config and args.model:
+            raise PlanError("--config and --model both name a model: give one")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"cannot read the model's config {path}: {e}") from e
+        return TransformerConfig.from_hf(hf, **given)
+    missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if given[k] is None]
+    if missing:
+        raise PlanError(f"the model needs {', '.join(missing)}, or --config config.json (or --model DIR) to read "
+                        "them from")
+    return TransformerConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def cluster_from(args: argparse.Namespace) -> Cluster:

@@ -38,8 +38,10 @@ class TransformerConfig:
     """A decoder-only transformer: ``layers`` blocks of attention and MLP between an embedding and an LM head.
 
     ``kv_heads`` defaults to ``heads`` (multi-head attention; fewer is grouped-query attention), ``ffn`` to
-    ``4 * hidden``. ``gated`` MLPs (SwiGLU) have three ``hidden x ffn`` matrices instead of two.
-    ``dtype_bytes`` is the size of a weight and an activation element: 2 for bf16/fp16, 4 for fp32.
+    ``4 * hidden``. ``gated`` MLPs (SwiGLU) have three ``hidden x ffn`` matrices instead of two. A mixture of experts
+    has ``experts`` MLPs of ``ffn`` per layer (each split over tp as a dense one is) and a router, and sends each
+    token to ``experts_per_token`` of them. ``dtype_bytes`` is the size of a weight and an activation element: 2 for
+    bf16/fp16, 4 for fp32. ``from_hf`` reads the model's part from a HuggingFace ``config.json``.
     """
 
     layers: int
@@ -53,14 +55,20 @@ class TransformerConfig:
     gated: bool = False
     tied_embeddings: bool = False
     dtype_bytes: int = 2
+    experts: int = 1
+    experts_per_token: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.ffn is None:
             object.__setattr__(self, "ffn", 4 * self.hidden)
-        for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "kv_heads", "ffn"):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "kv_heads", "ffn", "experts",
+                     "experts_per_token"):
             _check_positive_int(name, getattr(self, name))
+        if self.experts_per_token > self.experts:
+            raise PlanError(f"experts_per_token={self.experts_per_token} is more than the {self.experts} experts: a "
+                            f"token is routed to at most every expert")
         if self.dtype_bytes not in (1, 2, 4, 8):
             raise PlanError(f"dtype_bytes={self.dtype_bytes!r}: use 2 for bf16/fp16 or 4 for fp32")
         if self.hidden % self.heads:
@@ -78,8 +86,47 @@ class TransformerConfig:
     def parameters(self) -> int:
         """Every parameter: attention, MLP and two norms per layer, embedding, LM head (unless tied), final norm."""
         h, kv_dim = self.hidden, self.kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv_dim + (3 if self.gated else 2) * h * self.ffn + 2 * h
+        mlp = (3 if self.gated else 2) * h * self.ffn * self.experts + (h * self.experts if self.experts > 1 else 0)
+        per_layer = 2 * h * h + 2 * h * kv_dim + mlp + 2 * h
         return self.layers * per_layer + (1 if self.tied_embeddings else 2) * self.vocab * h + h
+
+    @classmethod
+    def from_hf(cls, config: dict, **given) -> TransformerConfig:
+        """The model of a HuggingFace ``config.json`` (its dict): layers, hidden, heads, kv heads, ffn (the experts'
+        where they have their own), vocabulary, a gated MLP (a SiLU or gated activation), tied embeddings and the
+        experts; ``given`` (``seq``, ``global_batch``, and any field to override) wins over what the file says."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        read = {
+            "layers": _first(text, "num_hidden_layers", "n_layer", "num_layers"),
+            "hidden": _first(text, "hidden_size", "n_embd", "d_model"),
+            "heads": _first(text, "num_attention_heads", "n_head", "num_heads"),
+            "kv_heads": _first(text, "num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
+            "vocab": _first(text, "vocab_size"),
+            "experts": _first(text, "num_local_experts", "num_experts", "n_routed_experts"),
+            "experts_per_token": _first(text, "num_experts_per_tok", "moe_top_k"),
+        }
+        moe = (read["experts"] or 1) > 1
+        read["ffn"] = (_first(text, "moe_intermediate_size") if moe else None) or _first(
+            text, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+        act = str(_first(text, "hidden_act", "hidden_activation", "activation_function") or "")
+        read["gated"] = act in _GATED_ACTIVATIONS or text.get("model_type") in _GATED_FAMILIES
+        read["tied_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+        missing = [k for k in ("layers", "hidden", "heads", "vocab") if read[k] is None and k not in given]
+        if missing:
+            raise PlanError(f"the config gives no {', '.join(missing)} (model_type {text.get('model_type')!r}): "
+                            f"pass {' '.join('--' + k for k in missing)}")
+        fields = {k: v for k, v in read.items() if v is not None}
+        return cls(**{**fields, **{k: v for k, v in given.items() if v is not None}})
+
+
+# A SiLU MLP in HuggingFace's families is SwiGLU's (three matrices); these activations and families are gated.
+_GATED_ACTIVATIONS = {"silu", "swish", "swiglu", "geglu", "gelu_pytorch_tanh"}
+_GATED_FAMILIES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                   "gemma3_text", "olmo", "olmo2", "olmoe", "deepseek_v3", "granite", "phi3", "cohere"}
+
+
+def _first(config: dict, *keys: str):
+    return next((config[k] for k in keys if config.get(k) is not None), None)
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -108,6 +155,13 @@ PRESETS: dict[str, dict[str, str | float]] = {
     # A100 SXM 80 GB (DGX A100): NVLink 3 at 300 GB/s per direction, one 200 Gb/s HDR card per GPU, 312 TFLOP/s bf16.
     "a100": dict(gpu_memory="80GB", intra_bandwidth="300GB/s", inter_bandwidth="200Gb/s", intra_latency="1us",
                  inter_latency="5us", peak_flops="312TFLOPS"),
+    # H200 SXM (HGX H200): an H100 with 141 GB of HBM3e; NVLink 4 and the 400 Gb/s card as H100's, 989 TFLOP/s bf16.
+    "h200": dict(gpu_memory="141GB", intra_bandwidth="450GB/s", inter_bandwidth="400Gb/s", intra_latency="1us",
+                 inter_latency="5us", peak_flops="989TFLOPS"),
+    # B200 (HGX B200): 180 GB of HBM3e, NVLink 5 at 900 GB/s per direction, a 400 Gb/s card per GPU, 2.25 PFLOP/s
+    # dense bf16.
+    "b200": dict(gpu_memory="180GB", intra_bandwidth="900GB/s", inter_bandwidth="400Gb/s", intra_latency="1us",
+                 inter_latency="5us", peak_flops="2250TFLOPS"),
 }
 DEFAULT_PRESET = "h100"
 

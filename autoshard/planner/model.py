@@ -67,7 +67,8 @@ def _sym(name: str) -> sympy.Symbol:
 # The symbols formulas are written in, with what each one means.
 SYMBOLS: dict[str, str] = {
     "L": "layers", "h": "hidden size", "a": "attention heads", "kv": "kv heads", "f": "ffn size",
-    "g": "MLP matrices (2, or 3 when gated)", "V": "vocabulary", "s": "sequence length",
+    "g": "MLP matrices (2, or 3 when gated)", "E": "experts per layer (1: a dense MLP)",
+    "x": "experts each token is routed to", "V": "vocabulary", "s": "sequence length",
     "beta": "bytes per weight and activation element", "o": "optimizer bytes per parameter",
     "tied": "1 when the embedding and LM head share weights",
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
@@ -89,6 +90,7 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
     """Each quantity's formula, in the symbols and the quantities defined before it, and what it is."""
     L, h, a, kv, f, g, V, s, beta, o, tied = (SYM[k] for k in ("L", "h", "a", "kv", "f", "g", "V", "s", "beta", "o",
                                                                  "tied"))
+    E, x = SYM["E"], SYM["x"]
     dp, tp, pp, cp, m, v, b, r, z, w, q, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z",
                                                                      "w", "q", "F", "eta"))
     Q = {name: _sym(name) for name in _ORDER}
@@ -101,13 +103,15 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
         "d": (h / a, "head dim"),
         "n": (v * ceiling(L / (pp * v)), "layers on the fullest stage"),
         "s_l": (s / cp, "tokens of a sequence on one GPU"),
-        "N_layer": ((2 * h**2 + g * h * f) / tp + 2 * h * d * kv_local + 2 * h, "parameters of a layer on one GPU"),
+        "N_layer": ((2 * h**2 + g * h * f * E) / tp + 2 * h * d * kv_local + 2 * h + Piecewise((0, Eq(E, 1)),
+                                                                                              (h * E, True)),
+                    "parameters of a layer on one GPU (every expert's MLP split over tp, the router whole)"),
         "N_gpu": (n * N_layer + Piecewise((2 - tied, Eq(pp, 1)), (1, True)) * V * h / tp,
                   "parameters on the GPU: the fullest stage's layers and its embedding table(s)"),
         "M_weights": (beta * N_gpu, "weight bytes"),
         "M_grads": (beta * N_gpu, "gradient bytes"),
         "M_optimizer": (o * N_gpu / (1 + z * (dp - 1)), "optimizer-state bytes"),
-        "A_keep": (b * s_l * h * (10 * (1 - q + q / tp) + (4 + 4 * kv / a + 2 * g * f / h) / tp) * beta / 2,
+        "A_keep": (b * s_l * h * (10 * (1 - q + q / tp) + (4 + 4 * kv / a + 2 * g * f * x / h) / tp) * beta / 2,
                    "activation bytes a layer keeps for backward, per microbatch"),
         "A_layer": ((1 - r) * A_keep + r * b * s_l * h * beta, "activation bytes kept per layer and microbatch"),
         "in_flight": (Piecewise((Min(m, pp), sympy.Or(Eq(v, 1), Eq(w, 1))), (Min(m, pp + (pp - 1) / v), True)),
@@ -116,8 +120,8 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
                           "activation bytes: in-flight microbatches (or the last stage's fp32 logits), "
                           "plus one layer's working set"),
         "memory": (Q["M_weights"] + Q["M_grads"] + Q["M_optimizer"] + Q["M_activations"], "bytes per GPU"),
-        "F_layer": (2 * s * (2 * h**2 + 2 * h * kv * d + g * h * f) + 2 * s**2 * h,
-                    "forward FLOPs of a layer per sequence"),
+        "F_layer": (2 * s * (2 * h**2 + 2 * h * kv * d + g * h * f * x) + 2 * s**2 * h,
+                    "forward FLOPs of a layer per sequence (each token through its x experts)"),
         "F_head": (2 * s * h * V, "forward FLOPs of the LM head per sequence"),
         "t_compute": (b * (n * (3 + r) * F_layer + 3 * F_head / pp) / (tp * cp) / (F * eta),
                       "compute time of a microbatch on a stage (forward and backward)"),
@@ -239,7 +243,8 @@ def inputs(config: TransformerConfig, cluster: Cluster, split: Split) -> dict[st
     """The value of every symbol for this model, cluster and split."""
     values: dict[str, float] = {
         "L": config.layers, "h": config.hidden, "a": config.heads, "kv": config.kv_heads, "f": config.ffn,
-        "g": 3 if config.gated else 2, "V": config.vocab, "s": config.seq, "beta": config.dtype_bytes,
+        "g": 3 if config.gated else 2, "E": config.experts, "x": config.experts_per_token, "V": config.vocab,
+        "s": config.seq, "beta": config.dtype_bytes,
         "o": 8 if config.dtype_bytes >= 4 else 12, "tied": int(config.tied_embeddings),
         "dp": split.dp, "tp": split.tp, "pp": split.pp, "cp": split.cp, "m": split.microbatches,
         "v": split.interleave, "b": split.microbatch_size, "r": int(split.recompute == "full"),

@@ -203,7 +203,7 @@ def _header(data: dict) -> list[str]:
     optimizer = "sharded over dp (ZeRO-1)" if data["shard_optimizer"] else "replicated over dp"
     return [
         f"model    {m['parameters'] / 1e9:.1f}B parameters: {m['layers']} layers, hidden {m['hidden']}, "
-        f"{m['heads']} heads{kv}, ffn {m['ffn']}{' gated' if m['gated'] else ''}, vocab {m['vocab']}; "
+        f"{m['heads']} heads{kv}, ffn {m['ffn']}{' gated' if m['gated'] else ''}{_experts(m)}, vocab {m['vocab']}; "
         f"seq {m['seq']}, global batch {m['global_batch']}, {m['dtype_bytes']}-byte dtype; optimizer {optimizer}",
         f"cluster  {c['gpus']} GPUs = {c['nodes']} node{'s' if c['nodes'] > 1 else ''} x "
         f"{min(c['gpus'], c['gpus_per_node'])}, "
@@ -277,3 +277,9 @@ def _formula_lines(everything: bool) -> list[str]:
     if everything:
         lines.append("  symbols: " + "; ".join(f"{k} {v}" for k, v in model.SYMBOLS.items()))
     return lines
+
+
+def _experts(m: dict) -> str:
+    if m.get("experts", 1) == 1:
+        return ""
+    return f" x {m['experts']} experts ({m['experts_per_token']} per token)"
