@@ -363,6 +363,14 @@ class ParallelModel(nn.Module):
 
         return state.clip_grad_norm_(self, max_norm)
 
+    def save_pretrained(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:
+        """Write the model as HuggingFace's ``save_pretrained`` does (config and safetensors files, an index when
+        there are several), gathered from this mesh a tensor at a time: the unmodified ``from_pretrained`` loads it.
+        A collective: every rank calls it; rank 0 writes."""
+        from autoshard.runtime import pretrained
+
+        pretrained.save_pretrained(self, directory, max_shard_size)
+
     def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
         """Each rank writes its shards of the parameters and, with ``optimizer``, of its state; ``extra`` (the
         user's step, an LR scheduler's ``state_dict()``) and the random streams alongside. Loads under any mesh.

@@ -1,0 +1,153 @@
+"""``pm.save_pretrained(directory)``: the model in HuggingFace's format, gathered from any mesh a tensor at a time.
+
+Rank 0 writes the model's ``config.json`` (and ``generation_config.json``) with the model's own
+``save_pretrained`` of its config, and the tensors as safetensors files of at most ``max_shard_size`` bytes (with
+``model.safetensors.index.json`` when there are several), named and laid out as ``transformers`` lays them out,
+so the unmodified ``from_pretrained`` loads them. Each tensor is gathered alone: over tp (fused blocks, padded
+vocabularies), over dp x cp for FSDP2 shards, whole for weights spread over the pipeline ranks, then sent to rank 0
+by the first rank holding it. Rank 0 holds one file's tensors at most, every other rank one tensor. A tied weight
+is written once, under its first name, as ``transformers`` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from autoshard.runtime import spread
+from autoshard.runtime.gather import gather
+
+INDEX = "model.safetensors.index.json"
+
+
+def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> None:
+    """Write ``pm``'s model into ``directory`` as ``transformers``' ``save_pretrained`` does (a collective: every
+    rank calls it)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError("save_pretrained writes safetensors files: pip install safetensors") from e
+    limit = _bytes(max_shard_size)
+    config = getattr(pm.model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):  # said on every rank, before any collective
+        raise ValueError(f"save_pretrained writes HuggingFace's format, and {type(pm.model).__name__} has no "
+                         "HuggingFace config (model.config): use pm.state_dict() or pm.save_checkpoint() instead")
+    entries = _entries(pm)
+    files = _files(entries, limit)
+    holders = _holders(pm)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        config.save_pretrained(directory)
+        generation = getattr(pm.model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+    with spread.of(pm).whole(pm.store):
+        for number, keys in enumerate(files, 1):
+            tensors = {}
+            for key in keys:
+                tensor = _tensor(pm, entries[key], holders, rank)
+                if rank == 0:
+                    tensors[key] = tensor.detach().to("cpu").contiguous()
+            if rank == 0:
+                save_file(tensors, os.path.join(directory, _name(number, len(files))), metadata={"format": "pt"})
+    if rank == 0 and len(files) > 1:
+        total = sum(_size(entry) for entry in entries.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {key: _name(n, len(files)) for n, keys in enumerate(files, 1) for key in keys}}
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _entries(pm) -> dict[str, tuple]:
+    """The model's ``state_dict`` keys in order, each ``("param", target, like)`` or ``("buffer", tensor)``; a
+    parameter under several names (tied) keeps its first."""
+    target_of = {name: target for target, names in pm.names.items() for name in names}
+    name_of: dict[int, str] = {}
+    for name, param in pm.model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(id(param), name)
+    out, seen = {}, set()
+    for key, value in pm.model.state_dict(keep_vars=True).items():
+        name = name_of.get(id(value))
+        if name is None:
+            out[key] = ("buffer", value)
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        out[key] = ("param", target_of.get(name), value)
+    return out
+
+
+def _size(entry: tuple) -> int:
+    tensor = entry[-1]
+    return tensor.numel() * tensor.element_size()
+
+
+def _files(entries: dict, limit: int) -> list[list[str]]:
+    """Keys grouped into files of at most ``limit`` bytes (a larger tensor alone in its file), in order."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for key, entry in entries.items():
+        size = _size(entry)
+        if files[-1] and used + size > limit:
+            files.append([])
+            used = 0
+        files[-1].append(key)
+        used += size
+    return files
+
+
+def _name(number: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def _holders(pm) -> dict[str, int]:
+    """The first global rank holding each parameter (in the captures' names)."""
+    held = sorted(t for t in pm.names if pm.store.find(t) is not None)
+    if not dist.is_initialized():
+        return dict.fromkeys(held, 0)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    first: dict[str, int] = {}
+    for r, targets in enumerate(everyone):
+        for target in targets:
+            first.setdefault(target, r)
+    return first
+
+
+def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tensor | None:
+    """The whole tensor of one entry on rank 0 (None elsewhere); the ranks holding a parameter gather it."""
+    if entry[0] == "buffer":
+        return entry[1]
+    _, target, own = entry
+    if target is None or target not in holders:  # read by no program: the model's own, never trained
+        return own if rank == 0 else None
+    local = pm.store.find(target)
+    full = gather(pm, target, local.detach()) if local is not None else None
+    owner = holders[target]
+    if owner == 0:
+        return full if rank == 0 else None
+    if rank == owner:
+        dist.send(full.contiguous(), dst=0)
+    elif rank == 0:
+        full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)
+        dist.recv(full, src=owner)
+        return full
+    return None
+
+
+def _bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    text = size.strip().upper()
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    raise ValueError(f"max_shard_size={size!r}: give bytes, or a size like '5GB' or '500MB'")
