@@ -18,6 +18,8 @@ def _torchrun(processes: int, *flags: str) -> str:
     command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), "examples/train_gpt.py", *flags]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    noise = [line for line in done.stderr.splitlines() if "Deprecat" in line or "deprecated" in line]
+    assert not noise, f"a new user would see deprecation warnings: {noise[:3]}"
     return done.stdout
 
 
