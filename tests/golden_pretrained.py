@@ -37,3 +37,55 @@ def saved_and_loaded(name: str, mesh_kwargs: dict, directory: str, **options) ->
             "files": sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")),
             "index": os.path.exists(os.path.join(directory, "model.safetensors.index.json")),
             "config": os.path.exists(os.path.join(directory, "config.json"))}
+
+
+def user_loop(name: str, mesh_kwargs: dict, *, bf16: bool = False, **options) -> dict:
+    """Corpus model ``name`` trained as a user's loop trains it, beside the unsharded model doing the same: a padded
+    batch with an ``attention_mask`` (the padding's targets ignored), two ``step()`` calls accumulated per optimizer
+    step, SGD with momentum whose groups (weight decay on matrices only) are built from ``named_parameters()``,
+    global-norm clipping, and with ``bf16`` both under bfloat16 autocast. Returns both sides' losses and the worst
+    parameter difference after three optimizer steps."""
+    import copy
+
+    from models import token_data
+
+    case = build(name)
+    reference = copy.deepcopy(case.model)
+    batches = []
+    for seed in (5, 6):
+        ids, target = token_data(torch.Generator().manual_seed(seed), batch=case.inputs[0].shape[0],
+                                 seq=case.inputs[0].shape[1], vocab=case.model.config.vocab_size)
+        mask = torch.ones_like(ids)
+        mask[0, -5:] = mask[3, -2:] = 0  # two rows padded at their end
+        batches.append(((ids, mask), target.masked_fill(mask == 0, -100)))
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=batches[0][0], loss_fn=case.loss_fn,
+                               target=batches[0][1], groups=groups_for(mesh),
+                               mixed_precision="bf16" if bf16 else None, **options)
+
+    def optimizer(named):
+        named = list(named)
+        return torch.optim.SGD([{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.01},
+                                {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                               lr=0.05, momentum=0.9)
+
+    opt, ref_opt = optimizer(pm.named_parameters()), optimizer(reference.named_parameters())
+    losses, ref_losses = [], []
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    for _ in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for inputs, target in batches:
+            losses.append(float(pm.step(*inputs, target=target)))
+            with autocast:
+                loss = case.loss_fn(reference(*inputs), target)
+            loss.backward()
+            ref_losses.append(float(loss))
+        pm.clip_grad_norm_(1.0)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        ref_opt.step()
+    trained, expected = pm.state_dict(), reference.state_dict()
+    worst = max((trained[k].float() - v.float()).abs().max().item() for k, v in expected.items()
+                if v.is_floating_point())
+    return {"losses": losses, "reference": ref_losses, "worst": worst}
