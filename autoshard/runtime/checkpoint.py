@@ -7,17 +7,23 @@ two moments, SGD's momentum) is written the same way as its parameter, under
 ``optim.state.<parameter name>.<key>``, so it moves with the parameter to any other mesh, with or without
 FSDP2: on load every rank reads exactly the part it holds. Keys are the original model's parameter names.
 
-Written once, by rank 0: ``autoshard.training``, a small pickled record of the optimizer's kind, its
+Written once, by rank 0: ``autoshard.training``, a small record of the optimizer's kind, its
 hyperparameters by group, every parameter's scalar state (AdamW's ``step``), the mesh and the steps
 taken; and ``autoshard.extra``, the user's own state (``extra=``: the step, an LR scheduler's
 ``state_dict()``). Each rank writes its random streams under ``autoshard.rng.<rank>``: restored under the
 same mesh; under another, every rank's stream is seeded from the saved seed, the steps taken and its rank
 (dropout then draws other masks than an uninterrupted run would, which is exact only with dropout off).
+
+Loading runs no code from the files: every record is numbers, strings, containers, dtypes and tensors, read
+back with ``torch.load(weights_only=True)`` (``extra=`` holding anything else is refused when saving, naming the
+key), and DCP's own metadata file is unpickled with only the classes it is made of. A checkpoint that names
+anything else is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import os
 import pickle
@@ -66,13 +72,15 @@ def _save(pm, path: str, optimizer, extra: dict | None, asynchronous: bool):
             for key, value in optimizer.state.get(param, {}).items():
                 if key in schema.params[name].tensors:
                     items.append(Item(f"{_OPTIM}{name}.{key}", target, value, placement))
+    if extra is not None:
+        _check_extra(extra)
     view = _view(pm, items, for_load=False, metadata=None)
     if pm.rank == 0:
-        view[_TRAINING] = pickle.dumps({"mesh": str(pm.mesh), "steps": pm.steps, "seed": torch.initial_seed(),
-                                        "optimizer": schema})
+        view[_TRAINING] = _record({"mesh": str(pm.mesh), "steps": pm.steps, "seed": torch.initial_seed(),
+                                   "optimizer": schema.to_record() if schema is not None else None})
         if extra is not None:
-            view[_EXTRA] = pickle.dumps(extra)
-    view[f"{_RNG}{pm.rank}"] = pickle.dumps(_rng_state(pm))
+            view[_EXTRA] = _record(extra)
+    view[f"{_RNG}{pm.rank}"] = _record(_rng_state(pm))
     if asynchronous:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -121,20 +129,22 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
     before the first collective."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}: pass the directory pm.save_checkpoint() wrote")
+    _check_metadata_classes(path)
     everything = dcp.FileSystemReader(path).read_metadata()
     metadata = everything.state_dict_metadata
     _check_files(path, everything)
     _check_matches(pm, path, metadata)
     training = _read_object(path, metadata, _TRAINING)
     schema = training.get("optimizer") if training else None
+    schema = optimizer_state.Schema.from_record(schema) if schema is not None else None
     if optimizer is not None:
         _check_optimizer(pm, path, optimizer, schema)
+    extra = _read_object(path, metadata, _EXTRA)  # every record read (and checked) before any tensor is
     with spread.of(pm).whole(pm.store, optimizer):  # each rank reads the whole weight, then keeps its rows
         _read(pm, path, optimizer, schema, metadata)
     if training:
         pm.steps = training["steps"]
         _restore_rng(pm, path, metadata, training)
-    extra = _read_object(path, metadata, _EXTRA)
     return extra if extra is not None else {}
 
 
@@ -145,7 +155,7 @@ def _read(pm, path: str, optimizer, schema, metadata) -> None:
     if optimizer is not None:
         items += _optimizer_items(pm, optimizer, schema, metadata, states)
     view = _view(pm, items, for_load=True, metadata=metadata)
-    dcp.load(view, checkpoint_id=path)
+    dcp.load(view, checkpoint_id=path, planner=_WeightsOnly())
     with torch.no_grad():
         for item in items:
             item.local.copy_(_read_local(pm, item, view, metadata))
@@ -220,12 +230,93 @@ def _restore_rng(pm, path: str, metadata, training: dict) -> None:
 
 
 def _read_object(path: str, metadata, key: str):
-    """A pickled record of the checkpoint, read by this rank alone (no collective); None when absent."""
+    """A record of the checkpoint, read by this rank alone (no collective); None when absent."""
     if key not in metadata:
         return None
     holder = {key: b""}
-    dcp.load(holder, checkpoint_id=path, no_dist=True)
-    return pickle.loads(holder[key])
+    try:
+        dcp.load(holder, checkpoint_id=path, no_dist=True, planner=_WeightsOnly())
+    except BaseException as e:  # DCP wraps what the weights-only load refused (a BaseException), per rank
+        causes = [e, *(f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values())]
+        if not any(isinstance(c, pickle.UnpicklingError) for c in causes):
+            raise
+        raise ValueError(f"the checkpoint at {path} holds a value ({key}) that is not plain data (it would run code "
+                         "to load); refused. Checkpoints written by autoshard hold numbers, strings, containers and "
+                         "tensors only") from None
+    return _from_record(path, key, holder[key])
+
+
+def _record(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_record(path: str, key: str, data) -> object:
+    if not isinstance(data, bytes):
+        raise ValueError(f"the checkpoint at {path} holds a {type(data).__name__} under {key}, not a record autoshard "
+                         "writes: refused")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"the checkpoint at {path} holds a record ({key}) that is not plain data (it would run code "
+                         f"to load: {str(e).splitlines()[0][:200]}); refused. Checkpoints written by autoshard hold "
+                         "numbers, strings, containers and tensors only") from e
+
+
+def _check_extra(extra: dict) -> None:
+    """Refuse, naming the key, an ``extra=`` value a weights-only load cannot read back (an object of a class)."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra= must be a dict (the step, a scheduler's state_dict(), ...), not "
+                        f"{type(extra).__name__}")
+    for key, value in extra.items():
+        try:
+            torch.load(io.BytesIO(_record(value)), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - pickling or the weights-only unpickler refused it
+            raise TypeError(f"extra[{key!r}] is a {type(value).__name__} (or holds an object of a class), which a "
+                            "checkpoint cannot hold safely: loading it would have to run code. Give numbers, strings, "
+                            "lists, dicts and tensors (an LR scheduler's state_dict(), not the scheduler)") from e
+
+
+class _WeightsOnly(dcp.DefaultLoadPlanner):
+    """DCP's loading with its non-tensor values read back weights-only (DCP's own unpickles them whole)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        read = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], read)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = read
+
+
+# DCP's metadata file is a pickle of these (and of dtypes): anything else in one is refused, not run
+_METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module == "torch.distributed.checkpoint.metadata" or (module, name) in _METADATA_CLASSES
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def _check_metadata_classes(path: str) -> None:
+    """Unpickle DCP's metadata file(s) with only the classes they are made of, before DCP reads them whole."""
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".metadata"):
+            continue
+        with open(os.path.join(path, name), "rb") as f:
+            try:
+                _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"the checkpoint at {path} has a metadata file ({name}) that names "
+                                 f"{str(e).split(' is not')[0]}, which no checkpoint holds: loading it would run "
+                                 "code; refused") from e
 
 
 # -------------------------------------------------------------------------------------------- checks

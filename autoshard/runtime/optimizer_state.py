@@ -46,6 +46,17 @@ class Schema:
     def hyper_of(self, name: str) -> dict:
         return self.hyper[self.params[name].group]
 
+    def to_record(self) -> dict:
+        """Plain containers, numbers, strings, dtypes and tensors: what a weights-only load reads back."""
+        return {"kind": self.kind, "hyper": self.hyper,
+                "params": {name: {"group": p.group, "tensors": p.tensors, "scalars": p.scalars}
+                           for name, p in self.params.items()}}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Schema:
+        return cls(record["kind"], record["hyper"], {name: ParamState(p["group"], p["tensors"], p["scalars"])
+                                                     for name, p in record["params"].items()})
+
 
 def kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
