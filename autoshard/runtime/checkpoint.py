@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from autoshard.passes.placements import Shard
-from autoshard.runtime import optimizer_state, spread
+from autoshard.runtime import committed, optimizer_state, spread
 from autoshard.runtime.gather import gather
 from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
 
@@ -53,15 +53,32 @@ class Item(NamedTuple):
     placement: Shard | None
 
 
-def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
+def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, asynchronous: bool = False,
+                    keep: int | None = None):
     """Write this rank's shards of every parameter (and of the optimizer's state) to ``path`` (all ranks call).
 
-    With ``asynchronous``, the shards are copied to host memory and written in the background
-    (``torch.distributed.checkpoint.async_save``, on a process group of its own so that training's
-    collectives are not interleaved with it): returns a future whose ``result()`` waits for the write.
+    The checkpoint is written aside and renamed into place once complete (``committed``): a save killed at any
+    point leaves the previous checkpoint loadable. With ``keep``, ``path`` is a root holding the newest ``keep``
+    checkpoints (``step-<steps>``); ``load_checkpoint(root)`` takes the newest. With ``asynchronous``, the shards are
+    copied to host memory and written in the background (``torch.distributed.checkpoint.async_save``, on a process
+    group of its own so that training's collectives are not interleaved with it): returns a future whose
+    ``result()`` waits for the write (and, on rank 0, puts the checkpoint in place).
     """
+    final = committed.target(path, keep, pm.steps)
+    partial = committed.begin(final, pm.rank)
     with spread.of(pm).whole(pm.store, optimizer):  # the view keeps the whole tensors; training swaps in others
-        return _save(pm, path, optimizer, extra, asynchronous)
+        written = _save(pm, partial, optimizer, extra, asynchronous)
+
+    def commit() -> None:
+        if pm.rank == 0:
+            committed.finish(partial, final, keep, path)
+
+    if asynchronous:
+        return committed.Pending(written, commit)
+    commit()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank returns with the checkpoint in place
+    return None
 
 
 def _save(pm, path: str, optimizer, extra: dict | None, asynchronous: bool):
@@ -127,8 +144,7 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
 
     Every check (the files of every rank, this model's parameters, the optimizer's kind and groups) runs
     before the first collective."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: pass the directory pm.save_checkpoint() wrote")
+    path = committed.resolve(path)  # the complete checkpoint there (or the newest under a root), its files checked
     _check_metadata_classes(path)
     everything = dcp.FileSystemReader(path).read_metadata()
     metadata = everything.state_dict_metadata

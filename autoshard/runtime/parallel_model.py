@@ -371,17 +371,21 @@ class ParallelModel(nn.Module):
 
         pretrained.save_pretrained(self, directory, max_shard_size)
 
-    def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
+    def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False,
+                        keep: int | None = None):
         """Each rank writes its shards of the parameters and, with ``optimizer``, of its state; ``extra`` (the
-        user's step, an LR scheduler's ``state_dict()``) and the random streams alongside. Loads under any mesh.
-        With ``asynchronous`` the write runs in the background: returns a future (``.result()`` waits)."""
+        user's step, an LR scheduler's ``state_dict()``: plain data) and the random streams alongside. Loads under
+        any mesh. Written aside and renamed into place when complete, so a killed save loses nothing; ``keep=N``
+        makes ``path`` a root of the newest N checkpoints. With ``asynchronous`` the write runs in the background:
+        returns a future (``.result()`` waits)."""
         from autoshard.runtime import checkpoint
 
-        return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous)
+        return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous, keep)
 
     def load_checkpoint(self, path: str, *, optimizer=None) -> dict:
         """Read a checkpoint saved under any mesh into this rank's shards (and ``optimizer``'s state); returns the
-        ``extra`` it was saved with."""
+        ``extra`` it was saved with. ``path`` is a checkpoint, or a root saved with ``keep=`` (its newest complete
+        one); one that is not complete is refused, naming what is missing."""
         from autoshard.runtime import checkpoint
 
         return checkpoint.load_checkpoint(self, path, optimizer)
