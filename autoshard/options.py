@@ -92,6 +92,10 @@ class CompileOptions:
         a cp or sp rank sees part of the batch is refused naming the layers (a microbatch cannot pass the layer
         before every microbatch of the step has reached it); ``"local"`` keeps each rank's and each microbatch's
         own statistics (DDP's behaviour), said once.
+    detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
+        NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
+        ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
+        loss turned NaN.
     compile: run each rank's program (each pipeline stage's) through ``torch.compile`` (inductor), forward and
         backward. autoshard's collectives are traced into the compiled graph (as functional collectives), so the
         compiler sees the whole step; a new shape compiles again, and ``explain()`` counts the graphs compiled.
@@ -114,6 +118,7 @@ class CompileOptions:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     batch_norm: str = "unsharded"
     compile: bool = False
+    detect_anomaly: bool = False
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():
@@ -132,7 +137,8 @@ class CompileOptions:
                 raise ValueError(f"schedule={self.schedule!r} runs {V_CHUNKS[self.schedule]} chunks per pipeline rank "
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
-        for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile"):
+        for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile",
+                     "detect_anomaly"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "sequence_parallel" and value == "auto"):
                 raise ValueError(f"{name}={value!r} is not valid: pass True or False"
@@ -146,6 +152,9 @@ class CompileOptions:
             object.__setattr__(self, "timeout", datetime.timedelta(seconds=self.timeout))
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={self.timeout!r}: pass a positive datetime.timedelta (or seconds)")
+        if self.compile and self.detect_anomaly:
+            raise ValueError("detect_anomaly=True looks at every value a program computes, op by op, which it cannot "
+                             "do inside a compiled graph: pass compile=False while looking for a NaN")
         if self.tp_plan is not None and not hasattr(self.tp_plan, "params"):
             raise ValueError(f"tp_plan is a {type(self.tp_plan).__name__}: pass a TensorParallelPlan (pm.plan, or "
                              "TensorParallelPlan.from_json(...))")

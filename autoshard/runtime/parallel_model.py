@@ -31,6 +31,7 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
 from autoshard.runtime import gather, inference
+from autoshard.runtime.anomaly import Finding
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, stall_guard
@@ -49,6 +50,9 @@ class ParallelModel(nn.Module):
         options.check_mesh(mesh)
         self.mesh, self.groups, self.options, self.loss_fn, self.lint = mesh, groups, options, loss_fn, lint
         self.replica = Replica(codegen.ParamStore())
+        self.anomaly = Finding() if options.detect_anomaly else None
+        if self.anomaly is not None:
+            self.replica.run = self.anomaly.run
         self.compiler = Compiler() if options.compile else None
         if self.compiler is not None:
             self.replica.run = self.compiler
@@ -152,8 +156,13 @@ class ParallelModel(nn.Module):
         divisor = self._divisor(build, inputs, target, microbatches)
         with self.sync.fresh_gradients():
             if self.pipeline is not None:
-                return self._pipeline_step(build, microbatches, divisor)
-            return self._step(microbatches, divisor)
+                loss = self._pipeline_step(build, microbatches, divisor)
+            else:
+                loss = self._step(microbatches, divisor)
+        if self.anomaly is not None:
+            with self._guard("detect_anomaly: what every rank found"):
+                self.anomaly.check(self, self._steps)
+        return loss
 
     def _step(self, microbatches: list, divisor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -197,6 +206,8 @@ class ParallelModel(nn.Module):
         program = fn if isinstance(fn, fx.GraphModule) else args[0]
         if self.compiler is not None and fn is program:
             fn = self.compiler(program)
+        elif self.anomaly is not None and fn is program:
+            fn = self.anomaly.run(program)
         with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             if self.options.activation_checkpointing:
                 state = written_state(program)
