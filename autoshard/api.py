@@ -128,8 +128,22 @@ def _groups_for(mesh: Mesh, timeout: datetime.timedelta, device: str = "cpu") ->
         backend = "nccl" if device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **_restarted_store(timeout))
     return mesh.create_groups(timeout=timeout)
+
+
+def _restarted_store(timeout) -> dict:
+    """Under ``torchrun --max-restarts``, after a restart: the rendezvous store seen through a prefix of its own, so
+    that the groups this attempt makes do not read the addresses the dead attempt's processes left under the same
+    keys (the store outlives the workers). Nothing on the first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not attempt:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # the agent hosts it; else rank 0 does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=not agent)
+    return {"store": dist.PrefixStore(f"autoshard/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
 # ------------------------------------------------------------------------------- mesh="auto" and the lint

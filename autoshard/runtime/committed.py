@@ -81,6 +81,13 @@ def _steps(root: str) -> list[tuple[int, str]]:
     return found
 
 
+def exists(path: str) -> bool:
+    """Whether ``path`` holds a complete checkpoint to resume from (itself, one under it, or the one a killed save
+    had moved aside)."""
+    return (os.path.isfile(os.path.join(path, MANIFEST)) or bool(_steps(path))
+            or os.path.isfile(os.path.join(f"{path}.previous", MANIFEST)))
+
+
 def resolve(path: str) -> str:
     """The complete checkpoint to load at ``path`` (see the module doc), its files checked; refuses the rest."""
     if os.path.isfile(os.path.join(path, MANIFEST)):

@@ -393,6 +393,16 @@ class ParallelModel(nn.Module):
 
         return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous, keep)
 
+    def resume(self, path: str, *, optimizer=None) -> dict | None:
+        """Resume from the newest complete checkpoint at ``path`` (a root saved with ``keep=``, or one checkpoint)
+        and return its ``extra``; None when there is none yet (a fresh start). What a run restarted by
+        ``torchrun --max-restarts`` calls before its loop: it then goes on where its last complete save left it."""
+        from autoshard.runtime import committed
+
+        if not committed.exists(path):
+            return None
+        return self.load_checkpoint(path, optimizer=optimizer)
+
     def load_checkpoint(self, path: str, *, optimizer=None) -> dict:
         """Read a checkpoint saved under any mesh into this rank's shards (and ``optimizer``'s state); returns the
         ``extra`` it was saved with. ``path`` is a checkpoint, or a root saved with ``keep=`` (its newest complete
