@@ -126,8 +126,10 @@ def local_part(full: torch.Tensor, placement, rank: int, size: int) -> torch.Ten
 # The collectives themselves, without autograd
 
 
-# torch >= 2.12 names it reduce_scatter_single and warns that reduce_scatter_tensor is deprecated
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:  # noqa: A002
+    """``dist.reduce_scatter_single`` (a sum), as torch >= 2.12 names it (it warns that ``reduce_scatter_tensor`` is
+    deprecated); looked up at the call, so a simulation that replaces it is seen."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -293,9 +293,10 @@ def simulated_sequence_collectives():
         values = group.world.exchange(group.rank, x)
         out.copy_(torch.cat([v.chunk(len(values))[group.rank] for v in values]))
 
-    names = ("all_gather", "reduce_scatter_tensor", "all_to_all_single")
-    saved = [getattr(dist, n) for n in names], ring_attention._Ring.shift
-    for name, fn in zip(names, (all_gather, reduce_scatter_tensor, all_to_all_single), strict=True):
+    names = ("all_gather", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single")
+    saved = [getattr(dist, n, None) for n in names], ring_attention._Ring.shift
+    for name, fn in zip(names, (all_gather, reduce_scatter_tensor, reduce_scatter_tensor, all_to_all_single),
+                        strict=True):
         setattr(dist, name, fn)
     ring_attention._Ring.shift = shift
     try:
@@ -303,7 +304,10 @@ def simulated_sequence_collectives():
             yield
     finally:
         for name, fn in zip(names, saved[0], strict=True):
-            setattr(dist, name, fn)
+            if fn is None:
+                delattr(dist, name)
+            else:
+                setattr(dist, name, fn)
         ring_attention._Ring.shift = saved[1]
 
 
