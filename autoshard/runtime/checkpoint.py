@@ -148,7 +148,6 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
     _check_metadata_classes(path)
     everything = dcp.FileSystemReader(path).read_metadata()
     metadata = everything.state_dict_metadata
-    _check_files(path, everything)
     _check_matches(pm, path, metadata)
     training = _read_object(path, metadata, _TRAINING)
     schema = training.get("optimizer") if training else None
@@ -336,18 +335,6 @@ def _check_metadata_classes(path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- checks
-
-
-def _check_files(path: str, everything) -> None:
-    """Every file the metadata names is there (a rank's file missing is named with its rank)."""
-    wanted = {info.relative_path for info in (everything.storage_data or {}).values()}
-    missing = sorted(name for name in wanted if not os.path.exists(os.path.join(path, name)))
-    if missing:
-        ranks = sorted({name.split("_")[2] for name in missing if name.startswith("__") and name.count("_") >= 3})
-        whose = f" (written by rank {', '.join(ranks)})" if ranks else ""
-        raise FileNotFoundError(
-            f"the checkpoint at {path} is incomplete: {', '.join(missing[:4])} is missing{whose}. Copy every file "
-            "the saving ranks wrote into the directory")
 
 
 def _check_matches(pm, path: str, metadata) -> None:
