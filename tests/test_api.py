@@ -173,3 +173,15 @@ def test_options_come_as_one_object_or_as_keywords_not_both():
     report = autoshard.verify(build("mlp").model, None, case.inputs, case.loss_fn, target=case.target, steps=1,
                               options=options)
     assert report.ok, str(report)
+
+
+def test_token_ids_given_as_floats_after_integers_are_refused_naming_the_input():
+    from models import build
+
+    case = build("gpt")
+    pm = autoshard.parallelize(case.model, autoshard.Mesh(), example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target)
+    with pytest.raises(TypeError, match=r"input 0 holds floats \(torch.float32\), but the example passed integers"):
+        pm.step(case.inputs[0].float(), target=case.target)
+    with pytest.raises(TypeError, match=r"the target holds floats"):
+        pm.step(*case.inputs, target=case.target.to(torch.float32))

@@ -66,12 +66,14 @@ class ParallelModel(nn.Module):
         self._builds: dict[tuple, RankBuild] = {}  # by (input shapes, mode, with loss)
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._steps = 0
+        self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
         self.pipeline = Pipeline(mesh, groups, options) if mesh.pp > 1 else None
         self.sync = gradient_sync(self.replica, data_parallel=options.data_parallel, ranks=mesh.dp * mesh.cp,
                                   group=groups.group("data") if groups is not None and mesh.dp * mesh.cp > 1 else None,
                                   pipeline=self.pipeline, device_type=self.device.type)
         self._check_batch(example_inputs)
         if target is not None:
+            self._check_kinds((*example_inputs, target))  # the example's kinds are what steps must pass
             self._training_build(*self.microbatch_views(example_inputs, target)[0])
 
     # ------------------------------------------------------------------------------- what was compiled
@@ -147,6 +149,7 @@ class ParallelModel(nn.Module):
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss: pass loss_fn=... to autoshard.parallelize")
+        self._check_kinds((*inputs, target))
         self._check_batch(inputs)
         microbatches = self.microbatch_views(inputs, target)
         build = self._training_build(*microbatches[0])
@@ -265,6 +268,22 @@ class ParallelModel(nn.Module):
         return build
 
     # --------------------------------------------------------------------------------------- checks
+
+    def _check_kinds(self, values: tuple) -> None:
+        """Refuse an input (or target) of floats where the example (or the first step) had integers, or the reverse: its
+        program was
+        captured for the first kind (a capture is keyed by shapes), and token ids as floats would fail deep inside
+        it. The same on every rank (every rank passes the same batch), before any collective."""
+        kinds = tuple(v.is_floating_point() if isinstance(v, torch.Tensor) else None for v in values)
+        if self._kinds is None:
+            self._kinds = kinds
+            return
+        for i, (now, first) in enumerate(zip(kinds, self._kinds, strict=False)):
+            if now is not None and first is not None and now != first:
+                what = "the target" if i == len(values) - 1 else f"input {i}"
+                given, wanted = ("floats", "integers (token ids, class labels)") if now else ("integers", "floats")
+                raise TypeError(f"{what} holds {given} ({values[i].dtype}), but the example passed {wanted} there: "
+                                f"pass {wanted} at every step (convert with .long() or .float())")
 
     def _check_batch(self, inputs: tuple) -> None:
         batching.check(batching.batch_size(inputs), microbatches=self.options.microbatches, dp=self.mesh.dp,
