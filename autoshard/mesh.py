@@ -250,6 +250,8 @@ class Mesh:
         ranks = {axis: self.group_of(axis, rank) for axis in AXES}
         groups["data"] = self._new_groups(self.data_groups(), rank, timeout)
         ranks["data"] = next(g for g in self.data_groups() if rank in g)
+        if self.pp > 1:  # pipeline messages from a higher pp rank to a lower one (``schedules.one_way``)
+            groups["pp_back"], ranks["pp_back"] = self._new_groups(self.groups("pp"), rank, timeout), ranks["pp"]
         return MeshGroups(
             mesh=self,
             rank=rank,
@@ -303,8 +305,9 @@ class MeshGroups:
         return self._across_pp[pp_indices]
 
     def group(self, axis: str) -> ProcessGroup:
-        """The group along ``axis``; ``"data"`` is the group over dp and cp together (gradient sums)."""
-        if axis != "data":
+        """The group along ``axis``; ``"data"`` is the group over dp and cp together (gradient sums), and
+        ``"pp_back"`` a second group over the pp ranks, for pipeline messages to a lower pp rank."""
+        if axis not in ("data", "pp_back"):
             _check_axis(axis)
         return self._groups[axis]
 

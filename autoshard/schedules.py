@@ -418,12 +418,14 @@ def _input_send(compute: Action, last: int, p: int, placement: str) -> Action | 
 def validate(actions: Schedule, p: int, v: int = 1, placement: str = "loop") -> None:
     """Raise ``ScheduleError`` unless ``actions`` is a complete, correctly ordered, FIFO-safe, deadlock-free
     schedule for p ranks with v chunks each placed by ``placement`` (the number of microbatches is read from the
-    actions)."""
+    actions). Deadlock-free twice over: where sends never block (gloo), and where a send waits for its receive
+    (NCCL) with each direction over its own group, as the executor sends them (``one_way``)."""
     where = _check_placement(actions, p, v, placement)
     _check_complete(actions, p, v, where, placement)
     _check_order(actions, p, v, where, placement)
     _check_channels(actions, p, where, placement)
     _execute(actions, p)
+    _rendezvous(actions, p, placement)
 
 
 def _fail(actions: Schedule, p: int, rank: int, step: int, text: str) -> ScheduleError:
@@ -572,6 +574,56 @@ def _execute(actions: Schedule, p: int) -> list[tuple[int, int]]:
                           f"{actions[r][position[r]].partner()}" for r in blocked)
         raise _fail(actions, p, blocked[0], position[blocked[0]], f"deadlock, no rank can progress: {waits}")
     return order
+
+
+def one_way(action: Action, p: int, placement: str = "loop") -> bool:
+    """Whether ``action``'s message travels from a lower pp rank to a higher one: the executor sends those over
+    one process group and the others over a second (``Mesh.create_groups``' ``"pp_back"``), so that between two
+    ranks each group carries messages one way only."""
+    sender = action.rank(p, placement) if action.is_send else action.peer(p, placement)
+    receiver = action.peer(p, placement) if action.is_send else action.rank(p, placement)
+    return sender < receiver
+
+
+def _rendezvous(actions: Schedule, p: int, placement: str = "loop", both_ways: bool = False) -> None:
+    """Run every rank's list as NCCL runs it, and raise on a deadlock. Each rank's host posts its sends without
+    waiting and waits on each receive it posts; the sends and receives between two ranks over one group run in
+    posting order on one stream, and a message moves only when its send and its receive both head their
+    streams. With one group (``both_ways``), rank 0 sending an activation while rank 1 sends it a gradient,
+    each posted before its receive, wait for each other forever; with a group per direction they cannot."""
+    def stream(rank: int, action: Action) -> tuple:
+        return rank, action.peer(p, placement), True if both_ways else one_way(action, p, placement)
+
+    position = dict.fromkeys(actions, 0)
+    queues: dict[tuple, list[Action]] = {}
+    waiting: dict[int, Action] = {}
+    progress = True
+    while progress:
+        progress = False
+        for rank, steps in actions.items():
+            while rank not in waiting and position[rank] < len(steps):
+                action = steps[position[rank]]
+                if not action.is_compute:
+                    queues.setdefault(stream(rank, action), []).append(action)
+                    if action.is_recv:
+                        waiting[rank] = action
+                position[rank] += 1
+                progress = True
+        for (rank, peer, way), queue in queues.items():
+            other = queues.get((peer, rank, way), [])
+            if queue and other and queue[0].partner() == other[0]:
+                for owner, done in ((rank, queue.pop(0)), (peer, other.pop(0))):
+                    if waiting.get(owner) == done:
+                        del waiting[owner]
+                progress = True
+    blocked = sorted({r for r in actions if position[r] < len(actions[r]) or r in waiting} |
+                     {key[0] for key, queue in queues.items() if queue})
+    if blocked:
+        heads = "; ".join(f"rank {r}'s stream to rank {peer} starts with {q[0]}"
+                          for (r, peer, _), q in sorted(queues.items(), key=lambda kv: kv[0][:2]) if q)
+        rank = blocked[0]
+        step = actions[rank].index(waiting[rank]) if rank in waiting else position[rank] - 1
+        raise _fail(actions, p, rank, step, f"deadlock where a send waits for its receive (NCCL): {heads}")
 
 
 # -------------------------------------------------------------------------------------------------- simulation

@@ -9,6 +9,7 @@ from autoshard.schedules import (
     KINDS,
     Action,
     ScheduleError,
+    _rendezvous,
     bubble_formula,
     dual_pipe_v,
     gpipe,
@@ -340,3 +341,16 @@ def test_render_shows_the_stage_with_chunks_and_the_comms_on_request():
     with_comms = render(actions, 2, comms=True, mark=(0, 1))
     assert with_comms.splitlines()[0].split()[2:5] == ["F0.0", "[>F0.0]", "F1.0"]
     assert with_comms.splitlines()[0].endswith("<-- step 1: 0SEND_F0")
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 4, 1), ("interleaved", 2, 4, 2), ("zbv", 2, 4, 2),
+                                        ("dualpipev", 4, 8, 2)])
+def test_under_nccl_each_direction_needs_its_own_group(name, p, m, v):
+    """Where a send waits for its receive (NCCL), one group for both directions deadlocks every schedule with a
+    steady state (rank 0 sends an activation while rank 1 sends it a gradient, each before its receive); with a
+    group per direction, as the executor sends, every one runs (``validate`` checks it for every builder)."""
+    actions = schedule(name, p, m, v)
+    _rendezvous(actions, p, placement_of(name))
+    with pytest.raises(ScheduleError, match=r"deadlock where a send waits for its receive \(NCCL\): rank 0's "
+                                            r"stream to rank 1 starts with 0SEND_F"):
+        _rendezvous(actions, p, placement_of(name), both_ways=True)

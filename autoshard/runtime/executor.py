@@ -5,7 +5,11 @@ Actions (see ``schedules``): ``F``/``B`` run a stage's forward/backward on a mic
 ``RECV_F``, ``SEND_B``, ``RECV_B`` move activations forward and their gradients back between the
 ranks of neighbouring stages, with batched ``isend``/``irecv``. Sends never block (they are waited
 for at the end of the step); receives block. Receives follow the schedule's order, which the
-validator checked against the senders' order per pair of ranks (gloo matches messages in send order).
+validator checked against the senders' order per pair of ranks (gloo and NCCL match messages in send order).
+Messages to a higher pp rank go over one group and those to a lower one over a second (``back_group``): under
+NCCL a send waits for its receive, in order with every other message between the two ranks on that group,
+and with both directions on one group, 1F1B's steady state (rank 0 sends an activation while rank 1 sends it a
+gradient) waits forever. ``schedules.validate`` runs every schedule this way.
 
 Stage s runs on pp rank ``s % p`` (or in a V: ``schedules.rank_of``); neighbouring stages on one rank hand
 over their activations and gradients in memory. The last stage divides its loss by the global divisor, so the
@@ -65,6 +69,7 @@ class PipelineExecutor:
     def __init__(
         self, runners: dict[int, StageRunner], *, num_stages: int, p: int, pp_ranks: list[int], group,
         rank: int, timeout: datetime.timedelta, device: torch.device | None = None, placement: str = "loop",
+        back_group=None,
     ) -> None:
         self.runners = runners
         self.num_stages = num_stages
@@ -72,6 +77,7 @@ class PipelineExecutor:
         self.placement = placement
         self.pp_ranks = pp_ranks
         self.group = group
+        self.back_group = back_group if back_group is not None else group
         self.rank = rank
         self.timeout = timeout
         self.device = device or torch.device("cpu")  # where received activations and the loss live
@@ -207,9 +213,16 @@ class PipelineExecutor:
     def _peer(self, stage: int) -> int:
         return self.pp_ranks[rank_of(stage, self.p, self.placement)]
 
+    def _group_to(self, peer: int):
+        """The group of messages between this rank and ``peer`` in their direction (see the module's text)."""
+        return self.group if self.pp_ranks.index(peer) > self.rank else self.back_group
+
+    def _group_from(self, peer: int):
+        return self.group if self.pp_ranks.index(peer) < self.rank else self.back_group
+
     def _send(self, tensors: list[torch.Tensor], to_stage: int) -> list:
         peer = self._peer(to_stage)
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=self._group_to(peer)) for t in tensors]
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _receive(self, specs: list[TensorSpec], from_stage: int, laid_out: bool = False) -> list[torch.Tensor]:
@@ -218,7 +231,7 @@ class PipelineExecutor:
         peer = self._peer(from_stage)
         pairs = [spec.allocate(self.device) if laid_out else (torch.empty(spec.shape, dtype=spec.dtype,
                  device=self.device),) * 2 for spec in specs]
-        ops = [dist.P2POp(dist.irecv, buffer, peer, group=self.group) for buffer, _ in pairs]
+        ops = [dist.P2POp(dist.irecv, buffer, peer, group=self._group_from(peer)) for buffer, _ in pairs]
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait(self.timeout)
         return [value for _, value in pairs]

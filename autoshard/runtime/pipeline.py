@@ -73,7 +73,8 @@ class Pipeline:
         """One training step's actions on this rank; returns the global loss (on every pp rank)."""
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
-            group=self.groups.group("pp"), rank=self.pp_index, timeout=self.timeout, device=device,
+            group=self.groups.group("pp"), back_group=self.groups.group("pp_back"), rank=self.pp_index,
+            timeout=self.timeout, device=device,
             placement=self.placement,
         )
         total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
