@@ -137,3 +137,55 @@ def test_vocab_parallel_lookup_and_loss_kernels(path):
     torch.testing.assert_close(grads[0], _grads(want, weight)[0], rtol=1e-5, atol=1e-5)
     with pytest.raises((IndexError, RuntimeError), match="vocabulary"):
         lookup(torch.tensor([[10]]), weight)
+
+
+# What the runtime makes on the host on purpose, by (file, function): each is read or written by the host alone.
+HOST_MADE = {
+    ("checkpoint.py", "_view"): "buffers the checkpoint's files are read into, copied to the parameters' device",
+    ("checkpoint.py", "_tp_data_mesh"): "a DeviceMesh's layout of ranks, which torch keeps on the host",
+    ("collectives.py", "local_indices"): "a list of indices for the host (``shard`` itself narrows, on the device)",
+    ("ring_attention.py", "RingAttention.__init__"): "positions the host plans pieces by; copied to a device once",
+    ("ring_attention.py", "GatheredCausalAttention.__init__"): "positions the host plans runs by; copied likewise",
+}
+CONSTRUCTORS = {"tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "as_tensor"}
+
+
+def _made_without_a_device(path):
+    """``(function, line)`` of each ``torch.<constructor>(...)`` in ``path`` given no ``device=``."""
+    import ast
+
+    found = []
+
+    def visit(node, name):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{name}.{child.name}" if name else child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "torch"
+                    and child.func.attr in CONSTRUCTORS and not any(k.arg == "device" for k in child.keywords)):
+                found.append((name, child.lineno))
+            visit(child, name)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_every_tensor_the_runtime_makes_is_on_the_models_device():
+    """A tensor made without ``device=`` is on the host; under NCCL, a collective given one fails (or a CUDA
+    kernel reads it, copying each step). Every tensor the runtime and its collectives make follows the model's
+    device, but those ``HOST_MADE`` names, read by the host alone."""
+    from pathlib import Path
+
+    import autoshard
+
+    root = Path(autoshard.__file__).parent
+    import autoshard.passes as passes
+
+    files = [*sorted((root / "runtime").glob("*.py")), Path(passes.__file__).parent / "collectives.py",
+             Path(passes.__file__).parent / "ring_attention.py"]
+    made = {(path, function, line) for path in files for function, line in _made_without_a_device(path)}
+    assert {(path.name, function) for path, function, _ in made} >= set(HOST_MADE), "a HOST_MADE name is stale"
+    wrong = [f"{path.parent.name}/{path.name}:{line} in {function}()" for path, function, line in made
+             if (path.name, function) not in HOST_MADE]
+    assert not wrong, "made on the host, not on the model's device: " + ", ".join(sorted(set(wrong)))

@@ -147,7 +147,7 @@ class Pipeline:
                 by_ranks.setdefault(ranks, []).append(param)
         for ranks, params in by_ranks.items():
             group = self.groups.across_pp(ranks)
-            some = torch.tensor([float(p.grad is not None) for p in params])
+            some = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
             dist.all_reduce(some, group=group)
             for param, found in zip(params, some.tolist(), strict=True):
                 if not found:
