@@ -30,6 +30,12 @@ def table(job: dict, against: dict[str, str]) -> list[str]:
         rows.append(f"| {name} | **{stats['median_ms']:.0f}** | {stats['p10_ms']:.0f}–{stats['p90_ms']:.0f} | "
                     f"{ratio} | {result['first_step_s'][name]:.1f} | {result['graphs'].get(name, '')} | "
                     f"{result['first_loss'][name]:.6f} |")
+    shares = dict(result["eager_shares"])
+    runner = shares.pop("runner")
+    bound = 1 - shares["other"]
+    rows += ["", f"Where the {runner} step's time goes (rank 0, the profiler's self times): " + ", ".join(
+        f"{kind} {share:.0%}" for kind, share in shares.items()) + f". `torch.compile` fuses only the last part, the "
+        f"one its kernels replace: a compiled step can reach at best {bound:.2f}x of eager here."]
     return [f"## {result['mesh']}=2: HF Llama, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
             f"vocab {shape['vocab_size']}; sequence {result['seq']}, batch {result['batch']}, fp32, AdamW", "", *rows]
 
@@ -45,7 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     opts = tp_launch.from_args(args)
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    # inductor caches compiled graphs across runs: disabled, so the first step shows what compiling costs
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     sections = []
     for mesh, against in (("tp", {"compiled": "eager", "dtensor compiled": "compiled"}),
                           ("pp", {"1f1b compiled": "1f1b eager", "zbv compiled": "zbv eager"})):

@@ -42,7 +42,8 @@ class Runner:
     def step(self):
         self.optimizer.zero_grad()
         self.losses.append(float(self.pm.step(self.tokens, target=self.target)))
-        self.optimizer.step()
+        with torch.profiler.record_function("optimizer"):
+            self.optimizer.step()
 
 
 class DTensorRunner:
@@ -75,6 +76,32 @@ class DTensorRunner:
         loss.backward()
         self.losses.append(float(loss))
         self.optimizer.step()
+
+
+KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+         "attention": ("scaled_dot_product", "flash_attention"),
+         "collectives": ("c10d", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather",
+                         "send", "recv", "broadcast", "batch_isend_irecv")}
+
+
+def breakdown(runner) -> dict[str, float]:
+    """Shares of one eager step's time on this rank (the profiler's self times): matmuls, attention kernels,
+    collectives (and waiting in them), the optimizer, and everything else, which is all ``torch.compile`` can
+    shrink here: inductor fuses elementwise ops but calls the same matmul and attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.step()
+    times = dict.fromkeys((*KINDS, "optimizer", "other"), 0.0)
+    for event in prof.key_averages():
+        if event.key == "optimizer":
+            times["optimizer"] = event.cpu_time_total
+            continue
+        kind = next((k for k, names in KINDS.items() if any(n in event.key.lower() for n in names)), "other")
+        times[kind] += event.self_cpu_time_total
+    times["other"] -= times["optimizer"]  # the optimizer's own ops were counted as other
+    total = sum(times.values())
+    return {k: v / total for k, v in times.items()}
 
 
 def first_step(runners: dict) -> dict[str, float]:
@@ -118,10 +145,12 @@ def main() -> None:
                        for schedule in ("1f1b", "zbv") for how in ("eager", "compiled")}
         first = first_step(runners)
         times, _ = time_runners(runners, args.warmup, args.steps)
+        eager = "eager" if args.mesh == "tp" else "1f1b eager"
+        shares = breakdown(runners[eager])
         graphs = {n: r.pm.compiler.summary() for n, r in runners.items()
                   if isinstance(r, Runner) and r.pm.compiler is not None}
         result = {"world": world, "mesh": args.mesh, "seq": args.seq, "batch": batch, "shape": shape,
-                  "first_step_s": first, "graphs": graphs,
+                  "first_step_s": first, "graphs": graphs, "eager_shares": {"runner": eager, **shares},
                   "step_ms": {n: {k: x for k, x in summarize(t).items() if k != "times_ms"} for n, t in times.items()},
                   "first_loss": {n: r.losses[0] for n, r in runners.items()}}
         if dist.get_rank() == 0:

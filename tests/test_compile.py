@@ -20,6 +20,10 @@ CASES = [
     ("gpt", {"cp": 2}, {}),
     ("gpt", {"cp": 2}, {"cp_attention": "alltoall"}),
     ("hf_llama", {"tp": 2}, {}),
+    ("hf_llama", {"pp": 2}, {"microbatches": 2}),
+    ("hf_llama", {"pp": 2}, {"schedule": "zbv", "microbatches": 2}),
+    ("hf_llama", {"cp": 2}, {"cp_attention": "ring", "cp_load_balance": True}),
+    ("gpt", {"dp": 2, "tp": 2, "pp": 2}, {"schedule": "zbv", "microbatches": 2}),  # dp sums from the whole I
 ]
 IDS = [f"{name}-{'x'.join(f'{a}{d}' for a, d in mesh.items())}" + "".join(f"-{k}={v}" for k, v in options.items())
        for name, mesh, options in CASES]
@@ -27,7 +31,10 @@ IDS = [f"{name}-{'x'.join(f'{a}{d}' for a, d in mesh.items())}" + "".join(f"-{k}
 
 @pytest.mark.parametrize("name,mesh,options", CASES, ids=IDS)
 def test_compiled_programs_are_exact_and_compile_once(pools, name, mesh, options):
-    for rank, result in enumerate(pools.get(2).run(golden.compiled, name, mesh, **options)):
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    for rank, result in enumerate(pools.get(world).run(golden.compiled, name, mesh, **options)):
         assert result["ok"], f"rank {rank}:\n{result['report']}"
         assert result["graphs"] >= 1, f"rank {rank}: nothing was compiled"
         assert result["recompiled"] == 0, f"rank {rank}: the second and third steps compiled {result['recompiled']}"

@@ -69,7 +69,7 @@ class PipelineExecutor:
     def __init__(
         self, runners: dict[int, StageRunner], *, num_stages: int, p: int, pp_ranks: list[int], group,
         rank: int, timeout: datetime.timedelta, device: torch.device | None = None, placement: str = "loop",
-        back_group=None,
+        back_group=None, whole_backward: bool = False,
     ) -> None:
         self.runners = runners
         self.num_stages = num_stages
@@ -78,6 +78,9 @@ class PipelineExecutor:
         self.pp_ranks = pp_ranks
         self.group = group
         self.back_group = back_group if back_group is not None else group
+        # a compiled program's backward is one autograd node computing every gradient at once: cut in two it would
+        # run twice, so ``I`` runs it whole (the weight gradients early) and ``W`` has nothing left to do
+        self.whole_backward = whole_backward
         self.rank = rank
         self.timeout = timeout
         self.device = device or torch.device("cpu")  # where received activations and the loss live
@@ -140,6 +143,8 @@ class PipelineExecutor:
         self._hand_back(action, state)
 
     def _input_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        if self.whole_backward:
+            return self._whole_backward(action, mb, state, runner, inputs, target, divisor, pending)
         roots, grads = self._roots(mb)
         dinputs, mb.weights = input_gradients(roots, grads, mb.inputs)
         for x, grad in zip(mb.inputs, dinputs, strict=True):
@@ -148,6 +153,9 @@ class PipelineExecutor:
         self._hand_back(action, state)
 
     def _weight_backward(self, action: Action, mb, state, runner, inputs, target, divisor, pending):
+        if self.whole_backward:  # done by I
+            state.pop((action.microbatch, action.stage))
+            return None
         if self._reducer is not None:
             self._reducer.before_backward(action.stage, action.microbatch)
         mb.weights.run()

@@ -56,11 +56,6 @@ class ParallelModel(nn.Module):
         self.compiler = Compiler() if options.compile else None
         if self.compiler is not None:
             self.replica.run = self.compiler
-            if mesh.pp > 1 and options.schedule.splits_backward:
-                warnings.warn(f"autoshard: compile=True with schedule={options.schedule.value!r}: the compiled "
-                              "backward computes the input and weight gradients together, so the split runs it twice "
-                              "(1.5x the eager ZBV step on an HF Llama at pp=2, bench/results_compiled.md); '1f1b' "
-                              "compiles without that cost", stacklevel=3)
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._builds: dict[tuple, RankBuild] = {}  # by (input shapes, mode, with loss)
@@ -192,7 +187,7 @@ class ParallelModel(nn.Module):
                 spread.gather(self.store)
             total = self.pipeline.run_step(self._runners[build.captured.key], [(a[:-1], a[-1]) for a in local],
                                            divisor * build.cp_copies, self._steps, call=call, reducer=self.sync.reducer,
-                                           device=self.device)
+                                           device=self.device, whole_backward=self.compiler is not None)
             with self._guard("gradient sums (dp x cp, tied and spread weights) and the loss sum"):
                 self.sync.finish_pipeline_step()
                 self.pipeline.sum_tied_gradients(self.store)

@@ -69,13 +69,14 @@ class Pipeline:
         return {s: StageRunner(s, program, *build.local_specs[s]) for s, program in build.programs.items()}
 
     def run_step(self, runners, microbatches, divisor, step: int, call=None, reducer=None,
-                 device: torch.device | None = None) -> torch.Tensor:
-        """One training step's actions on this rank; returns the global loss (on every pp rank)."""
+                 device: torch.device | None = None, whole_backward: bool = False) -> torch.Tensor:
+        """One training step's actions on this rank; returns the global loss (on every pp rank).
+        ``whole_backward``: a split schedule's ``I`` runs the whole backward, and ``W`` nothing (compiled
+        programs, whose backward is one node that computes every gradient at once)."""
         self.executor = PipelineExecutor(
             runners, num_stages=self.num_stages, p=self.p, pp_ranks=self.groups.ranks("pp"),
             group=self.groups.group("pp"), back_group=self.groups.group("pp_back"), rank=self.pp_index,
-            timeout=self.timeout, device=device,
-            placement=self.placement,
+            timeout=self.timeout, device=device, placement=self.placement, whole_backward=whole_backward,
         )
         total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
                                   reducer=reducer)
