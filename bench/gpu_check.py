@@ -231,7 +231,7 @@ def _timed(step, steps: int, warmup: int, device: str) -> dict:
 
 def throughput(device: str, dry: bool, compiled: bool) -> dict:
     """One training step of an HF Llama, eager and through autoshard's one-rank program, with and without
-    ``torch.compile``: tokens/s and MFU."""
+    ``torch.compile`` (autoshard's through ``compile=True``): tokens/s and MFU."""
     import torch
     from common import logits_loss
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -269,12 +269,12 @@ def throughput(device: str, dry: bool, compiled: bool) -> dict:
     if compiled:
         runners.append(("eager + torch.compile", eager(torch.compile(model))))
 
+        compiled_pm = autoshard.parallelize(model, autoshard.Mesh(), example_inputs=(tokens,), loss_fn=logits_loss,
+                                            target=target, mixed_precision="bf16", compile=True)
+
         def compiled_program():
-            gm = pm.latest.program.gm
-            if not hasattr(gm, "_compiled"):
-                gm._compiled = gm.forward
-                gm.forward = torch.compile(gm.forward)
-            sharded()
+            compiled_pm.zero_grad(set_to_none=True)
+            compiled_pm.step(tokens, target=target)
         runners.append(("autoshard + torch.compile", compiled_program))
     for label, step in runners:
         try:
