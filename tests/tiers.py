@@ -59,7 +59,8 @@ FULL_ONLY = {
        "gathered and all-to-all attention are single graphs as tp's are)"
        for cell in ("gpt-dp2", "gpt-pp2-microbatches=2", "gpt-cp2", "gpt-cp2-cp_attention=alltoall", "hf_llama-tp2",
                     "hf_llama-pp2-microbatches=2", "hf_llama-pp2-schedule=zbv-microbatches=2",
-                    "hf_llama-cp2-cp_attention=ring-cp_load_balance=True", "gpt-dp2xtp2xpp2-schedule=zbv-microbatches=2")},
+                    "hf_llama-cp2-cp_attention=ring-cp_load_balance=True",
+                    "gpt-dp2xtp2xpp2-schedule=zbv-microbatches=2")},
     **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
        "its tp plan in test_tensor_parallel_plan.py, and the tp=4 golden cells of mixtral, qwen2_moe and whisper"
        for cell in ("mamba2-tp4", "gpt_oss-tp4", "llama4_text-tp4", "xlnet-tp4")},

@@ -136,11 +136,16 @@ class ParallelModel(nn.Module):
 
     # ------------------------------------------------------------------------------------- training
 
-    def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+    def step(self, *inputs, target: torch.Tensor, divisor=None, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over this rank's microbatches; returns the global batch's loss.
 
         Gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()`` between steps) and,
         when this returns, are reduced over data parallelism.
+
+        ``divisor``: for a loss that is a mean over counted items (tokens whose target is not ignored), what their
+        summed loss is divided by, in place of this batch's count: the count over several accumulated steps
+        makes their gradients those of one mean over all of them (HuggingFace's ``num_items_in_batch``).
+        ``loss_scale`` multiplies the loss and its gradients (``1 / accumulation steps`` for a plain mean).
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss: pass loss_fn=... to autoshard.parallelize")
@@ -151,7 +156,12 @@ class ParallelModel(nn.Module):
         build.check_sequence((*inputs, target))
         build.check_data((*inputs, target))
         self._steps += 1
-        divisor = self._divisor(build, inputs, target, microbatches)
+        if divisor is not None and build.captured.count_gm is None:
+            raise ValueError("step(divisor=...) replaces the count of a loss averaged over counted items (a "
+                             "cross-entropy's tokens), and this loss counts none; scale it with loss_scale= instead")
+        divisor = self._divisor(build, inputs, target, microbatches) if divisor is None else \
+            torch.as_tensor(divisor, dtype=torch.float32, device=self.device)
+        divisor = divisor / loss_scale
         with self.sync.fresh_gradients():
             if self.pipeline is not None:
                 loss = self._pipeline_step(build, microbatches, divisor)

@@ -1,0 +1,252 @@
+"""autoshard inside HuggingFace's ``Trainer``: the Trainer's own loop, run under a mesh.
+
+    trainer = autoshard.hf.Trainer(model=model, args=TrainingArguments(...), train_dataset=..., mesh=Mesh(tp=2))
+    trainer.train()
+
+launched with ``torchrun`` as any Trainer script is. What the Trainer does stays as it does it: its data order,
+gradient accumulation (the loss of each batch scaled exactly as the Trainer scales it), its optimizer and
+scheduler built from ``named_parameters()`` (weight decay by its own rule, over this rank's shards under the
+model's names), ``max_grad_norm`` (the global norm, ``pm.clip_grad_norm_``), logging, evaluation and ``bf16``.
+What autoshard changes:
+
+- the model is parallelized at the start of ``train()`` (or ``evaluate()``) from the first batch;
+- every rank reads every batch (the Trainer's sampler, not sharded over the processes: autoshard splits a batch
+  over dp itself, and the ranks of a tp or pp group read the same one), and nothing is wrapped in DDP;
+- ``save_steps`` write autoshard's checkpoints (``<checkpoint>/autoshard``, the optimizer's state and the
+  scheduler's with them) beside the model in HuggingFace's format (``pm.save_pretrained``), so
+  ``resume_from_checkpoint`` resumes under any mesh and ``from_pretrained`` loads the model.
+
+The loss is the task's usual one, computed from the model's output: the next token's cross-entropy for a causal
+LM, the cross-entropy of the labelled tokens for a masked LM, and the classification losses HuggingFace picks
+from ``config.problem_type`` (``loss_fn=`` takes any other). Labels of ``-100`` are ignored, as HuggingFace's are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import autoshard
+
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """The next token's cross-entropy, in float32, over the labels that are not ``-100``."""
+    logits = _logits(output)
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def masked_lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of the labelled tokens (those not ``-100``), in float32."""
+    logits = _logits(output)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def classification_loss(config) -> Callable:
+    """HuggingFace's sequence-classification loss for ``config``: mean squared error for one label (regression),
+    cross-entropy for integer labels, binary cross-entropy with logits for multi-label."""
+    problem = config.problem_type
+
+    def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
+        logits = _logits(output)
+        kind = problem or ("regression" if config.num_labels == 1 else
+                           "single_label_classification" if not labels.is_floating_point() else
+                           "multi_label_classification")
+        if kind == "regression":
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float().reshape(-1)) if config.num_labels == 1 \
+                else F.mse_loss(logits.float(), labels.float())
+        if kind == "single_label_classification":
+            return F.cross_entropy(logits.float().reshape(-1, config.num_labels), labels.reshape(-1))
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+    return loss_fn
+
+
+# losses whose value is a mean over counted labels: the Trainer divides their sum by the labels of the whole
+# accumulation window (``num_items_in_batch``), and so does autoshard (``pm.step(divisor=...)``)
+COUNTED = (causal_lm_loss, masked_lm_loss)
+
+
+def default_loss(model: nn.Module) -> Callable:
+    """The loss of ``model``'s task, by the HuggingFace class it is (its architecture's mapping names)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    name = type(model).__name__
+    for mapping, loss in ((auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, causal_lm_loss),
+                          (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, masked_lm_loss),
+                          (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, classification_loss(model.config))):
+        if name in mapping.values():
+            return loss
+    raise ValueError(f"autoshard.hf.Trainer: no default loss for {name}, which is not a causal LM, masked LM or "
+                     "sequence classifier by transformers' auto mappings; pass loss_fn=lambda output, labels: ...")
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that trains ``model`` under autoshard's ``mesh``.
+
+    Args (beyond the Trainer's own):
+        mesh: a :class:`autoshard.Mesh`, ``"auto"`` (the planner's choice for the world size) or ``None`` (one
+            rank).
+        loss_fn: ``loss_fn(output, labels) -> scalar``; by default the task's (see the module's text).
+        parallel_options: options of :func:`autoshard.parallelize` (``microbatches``, ``schedule``,
+            ``sequence_parallel``, ...). ``mixed_precision="bf16"`` follows ``args.bf16``.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args=None, *, mesh=None, loss_fn: Callable | None = None,
+                 parallel_options: dict | None = None, **kwargs) -> None:
+        if model is None:
+            raise ValueError("autoshard.hf.Trainer needs the model itself (model_init is not supported)")
+        self.mesh = mesh
+        self.loss_fn = loss_fn or default_loss(model)
+        self.parallel_options = dict(parallel_options or {})
+        self.pm = None
+        self._resume_from: str | None = None
+        super().__init__(model=model, args=args, **kwargs)
+        # every rank reads the whole batch: the labels counted on one rank are those of the batch
+        self.args.average_tokens_across_devices = False
+
+    # ------------------------------------------------------------------------------------------ the model
+
+    def parallel_model(self, inputs: dict | None = None):
+        """The parallel model, made from ``inputs`` (a batch) on the first call."""
+        if self.pm is None:
+            if inputs is None:
+                inputs = next(iter(self.get_train_dataloader() if self.train_dataset is not None
+                                   else self.get_eval_dataloader()))
+            positional, labels = self._split(self._prepare_inputs(inputs))
+            options = {"mixed_precision": "bf16" if self.args.bf16 else None, **self.parallel_options}
+            self.pm = autoshard.parallelize(self.model, self.mesh, example_inputs=positional, loss_fn=self.loss_fn,
+                                            target=labels, **options)
+        return self.pm
+
+    def _split(self, inputs: dict) -> tuple[tuple, torch.Tensor | None]:
+        """The batch as the model's positional inputs (in ``forward``'s order) and its labels."""
+        names = [n for n, p in inspect.signature(self.model.forward).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        given = {k: v for k, v in inputs.items() if k != "labels" and v is not None}
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"autoshard.hf.Trainer: the batch holds {unknown}, which {type(self.model).__name__}."
+                             f"forward does not take by position (it takes {names[:8]}...); drop those columns")
+        last = max(names.index(k) for k in given)
+        missing = [n for n in names[:last + 1] if n not in given]
+        if missing:
+            raise ValueError(f"autoshard.hf.Trainer: the batch gives {sorted(given)} but not {missing}, which "
+                             f"{type(self.model).__name__}.forward takes before them: autoshard passes the inputs by "
+                             "position; give the batch those columns too")
+        return tuple(given[n] for n in names[:last + 1]), inputs.get("labels")
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        # not the Trainer's model, so accelerate wraps nothing (a DDP wrapper would broadcast rank 0's shards)
+        return _Parallel(self.parallel_model())
+
+    def _get_dataloader(self, *args, **kwargs):
+        """The Trainer's loader, every batch on every rank: accelerate's shard of the batch sampler is undone."""
+        dataloader = super()._get_dataloader(*args, **kwargs)
+        shard = getattr(dataloader, "batch_sampler", None)
+        if hasattr(shard, "num_processes"):
+            shard.num_processes, shard.process_index = 1, 0
+        return dataloader
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return super().get_decay_parameter_names(self.model)  # the model's modules: the shards keep its names
+
+    def create_optimizer(self, model=None):
+        return super().create_optimizer(_Parallel(self.parallel_model()))
+
+    # -------------------------------------------------------------------------------------- the step
+
+    def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        pm = self.parallel_model(inputs)
+        pm.train()
+        positional, labels = self._split(self._prepare_inputs(inputs))
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None  # as the Trainer decides
+        if scaled and self.loss_fn in COUNTED and _divides_by_the_window(self.model):
+            loss = pm.step(*positional, target=labels, divisor=num_items_in_batch)  # the window's count
+        else:
+            loss = pm.step(*positional, target=labels,
+                           loss_scale=1.0 if scaled else 1.0 / self.current_gradient_accumulation_steps)
+        return loss.detach().to(self.args.device)
+
+    def _clip_grad_norm(self, model):
+        return self.pm.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.pm.clip_grad_norm_(float("inf"))
+        return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm
+
+    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        pm = self.parallel_model(inputs)
+        pm.eval()
+        positional, labels = self._split(self._prepare_inputs(inputs))
+        with torch.no_grad():
+            output = pm(*positional)
+            loss = self.loss_fn(output, labels).detach() if labels is not None else None
+        return loss, None if prediction_loss_only else _logits(output).detach(), labels
+
+    # ------------------------------------------------------------------------- saving and resuming
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model in HuggingFace's format, gathered from every rank (each rank calls it)."""
+        output_dir = output_dir or self.args.output_dir
+        self.parallel_model().save_pretrained(output_dir)
+        if self.processing_class is not None and self.args.should_save:
+            self.processing_class.save_pretrained(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.pm.save_checkpoint(os.path.join(output_dir, "autoshard"), optimizer=self._optimizer(),
+                                extra={"scheduler": self.lr_scheduler.state_dict()})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self._resume_from = resume_from_checkpoint  # the weights come with the optimizer's state, below
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, "autoshard")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"autoshard.hf.Trainer: {checkpoint} holds no autoshard checkpoint ({path}); "
+                                    "resume from a checkpoint this Trainer saved")
+        extra = self.pm.load_checkpoint(path, optimizer=self._optimizer())
+        self.lr_scheduler.load_state_dict(extra["scheduler"])
+
+    def _optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
+
+
+def _divides_by_the_window(model: nn.Module) -> bool:
+    """Whether ``model``'s own loss divides by the Trainer's ``num_items_in_batch`` (the labels counted over the
+    accumulation window): HuggingFace's models that compute it through ``self.loss_function`` do; those computing
+    a plain mean (BERT's masked LM) do not, and the Trainer then leaves each batch's mean unscaled. Read from the
+    forward's code, as nothing else says it."""
+    try:
+        return "self.loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+
+
+class _Parallel(nn.Module):
+    """What the Trainer's loop holds as its model: the parallel model, not the Trainer's ``model``."""
+
+    def __init__(self, pm) -> None:
+        super().__init__()
+        self.pm = pm
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.pm.named_parameters(prefix, recurse, remove_duplicate)  # the model's own names
+
+    def forward(self, *args, **kwargs):
+        return self.pm(*args, **kwargs)
+
+
+def _logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0] if isinstance(output, tuple) else output

@@ -1,0 +1,141 @@
+"""``autoshard.hf.Trainer`` against HuggingFace's own ``Trainer`` in one process: the same model, data and arguments.
+
+``reference`` runs in the test's process (no process group: the plain Trainer as one GPU would run it);
+``trained`` on every rank of a pool, whose environment is torchrun's, so accelerate sees the processes and the
+Trainer's sharding of the batches is what autoshard undoes. Both record each ``training_step``'s loss unrounded
+(the Trainer logs it rounded to 4 digits) and return the parameters after the last step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+import autoshard
+from autoshard import hf
+
+from golden import groups_for
+
+SEQ, EXAMPLES = 16, 64
+ARGS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=2e-3, weight_decay=0.1,
+            lr_scheduler_type="linear", warmup_steps=3, max_grad_norm=0.5, logging_steps=1, report_to=[], seed=0,
+            use_cpu=True, dataloader_drop_last=True, save_strategy="no", disable_tqdm=True)
+
+
+def build(kind: str):
+    """A tiny HF model of ``kind`` (``llama``: causal LM, ``bert``: masked LM, ``bert_cls``: a classifier) and its
+    data: rows padded at their end by the attention mask, the padding's labels -100."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                          attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=SEQ, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                         attn_implementation="eager")
+        model = (transformers.BertForSequenceClassification if kind == "bert_cls" else
+                 transformers.BertForMaskedLM)(config)
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(EXAMPLES):
+        ids = torch.randint(1, 96, (SEQ,), generator=g)
+        mask = torch.ones(SEQ, dtype=torch.long)
+        mask[SEQ - int(torch.randint(0, 5, (), generator=g)):] = 0
+        if kind == "bert_cls":
+            labels = torch.randint(0, 3, (), generator=g)
+        elif kind == "bert":
+            chosen = (torch.rand(SEQ, generator=g) < 0.3) & (mask == 1)
+            labels = ids.masked_fill(~chosen, -100)
+            ids = ids.masked_fill(chosen, 0)  # the [MASK] id
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+        data.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return model, data
+
+
+class _Recorded:
+    losses: list[float]
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.losses.append(float(loss))
+        return loss
+
+
+class _PlainTrainer(_Recorded, transformers.Trainer):
+    pass
+
+
+class _Trainer(_Recorded, hf.Trainer):
+    pass
+
+
+class _StopAt(transformers.TrainerCallback):
+    """Stops training after ``step`` steps (the schedule still planned for all of them): a job killed there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = control.should_training_stop or state.global_step >= self.step
+        return control
+
+
+def reference(kind: str, directory: str, steps: int) -> dict:
+    """HuggingFace's Trainer, one process: every step's loss and the parameters after ``steps`` steps."""
+    model, data = build(kind)
+    trainer = _PlainTrainer(model=model, train_dataset=data,
+                            args=transformers.TrainingArguments(output_dir=directory, max_steps=steps, **ARGS))
+    trainer.losses = []
+    trainer.train()
+    return {"losses": trainer.losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_mesh: dict | None = None,
+            **options) -> dict:
+    """``autoshard.hf.Trainer`` under the mesh for ``steps`` steps; with ``resume_mesh``, it saves at half way and a
+    second Trainer under ``resume_mesh`` resumes from that checkpoint and trains to the end. The losses of every
+    step (the resumed run's after the first half), and on rank 0 the parameters gathered."""
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    model, data = build(kind)
+    save = {"save_strategy": "steps", "save_steps": steps // 2} if resume_mesh else {}
+    args = transformers.TrainingArguments(output_dir=directory, max_steps=steps, **{**ARGS, **save})
+    trainer = _Trainer(model=model, train_dataset=data, args=args, mesh=mesh,
+                       parallel_options={"groups": groups_for(mesh), **options},
+                       callbacks=[_StopAt(steps // 2)] if resume_mesh else None)
+    trainer.losses = []
+    trainer.train()
+    losses, logged = trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    if resume_mesh:
+        mesh = autoshard.Mesh(**resume_mesh)
+        model, _ = build(kind)
+        args = transformers.TrainingArguments(output_dir=directory + "-resumed", max_steps=steps, **ARGS)
+        trainer = _Trainer(model=model, train_dataset=data, args=args, mesh=mesh,
+                           parallel_options={"groups": groups_for(mesh), **options})
+        trainer.losses = []
+        trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{steps // 2}"))
+        # the resumed state's log holds the first half's entries too
+        losses, logged = losses + trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    state = trainer.pm.state_dict()
+    return {"losses": losses, "logged": logged,
+            "state": {k: v.detach().clone() for k, v in state.items()} if torch.distributed.get_rank() == 0 else None,
+            "share": sum(p.numel() for p in trainer.pm.parameters()) / sum(p.numel() for p in model.parameters())}
+
+
+def check(expected: dict, results: list[dict], tolerance: float = 1e-5) -> None:
+    for rank, got in enumerate(results):
+        assert len(got["losses"]) == len(expected["losses"]), (rank, len(got["losses"]), len(expected["losses"]))
+        worst = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
+        assert worst <= tolerance, f"rank {rank}: losses differ by {worst:.2e}: {got['losses']} {expected['losses']}"
+        assert len(got["logged"]) == len(expected["logged"]), (rank, got["logged"], expected["logged"])
+    state = results[0]["state"]
+    assert set(state) >= {k for k in expected["state"] if not k.endswith("position_ids")}, sorted(expected["state"])
+    worst = max(float((state[k] - v).abs().max()) for k, v in expected["state"].items() if k in state)
+    assert worst <= tolerance, f"parameters after training differ by {worst:.2e}"
+

@@ -1,0 +1,55 @@
+"""``autoshard.hf.Trainer``: HuggingFace's Trainer loop under a mesh, against the plain Trainer in one process.
+
+Every step's loss (unrounded) and the parameters after 20 steps, within 1e-5: gradient accumulation over 2
+batches, AdamW with weight decay by the Trainer's rule over ``named_parameters()``, a linear schedule with
+warmup, ``max_grad_norm`` and padded rows. Then a run saved at step 10 under one mesh and resumed under another.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import golden_hf
+import pytest
+
+STEPS = 20
+CELLS = [
+    ("llama", {"tp": 2}, {}),
+    ("llama", {"pp": 2}, {"microbatches": 2}),
+    ("llama", {"dp": 2}, {}),
+    ("llama", {"cp": 2}, {}),
+    ("bert", {"tp": 2}, {}),
+    ("bert_cls", {"dp": 2}, {}),
+    ("llama", {"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
+    ("bert", {"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
+]
+
+
+@functools.cache
+def _reference(kind: str, directory: str) -> dict:
+    return golden_hf.reference(kind, directory, STEPS)
+
+
+def _world(mesh: dict) -> int:
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    return world
+
+
+@pytest.mark.parametrize("kind,mesh,options", CELLS,
+                         ids=[f"{k}-{'x'.join(f'{a}{d}' for a, d in m.items())}" for k, m, _ in CELLS])
+def test_the_trainer_under_a_mesh_trains_as_the_plain_trainer(pools, tmp_path_factory, kind, mesh, options):
+    expected = _reference(kind, str(tmp_path_factory.mktemp("reference")))
+    results = pools.get(_world(mesh)).run(golden_hf.trained, kind, mesh, str(tmp_path_factory.mktemp("run")),
+                                          STEPS, **options)
+    golden_hf.check(expected, results)
+    if mesh.get("tp", 1) > 1 or mesh.get("pp", 1) > 1:  # the Trainer trained the shards, not a whole copy
+        assert all(r["share"] < 0.8 for r in results), [r["share"] for r in results]
+
+
+def test_a_run_saved_under_tp_resumes_under_pp_with_the_same_losses(pools, tmp_path_factory):
+    expected = _reference("llama", str(tmp_path_factory.mktemp("reference")))
+    results = pools.get(2).run(golden_hf.trained, "llama", {"tp": 2}, str(tmp_path_factory.mktemp("run")), STEPS,
+                               resume_mesh={"pp": 2}, microbatches=2)
+    golden_hf.check(expected, results)
