@@ -18,7 +18,7 @@ from autoshard import hf
 
 from golden import groups_for
 
-SEQ, EXAMPLES = 16, 64
+SEQ, EXAMPLES, EVAL = 16, 80, 16  # the first EVAL rows are the evaluation set
 ARGS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=2e-3, weight_decay=0.1,
             lr_scheduler_type="linear", warmup_steps=3, max_grad_norm=0.5, logging_steps=1, report_to=[], seed=0,
             use_cpu=True, dataloader_drop_last=True, save_strategy="no", disable_tqdm=True)
@@ -86,27 +86,31 @@ class _StopAt(transformers.TrainerCallback):
         return control
 
 
-def reference(kind: str, directory: str, steps: int) -> dict:
-    """HuggingFace's Trainer, one process: every step's loss and the parameters after ``steps`` steps."""
+def reference(kind: str, directory: str, steps: int, **arguments) -> dict:
+    """HuggingFace's Trainer, one process: every step's loss, the parameters after ``steps`` steps and the loss of
+    an evaluation then. ``arguments``: more ``TrainingArguments``."""
     model, data = build(kind)
-    trainer = _PlainTrainer(model=model, train_dataset=data,
-                            args=transformers.TrainingArguments(output_dir=directory, max_steps=steps, **ARGS))
+    trainer = _PlainTrainer(model=model, train_dataset=data[EVAL:], eval_dataset=data[:EVAL],
+                            args=transformers.TrainingArguments(output_dir=directory, max_steps=steps,
+                                                                **{**ARGS, **arguments}))
     trainer.losses = []
     trainer.train()
     return {"losses": trainer.losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+            "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "eval_loss": trainer.evaluate()["eval_loss"]}
 
 
 def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_mesh: dict | None = None,
-            **options) -> dict:
+            arguments: dict | None = None, **options) -> dict:
     """``autoshard.hf.Trainer`` under the mesh for ``steps`` steps; with ``resume_mesh``, it saves at half way and a
     second Trainer under ``resume_mesh`` resumes from that checkpoint and trains to the end. The losses of every
     step (the resumed run's after the first half), and on rank 0 the parameters gathered."""
     mesh = autoshard.Mesh(**mesh_kwargs)
     model, data = build(kind)
     save = {"save_strategy": "steps", "save_steps": steps // 2} if resume_mesh else {}
-    args = transformers.TrainingArguments(output_dir=directory, max_steps=steps, **{**ARGS, **save})
-    trainer = _Trainer(model=model, train_dataset=data, args=args, mesh=mesh,
+    arguments = {**ARGS, **(arguments or {})}
+    args = transformers.TrainingArguments(output_dir=directory, max_steps=steps, **{**arguments, **save})
+    trainer = _Trainer(model=model, train_dataset=data[EVAL:], eval_dataset=data[:EVAL], args=args, mesh=mesh,
                        parallel_options={"groups": groups_for(mesh), **options},
                        callbacks=[_StopAt(steps // 2)] if resume_mesh else None)
     trainer.losses = []
@@ -115,15 +119,15 @@ def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_
     if resume_mesh:
         mesh = autoshard.Mesh(**resume_mesh)
         model, _ = build(kind)
-        args = transformers.TrainingArguments(output_dir=directory + "-resumed", max_steps=steps, **ARGS)
-        trainer = _Trainer(model=model, train_dataset=data, args=args, mesh=mesh,
+        args = transformers.TrainingArguments(output_dir=directory + "-resumed", max_steps=steps, **arguments)
+        trainer = _Trainer(model=model, train_dataset=data[EVAL:], eval_dataset=data[:EVAL], args=args, mesh=mesh,
                            parallel_options={"groups": groups_for(mesh), **options})
         trainer.losses = []
         trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{steps // 2}"))
         # the resumed state's log holds the first half's entries too
         losses, logged = losses + trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = trainer.pm.state_dict()
-    return {"losses": losses, "logged": logged,
+    return {"losses": losses, "logged": logged, "eval_loss": trainer.evaluate()["eval_loss"],
             "state": {k: v.detach().clone() for k, v in state.items()} if torch.distributed.get_rank() == 0 else None,
             "share": sum(p.numel() for p in trainer.pm.parameters()) / sum(p.numel() for p in model.parameters())}
 
@@ -134,6 +138,8 @@ def check(expected: dict, results: list[dict], tolerance: float = 1e-5) -> None:
         worst = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
         assert worst <= tolerance, f"rank {rank}: losses differ by {worst:.2e}: {got['losses']} {expected['losses']}"
         assert len(got["logged"]) == len(expected["logged"]), (rank, got["logged"], expected["logged"])
+        assert abs(got["eval_loss"] - expected["eval_loss"]) <= tolerance, (rank, got["eval_loss"],
+                                                                           expected["eval_loss"])
     state = results[0]["state"]
     assert set(state) >= {k for k in expected["state"] if not k.endswith("position_ids")}, sorted(expected["state"])
     worst = max(float((state[k] - v).abs().max()) for k, v in expected["state"].items() if k in state)

@@ -1,6 +1,6 @@
 """``autoshard.hf.Trainer``: HuggingFace's Trainer loop under a mesh, against the plain Trainer in one process.
 
-Every step's loss (unrounded) and the parameters after 20 steps, within 1e-5: gradient accumulation over 2
+Every step's loss (unrounded), the parameters after 20 steps and an evaluation's loss then, within 1e-5: gradient accumulation over 2
 batches, AdamW with weight decay by the Trainer's rule over ``named_parameters()``, a linear schedule with
 warmup, ``max_grad_norm`` and padded rows. Then a run saved at step 10 under one mesh and resumed under another.
 """
@@ -26,8 +26,8 @@ CELLS = [
 
 
 @functools.cache
-def _reference(kind: str, directory: str) -> dict:
-    return golden_hf.reference(kind, directory, STEPS)
+def _reference(kind: str, directory: str, bf16: bool = False) -> dict:
+    return golden_hf.reference(kind, directory, STEPS, **({"bf16": True} if bf16 else {}))
 
 
 def _world(mesh: dict) -> int:
@@ -46,6 +46,14 @@ def test_the_trainer_under_a_mesh_trains_as_the_plain_trainer(pools, tmp_path_fa
     golden_hf.check(expected, results)
     if mesh.get("tp", 1) > 1 or mesh.get("pp", 1) > 1:  # the Trainer trained the shards, not a whole copy
         assert all(r["share"] < 0.8 for r in results), [r["share"] for r in results]
+
+
+def test_bf16_trains_as_the_plain_trainers_autocast(pools, tmp_path_factory):
+    """``args.bf16``: autoshard's bf16 autocast against the Trainer's (accelerate's autocast) in one process."""
+    expected = _reference("llama", str(tmp_path_factory.mktemp("reference")), bf16=True)
+    results = pools.get(2).run(golden_hf.trained, "llama", {"tp": 2}, str(tmp_path_factory.mktemp("run")), STEPS,
+                               arguments={"bf16": True})
+    golden_hf.check(expected, results, tolerance=2e-2)
 
 
 def test_a_run_saved_under_tp_resumes_under_pp_with_the_same_losses(pools, tmp_path_factory):

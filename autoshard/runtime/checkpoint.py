@@ -27,6 +27,7 @@ import io
 import math
 import os
 import pickle
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -250,7 +251,9 @@ def _read_object(path: str, metadata, key: str):
         return None
     holder = {key: b""}
     try:
-        dcp.load(holder, checkpoint_id=path, no_dist=True, planner=_WeightsOnly())
+        with warnings.catch_warnings():  # DCP says, on every call, that no_dist reads in one process: as asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(holder, checkpoint_id=path, no_dist=True, planner=_WeightsOnly())
     except BaseException as e:  # DCP wraps what the weights-only load refused (a BaseException), per rank
         causes = [e, *(f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values())]
         if not any(isinstance(c, pickle.UnpicklingError) for c in causes):
