@@ -1,8 +1,9 @@
 """``autoshard.hf.Trainer``: HuggingFace's Trainer loop under a mesh, against the plain Trainer in one process.
 
-Every step's loss (unrounded), the parameters after 20 steps and an evaluation's loss then, within 1e-5: gradient accumulation over 2
-batches, AdamW with weight decay by the Trainer's rule over ``named_parameters()``, a linear schedule with
-warmup, ``max_grad_norm`` and padded rows. Then a run saved at step 10 under one mesh and resumed under another.
+Every step's loss (unrounded), the parameters after 20 steps and an evaluation's loss then, within 1e-5:
+gradient accumulation over 2 batches, AdamW with weight decay by the Trainer's rule over ``named_parameters()``,
+a linear schedule with warmup, ``max_grad_norm`` and padded rows; bf16 against the Trainer's autocast. Then a
+run saved at step 10 under one mesh and resumed under another.
 """
 
 from __future__ import annotations
