@@ -128,21 +128,7 @@ class Trainer(transformers.Trainer):
         return self.pm
 
     def _split(self, inputs: dict) -> tuple[tuple, torch.Tensor | None]:
-        """The batch as the model's positional inputs (in ``forward``'s order) and its labels."""
-        names = [n for n, p in inspect.signature(self.model.forward).parameters.items()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        given = {k: v for k, v in inputs.items() if k != "labels" and v is not None}
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ValueError(f"autoshard.hf.Trainer: the batch holds {unknown}, which {type(self.model).__name__}."
-                             f"forward does not take by position (it takes {names[:8]}...); drop those columns")
-        last = max(names.index(k) for k in given)
-        missing = [n for n in names[:last + 1] if n not in given]
-        if missing:
-            raise ValueError(f"autoshard.hf.Trainer: the batch gives {sorted(given)} but not {missing}, which "
-                             f"{type(self.model).__name__}.forward takes before them: autoshard passes the inputs by "
-                             "position; give the batch those columns too")
-        return tuple(given[n] for n in names[:last + 1]), inputs.get("labels")
+        return positional_inputs(self.model, inputs)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         # not the Trainer's model, so accelerate wraps nothing (a DDP wrapper would broadcast rank 0's shards)
@@ -150,11 +136,7 @@ class Trainer(transformers.Trainer):
 
     def _get_dataloader(self, *args, **kwargs):
         """The Trainer's loader, every batch on every rank: accelerate's shard of the batch sampler is undone."""
-        dataloader = super()._get_dataloader(*args, **kwargs)
-        shard = getattr(dataloader, "batch_sampler", None)
-        if hasattr(shard, "num_processes"):
-            shard.num_processes, shard.process_index = 1, 0
-        return dataloader
+        return unsharded(super()._get_dataloader(*args, **kwargs))
 
     def get_decay_parameter_names(self, model) -> list[str]:
         return super().get_decay_parameter_names(self.model)  # the model's modules: the shards keep its names
@@ -221,6 +203,34 @@ class Trainer(transformers.Trainer):
 
     def _optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
+
+
+def positional_inputs(model: nn.Module, inputs: dict) -> tuple[tuple, torch.Tensor | None]:
+    """A batch (a dict, as HuggingFace's collators make) as ``model``'s positional inputs, in ``forward``'s order,
+    and its labels: autoshard captures and runs a model's inputs by position."""
+    names = [n for n, p in inspect.signature(model.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    given = {k: v for k, v in inputs.items() if k != "labels" and v is not None}
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"autoshard: the batch holds {unknown}, which {type(model).__name__}.forward does not take "
+                         f"by position (it takes {names[:8]}...); drop those columns")
+    last = max(names.index(k) for k in given)
+    missing = [n for n in names[:last + 1] if n not in given]
+    if missing:
+        raise ValueError(f"autoshard: the batch gives {sorted(given)} but not {missing}, which "
+                         f"{type(model).__name__}.forward takes before them: autoshard passes the inputs by "
+                         "position; give the batch those columns too")
+    return tuple(given[n] for n in names[:last + 1]), inputs.get("labels")
+
+
+def unsharded(dataloader):
+    """``dataloader`` as accelerate prepared it, but every batch on every rank: its shard of the batch sampler
+    undone (autoshard splits a batch over dp itself; the ranks of a tp or pp group read the same one)."""
+    shard = getattr(dataloader, "batch_sampler", None)
+    if hasattr(shard, "num_processes"):
+        shard.num_processes, shard.process_index = 1, 0
+    return dataloader
 
 
 def _divides_by_the_window(model: nn.Module) -> bool:

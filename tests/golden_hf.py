@@ -145,3 +145,57 @@ def check(expected: dict, results: list[dict], tolerance: float = 1e-5) -> None:
     worst = max(float((state[k] - v).abs().max()) for k, v in expected["state"].items() if k in state)
     assert worst <= tolerance, f"parameters after training differ by {worst:.2e}"
 
+
+
+# ------------------------------------------------------------------------------------------------- accelerate
+
+
+def accelerate_loop(kind: str, mesh_kwargs: dict | None, steps: int, **options) -> dict:
+    """A loop written for ``accelerate`` (accumulation over 2 batches, clipping, AdamW groups by name, a warmup
+    schedule, then an evaluation); ``mesh_kwargs`` None prepares it with ``accelerator.prepare``, else with
+    ``autoshard.accelerate.prepare`` under that mesh. Every batch's loss, the evaluation's, and the parameters."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    import autoshard.accelerate
+
+    model, data = build(kind)
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=2e-3)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 3, steps)
+    loader = DataLoader(data[EVAL:], batch_size=4, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(0))
+    evaluation = DataLoader(data[:EVAL], batch_size=4)
+    if mesh_kwargs is None:
+        model, optimizer, loader, scheduler, evaluation = accelerator.prepare(model, optimizer, loader, scheduler,
+                                                                              evaluation)
+    else:
+        mesh = autoshard.Mesh(**mesh_kwargs)
+        model, optimizer, loader, scheduler, evaluation = autoshard.accelerate.prepare(
+            accelerator, model, optimizer, loader, scheduler, evaluation, mesh=mesh, groups=groups_for(mesh),
+            **options)
+    losses = []
+    model.train()
+    while len(losses) < 2 * steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                output = model(**batch)
+                accelerator.backward(output.loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(output.loss.item())
+            if len(losses) == 2 * steps:
+                break
+    model.eval()
+    with torch.no_grad():
+        eval_loss = sum(float(model(**batch).loss) for batch in evaluation) / len(evaluation)
+    state = model.pm.state_dict() if mesh_kwargs is not None else model.state_dict()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return {"losses": losses, "eval_loss": eval_loss, "logged": [],
+            "state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None}

@@ -62,3 +62,16 @@ def test_a_run_saved_under_tp_resumes_under_pp_with_the_same_losses(pools, tmp_p
     results = pools.get(2).run(golden_hf.trained, "llama", {"tp": 2}, str(tmp_path_factory.mktemp("run")), STEPS,
                                resume_mesh={"pp": 2}, microbatches=2)
     golden_hf.check(expected, results)
+
+
+@functools.cache
+def _accelerate_reference(kind: str) -> dict:
+    return golden_hf.accelerate_loop(kind, None, STEPS // 2)
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2})], ids=["tp2", "pp2"])
+def test_an_accelerate_loop_changed_by_one_line_trains_as_in_one_process(pools, mesh, options):
+    """``autoshard.accelerate.prepare`` in place of ``accelerator.prepare``; the loop unchanged."""
+    expected = _accelerate_reference("llama")
+    results = pools.get(_world(mesh)).run(golden_hf.accelerate_loop, "llama", mesh, STEPS // 2, **options)
+    golden_hf.check(expected, results)

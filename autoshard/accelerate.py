@@ -1,0 +1,153 @@
+"""autoshard under a loop written for HuggingFace's ``accelerate``: one line changes.
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+becomes
+    model, optimizer, loader, scheduler = autoshard.accelerate.prepare(accelerator, model, optimizer, loader,
+                                                                       scheduler, mesh=autoshard.Mesh(tp=2))
+
+and the rest of the loop stays: ``with accelerator.accumulate(model)``, ``outputs = model(**batch)``,
+``accelerator.backward(outputs.loss)``, ``accelerator.clip_grad_norm_(model.parameters(), 1.0)``,
+``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``, ``model.eval()`` and inference.
+
+In training, ``model(**batch)`` (a batch with ``labels``) runs autoshard's ``step``, forward and backward at once,
+with the gradients scaled as ``accelerator.backward`` scales them (``1 / gradient_accumulation_steps``); the
+output's ``loss`` is the batch's loss, and ``accelerator.backward`` on it adds nothing. The model is parallelized at
+its first call, from that batch; the optimizer built over the model's parameters then holds this rank's shards
+instead (by name, before its first step). The loader gives every batch to every rank; clipping takes the global
+norm; the scheduler steps once per optimizer step, as in one process. The loss is the task's, as
+``autoshard.hf.Trainer`` picks it (``loss_fn=`` for any other).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import hf
+
+
+def prepare(accelerator, *objects, mesh=None, loss_fn=None, **options):
+    """``accelerator.prepare(*objects)`` with the model (exactly one ``nn.Module`` among ``objects``) trained by
+    autoshard under ``mesh``; ``options`` are :func:`autoshard.parallelize`'s."""
+    from accelerate.scheduler import AcceleratedScheduler
+    from torch.utils.data import DataLoader
+
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) != 1:
+        raise ValueError(f"autoshard.accelerate.prepare parallelizes one model; got {len(models)} nn.Modules among "
+                         "the objects: prepare the others with accelerator.prepare")
+    parallel = ParallelModule(models[0], accelerator, mesh, loss_fn or hf.default_loss(models[0]), options)
+    prepared = []
+    for obj in objects:
+        if obj is models[0]:
+            prepared.append(parallel)
+        elif isinstance(obj, torch.optim.Optimizer):
+            parallel.optimizers.append(obj)
+            prepared.append(accelerator.prepare(obj))
+        elif isinstance(obj, DataLoader):
+            prepared.append(hf.unsharded(accelerator.prepare(obj)))
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            # once per optimizer step: accelerate would step it once per process, each having read its own batch
+            prepared.append(AcceleratedScheduler(obj, accelerator._optimizers, split_batches=True,
+                                                 step_with_optimizer=accelerator.step_scheduler_with_optimizer))
+        else:
+            prepared.append(accelerator.prepare(obj))
+    _clip_globally(accelerator, parallel)
+    return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+class ParallelModule(nn.Module):
+    """The model as the loop holds it: called like the model, trained by autoshard."""
+
+    def __init__(self, model: nn.Module, accelerator, mesh, loss_fn, options: dict) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: its parameters are not the trained ones
+        self.accelerator, self.mesh, self.loss_fn, self.options = accelerator, mesh, loss_fn, options
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.pm = None
+
+    def parallel_model(self, positional: tuple, labels):
+        if self.pm is None:
+            options = {"mixed_precision": "bf16" if self.accelerator.mixed_precision == "bf16" else None,
+                       **self.options}
+            self.pm = autoshard.parallelize(self.model, self.mesh, example_inputs=positional, loss_fn=self.loss_fn,
+                                            target=labels, **options)
+            self._hold_shards()
+        return self.pm
+
+    def _hold_shards(self) -> None:
+        """Each optimizer built over the model's parameters holds this rank's shards of them instead."""
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        shards = dict(self.pm.named_parameters(remove_duplicate=False))
+        for optimizer in self.optimizers:
+            if optimizer.state:
+                raise RuntimeError("autoshard.accelerate: the optimizer stepped before the model's first call; "
+                                   "call the model first (it is parallelized then)")
+            for group in optimizer.param_groups:
+                unknown = [p for p in group["params"] if id(p) not in names]
+                if unknown:
+                    raise ValueError(f"autoshard.accelerate: the optimizer holds {len(unknown)} tensors that are not "
+                                     "the model's parameters; build it over model.parameters() or "
+                                     "model.named_parameters()")
+                held = [shards.get(names[id(p)]) for p in group["params"]]
+                group["params"] = list({id(p): p for p in held if p is not None}.values())
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        if self.pm is None:
+            return self.model.named_parameters(prefix, recurse, remove_duplicate)
+        return self.pm.named_parameters(prefix, recurse, remove_duplicate)
+
+    def forward(self, *args, **kwargs):
+        names = list(inspect.signature(self.model.forward).parameters)
+        batch = {**dict(zip(names, args, strict=False)), **kwargs}
+        positional, labels = hf.positional_inputs(self.model, batch)
+        pm = self.parallel_model(positional, labels)
+        if self.training and labels is not None:
+            pm.train()
+            scale = 1.0 / self.accelerator.gradient_accumulation_steps  # as accelerator.backward scales
+            loss = pm.step(*positional, target=labels, loss_scale=scale) / scale
+            return types.SimpleNamespace(loss=_Stepped.apply(loss, _anchor(loss)))
+        pm.train(self.training)
+        with torch.no_grad():
+            output = pm(*positional)
+        loss = self.loss_fn(output, labels) if labels is not None else None
+        logits = hf._logits(output)
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
+class _Stepped(torch.autograd.Function):
+    """A loss whose backward already ran (in ``step``): ``accelerator.backward`` on it computes nothing more."""
+
+    @staticmethod
+    def forward(ctx, loss, anchor):
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _anchor(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True)
+
+
+def _clip_globally(accelerator, parallel: ParallelModule) -> None:
+    """``accelerator.clip_grad_norm_`` over this model's parameters takes the global norm (over every rank's
+    shards, ``pm.clip_grad_norm_``); over anything else it is accelerate's."""
+    original = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        if parallel.pm is not None and parameters and {id(p) for p in parameters} <= \
+                {id(p) for p in parallel.pm.parameters()}:
+            if norm_type != 2:
+                raise ValueError(f"autoshard clips by the 2-norm; norm_type={norm_type} is not supported")
+            accelerator.unscale_gradients()
+            return parallel.pm.clip_grad_norm_(max_norm)
+        return original(parameters, max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
