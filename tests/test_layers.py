@@ -19,7 +19,7 @@ LAYERS = {
     "passes": ("passes", "plan"),  # plan: the tp plan, made by passes.tensor_parallel
     "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot"),
     "runtime": ("runtime",),
-    "api": ("api", "verify", "inspect_cli", "cli", "planner", "hf", "__init__"),
+    "api": ("api", "verify", "inspect_cli", "cli", "planner", "hf", "accelerate", "__init__"),
 }
 ORDER = list(LAYERS)
 
