@@ -89,3 +89,29 @@ def user_loop(name: str, mesh_kwargs: dict, *, bf16: bool = False, **options) ->
     worst = max((trained[k].float() - v.float()).abs().max().item() for k, v in expected.items()
                 if v.is_floating_point())
     return {"losses": losses, "reference": ref_losses, "worst": worst}
+
+
+def loaded_from_pretrained(name: str, mesh_kwargs: dict, directory: str, **options) -> dict:
+    """Rank 0 writes corpus model ``name`` (its weights moved off their initial values) with HuggingFace's own
+    ``save_pretrained`` in small files; every rank builds the model on ``meta``, parallelizes it, allocates its
+    shards (``materialize``) and fills them with ``load_pretrained``. The gathered ``pm.state_dict()`` against the
+    written one, bit for bit, and the bytes each rank read against the files' whole."""
+    case = build(name)
+    with torch.no_grad():
+        for param in case.model.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.01)
+    if dist.get_rank() == 0:
+        case.model.save_pretrained(directory, max_shard_size="20KB")
+    dist.barrier()
+    with torch.device("meta"):
+        model = type(case.model)(case.model.config)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=tuple(x.to("meta") for x in case.inputs),
+                               loss_fn=case.loss_fn, target=case.target.to("meta"), groups=groups_for(mesh),
+                               microbatches=2 if mesh.pp > 1 else 1, **options)
+    pm.materialize("cpu")
+    read = pm.load_pretrained(directory)
+    got, expected = pm.state_dict(), case.model.state_dict()
+    total = sum(v.numel() * v.element_size() for v in expected.values())
+    return {"read": read, "total": total, "missing": sorted(set(expected) - set(got)),
+            "differ": sorted(k for k, v in expected.items() if k in got and not torch.equal(got[k], v))}

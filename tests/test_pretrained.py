@@ -54,3 +54,22 @@ def test_a_fused_qkv_with_kv_heads_held_whole_trains_as_a_user_loop_trains_it(po
         for got, want in zip(r["losses"], r["reference"], strict=True):
             assert abs(got - want) <= tol * max(1.0, abs(want)), (rank, r["losses"], r["reference"])
         assert r["worst"] <= (5e-2 if bf16 else 1e-5), (rank, r["worst"])
+
+
+@pytest.mark.parametrize("name,mesh,options", [
+    ("phi3", {"tp": 2}, {}),
+    ("phi3", {"tp": 4}, {}),
+    ("gpt2", {"pp": 2}, {}),
+    ("gpt2", {"dp": 2, "tp": 2}, {"data_parallel": "fsdp"}),
+], ids=["phi3-tp2", "phi3-tp4", "gpt2-pp2", "gpt2-dp2xtp2-fsdp"])
+def test_load_pretrained_reads_only_each_ranks_part(pools, tmp_path, name, mesh, options):
+    """The reverse of save_pretrained: a model built on meta starts from HuggingFace's files, each rank reading its
+    part (its tp blocks, its stage's weights) and none the whole model."""
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    results = pools.get(world).run(golden_pretrained.loaded_from_pretrained, name, mesh, str(tmp_path / "hf"),
+                                   **options)
+    for rank, r in enumerate(results):
+        assert not r["missing"] and not r["differ"], f"rank {rank}: {r['missing'][:5]} {r['differ'][:5]}"
+        assert r["read"] < 0.8 * r["total"], f"rank {rank} read {r['read']} of {r['total']} bytes"

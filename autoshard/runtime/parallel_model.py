@@ -406,6 +406,14 @@ class ParallelModel(nn.Module):
 
         pretrained.save_pretrained(self, directory, max_shard_size)
 
+    def load_pretrained(self, directory: str) -> int:
+        """Fill this rank's parameters from HuggingFace's format in ``directory`` (``save_pretrained``'s, or
+        ``transformers``'), reading only this rank's part of each tensor; returns the bytes read. After
+        ``materialize()``, a model built on ``meta`` starts from a checkpoint no rank holds whole."""
+        from autoshard.runtime import pretrained
+
+        return pretrained.load_pretrained(self, directory)
+
     def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False,
                         keep: int | None = None):
         """Each rank writes its shards of the parameters and, with ``optimizer``, of its state; ``extra`` (the

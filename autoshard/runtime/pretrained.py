@@ -7,6 +7,10 @@ so the unmodified ``from_pretrained`` loads them. Each tensor is gathered alone:
 vocabularies), over dp x cp for FSDP2 shards, whole for weights spread over the pipeline ranks, then sent to rank 0
 by the first rank holding it. Rank 0 holds one file's tensors at most, every other rank one tensor. A tied weight
 is written once, under its first name, as ``transformers`` writes it.
+
+``pm.load_pretrained(directory)`` is the reverse: each rank reads from such a directory only its part of each
+tensor it holds (safetensors slices: its tp blocks, its rows of a padded vocabulary, its stages' weights), so a
+model built on ``meta`` and materialized (``pm.materialize()``) starts from a checkpoint no rank holds whole.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from autoshard.runtime import spread
+from autoshard.passes.collectives import _pieces
+from autoshard.runtime import spread, state
 from autoshard.runtime.gather import gather
 
 INDEX = "model.safetensors.index.json"
@@ -62,6 +67,99 @@ def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> No
             json.dump(index, f, indent=2, sort_keys=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+def load_pretrained(pm, directory: str) -> int:
+    """Fill this rank's parameters (and the buffers the files hold) from HuggingFace's format in ``directory``,
+    reading only this rank's part of each tensor; returns the bytes this rank read. Refuses a directory that lacks
+    a parameter or holds one of another shape, naming them, before changing anything. No collective."""
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ImportError("load_pretrained reads safetensors files: pip install safetensors") from e
+    where = _weight_map(directory)
+    aliases: dict[int, list[str]] = {}
+    for name, param in pm.model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    plan, missing = [], []
+    for target, name, param, placement in state._entries(pm):
+        names = [*pm.names[target], *aliases.get(id(pm.model.get_parameter(name)), [])]
+        key = next((n for n in names if n in where), None)
+        if key is None:
+            missing.append(name)
+        else:
+            plan.append((key, target, param, placement))
+    if missing:
+        raise ValueError(f"{directory} holds no tensor for {state._few(missing)}: load_pretrained reads the "
+                         f"model's own names, as pm.save_pretrained writes them ({type(pm.model).__name__}); "
+                         "transformers >= 5 writes some models (mixtures of experts among them) under their "
+                         "original checkpoint's names: load such a directory with from_pretrained on the CPU "
+                         "and parallelize that model")
+    tp_rank, tp = pm.coord("tp"), pm.mesh.tp
+    read = 0
+    handles: dict[str, object] = {}
+
+    def sliced(key: str):
+        if where[key] not in handles:
+            handles[where[key]] = safe_open(os.path.join(directory, where[key]), framework="pt", device="cpu")
+        return handles[where[key]].get_slice(key)
+
+    for key, target, _, _ in plan:
+        if tuple(sliced(key).get_shape()) != pm.full_shape(target):
+            raise ValueError(f"{key} has shape {tuple(sliced(key).get_shape())} in {directory}, the model expects "
+                             f"{pm.full_shape(target)}")
+    with torch.no_grad(), spread.of(pm).whole(pm.store):
+        for key, _, param, placement in plan:
+            local = _read_part(sliced(key), placement, tp_rank, tp).to(param.dtype)
+            read += local.numel() * local.element_size()
+            if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
+                from torch.distributed.tensor import distribute_tensor
+
+                local = distribute_tensor(local, param.device_mesh, param.placements)
+            param.copy_(local)
+        buffers = dict(pm.model.named_buffers())
+        for key in sorted(set(where) & set(buffers)):
+            value = sliced(key)[:]
+            read += value.numel() * value.element_size()
+            state._set_buffer(pm.model, key, value.to(buffers[key].dtype))
+    return read
+
+
+def _weight_map(directory: str) -> dict[str, str]:
+    """Each tensor's file, from the index (several files) or the one file."""
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(directory, _name(1, 1))
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{directory} holds neither {INDEX} nor {_name(1, 1)}: load_pretrained reads "
+                                "HuggingFace's safetensors format (save_pretrained's)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), _name(1, 1))
+
+
+def _read_part(sliced, placement, rank: int, size: int) -> torch.Tensor:
+    """This tp rank's part of a tensor in a file, reading that part only: ``local_part`` of the whole tensor."""
+    shape = tuple(sliced.get_shape())
+    if placement is None:
+        return sliced[:]
+    dim, n = placement.dim, shape[placement.dim]
+
+    def rows(start: int, length: int) -> torch.Tensor:
+        return sliced[tuple([slice(None)] * dim + [slice(start, start + length)])]
+
+    if placement.blocks is None and n % size:  # a padded dim: this rank's chunk of it, zeros past the end
+        chunk = -(-n // size)
+        start = min(rank * chunk, n)
+        part = rows(start, min(chunk, n - start))
+        extra = list(part.shape)
+        extra[dim] = chunk - part.shape[dim]
+        return torch.cat([part, part.new_zeros(extra)], dim)
+    pieces = [rows(start, length) for start, length in _pieces(n, rank, size, placement.blocks, placement.whole)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def _entries(pm) -> dict[str, tuple]:
