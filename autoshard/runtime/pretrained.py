@@ -5,8 +5,9 @@ Rank 0 writes the model's ``config.json`` (and ``generation_config.json``) with 
 ``model.safetensors.index.json`` when there are several), named and laid out as ``transformers`` lays them out,
 so the unmodified ``from_pretrained`` loads them. Each tensor is gathered alone: over tp (fused blocks, padded
 vocabularies), over dp x cp for FSDP2 shards, whole for weights spread over the pipeline ranks, then sent to rank 0
-by the first rank holding it. Rank 0 holds one file's tensors at most, every other rank one tensor. A tied weight
-is written once, under its first name, as ``transformers`` writes it.
+by the first rank holding it, and written into its file at once: the file's header (every tensor's dtype, shape and
+place) is known before any tensor is gathered, so no rank holds more than one whole tensor beyond its own shards.
+A tied weight is written once, under its first name, as ``transformers`` writes it.
 
 ``pm.load_pretrained(directory)`` is the reverse: each rank reads from such a directory only its part of each
 tensor it holds (safetensors slices: its tp blocks, its rows of a padded vocabulary, its stages' weights), so a
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from autoshard.passes.collectives import _pieces
+from autoshard.passes.placements import Shard
 from autoshard.runtime import spread, state
-from autoshard.runtime.gather import gather
 
 INDEX = "model.safetensors.index.json"
 
@@ -31,10 +32,6 @@ INDEX = "model.safetensors.index.json"
 def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> None:
     """Write ``pm``'s model into ``directory`` as ``transformers``' ``save_pretrained`` does (a collective: every
     rank calls it)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError as e:
-        raise ImportError("save_pretrained writes safetensors files: pip install safetensors") from e
     limit = _bytes(max_shard_size)
     config = getattr(pm.model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):  # said on every rank, before any collective
@@ -52,13 +49,15 @@ def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> No
             generation.save_pretrained(directory)
     with spread.of(pm).whole(pm.store):
         for number, keys in enumerate(files, 1):
-            tensors = {}
+            writer = _Writer(os.path.join(directory, _name(number, len(files))),
+                             {key: _layout(pm, entries[key]) for key in keys}) if rank == 0 else None
             for key in keys:
                 tensor = _tensor(pm, entries[key], holders, rank)
-                if rank == 0:
-                    tensors[key] = tensor.detach().to("cpu").contiguous()
-            if rank == 0:
-                save_file(tensors, os.path.join(directory, _name(number, len(files))), metadata={"format": "pt"})
+                if writer is not None:
+                    writer.write(key, tensor.detach().to("cpu").contiguous())
+                del tensor
+            if writer is not None:
+                writer.close()
     if rank == 0 and len(files) > 1:
         total = sum(_size(entry) for entry in entries.values())
         index = {"metadata": {"total_size": total},
@@ -162,6 +161,50 @@ def _read_part(sliced, placement, rank: int, size: int) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _layout(pm, entry: tuple) -> tuple[torch.dtype, tuple[int, ...]]:
+    if entry[0] == "buffer":
+        return entry[1].dtype, tuple(entry[1].shape)
+    _, target, own = entry
+    return own.dtype, pm.full_shape(target) if target is not None else tuple(own.shape)
+
+
+class _Writer:
+    """A safetensors file written a tensor at a time: its header first (from every tensor's dtype and shape),
+    then each tensor's bytes as they come, in the header's order."""
+
+    def __init__(self, path: str, layouts: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key, (dtype, shape) in layouts.items():
+            if dtype not in _DTYPES:
+                raise ValueError(f"save_pretrained: {key} is {dtype}, which safetensors does not store")
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.layouts, self.order = layouts, list(layouts)
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self.file.write(len(text).to_bytes(8, "little") + text)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        expected = self.order.pop(0)
+        dtype, shape = self.layouts[key]
+        if key != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise RuntimeError(f"save_pretrained: {key} came as {tensor.dtype} {tuple(tensor.shape)}, the header "
+                               f"holds {expected} as {dtype} {shape}")
+        if tensor.numel():
+            self.file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _entries(pm) -> dict[str, tuple]:
     """The model's ``state_dict`` keys in order, each ``("param", target, like)`` or ``("buffer", tensor)``; a
     parameter under several names (tied) keeps its first."""
@@ -220,24 +263,78 @@ def _holders(pm) -> dict[str, int]:
 
 
 def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tensor | None:
-    """The whole tensor of one entry on rank 0 (None elsewhere); the ranks holding a parameter gather it."""
+    """The whole tensor of one entry on rank 0 (None elsewhere), which only rank 0 ever holds whole: each rank of
+    its first holder's tp group sends its part to rank 0, which receives a part that is one run of rows in place
+    and any other into one part's buffer at a time, copying its pieces into place (as ``gather`` assembles it)."""
     if entry[0] == "buffer":
         return entry[1]
     _, target, own = entry
     if target is None or target not in holders:  # read by no program: the model's own, never trained
         return own if rank == 0 else None
     local = pm.store.find(target)
-    full = gather(pm, target, local.detach()) if local is not None else None
-    owner = holders[target]
-    if owner == 0:
-        return full if rank == 0 else None
-    if rank == owner:
-        dist.send(full.contiguous(), dst=0)
-    elif rank == 0:
+    if local is not None and hasattr(local, "full_tensor"):  # an FSDP2 shard: every dp x cp holder takes part
+        local = local.full_tensor()
+    plan = pm.plan
+    placement = plan.params[target].placement if plan is not None and target in plan.params else None
+    senders = pm.mesh.group_of("tp", holders[target]) if isinstance(placement, Shard) else [holders[target]]
+    if rank != 0:
+        if rank in senders:
+            for rows in _row_chunks(local, placement.dim if isinstance(placement, Shard) else 0):
+                dist.send(rows.contiguous(), dst=0)
+        return None
+    if not isinstance(placement, Shard):
+        if senders[0] == 0:
+            return local.detach()
         full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)
-        dist.recv(full, src=owner)
+        dist.recv(full, src=senders[0])
         return full
-    return None
+    dim, tp = placement.dim, len(senders)
+    part_shape = _part_shape(pm, target, placement)
+    n = sum(placement.blocks) if placement.blocks is not None else part_shape[dim] * tp  # padded
+    shape = list(part_shape)
+    shape[dim] = n
+    full = torch.empty(shape, dtype=own.dtype, device=pm.device)
+    buffer = None
+    for r, source in enumerate(senders):
+        pieces = _pieces(n, r, tp, placement.blocks, placement.whole)
+        if source != 0 and dim == 0 and len(pieces) == 1:  # one run of rows: received in place
+            dist.recv(full.narrow(0, *pieces[0]), src=source)
+            continue
+        part = local.detach() if source == 0 else torch.empty(part_shape, dtype=own.dtype, device="meta")
+        first = 0
+        for rows in _row_chunks(part, dim):  # a split along another dim: a chunk of rows at a time
+            count = rows.shape[0]
+            if source != 0:
+                if buffer is None or buffer.numel() < rows.numel():
+                    buffer = torch.empty(rows.numel(), dtype=own.dtype, device=pm.device)
+                rows = buffer[:rows.numel()].view(rows.shape)
+                dist.recv(rows, src=source)
+            into = full if dim == 0 else full.narrow(0, first, count)
+            offset = 0
+            for start, length in pieces:
+                into.narrow(dim, start, length).copy_(rows.narrow(dim, offset, length))
+                offset += length
+            first += count
+    return full.narrow(dim, 0, pm.full_shape(target)[dim])  # a padded vocabulary's padding dropped
+
+
+_CHUNK_BYTES = 4 * 2**20
+
+
+def _row_chunks(part: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    """A part split along ``dim`` > 0 as chunks of its rows (dim 0) of about 4 MiB each, as sender and receiver
+    both cut it; a part split along dim 0 whole."""
+    if dim == 0 or part.numel() == 0:
+        return [part]
+    row = max(1, part[0].numel() * part.element_size())
+    return list(part.split(max(1, _CHUNK_BYTES // row), 0))
+
+
+def _part_shape(pm, target: str, placement: Shard) -> tuple[int, ...]:
+    """The shape of one tp rank's part of ``target`` (for rank 0 receiving parts it does not hold)."""
+    from autoshard.passes.placements import local_shape
+
+    return tuple(local_shape(pm.full_shape(target), placement, pm.mesh.tp))
 
 
 def _bytes(size: int | str) -> int:
