@@ -105,14 +105,14 @@ def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_
     """``autoshard.hf.Trainer`` under the mesh for ``steps`` steps; with ``resume_mesh``, it saves at half way and a
     second Trainer under ``resume_mesh`` resumes from that checkpoint and trains to the end. The losses of every
     step (the resumed run's after the first half), and on rank 0 the parameters gathered."""
-    mesh = autoshard.Mesh(**mesh_kwargs)
+    mesh = autoshard.Mesh(**mesh_kwargs) if isinstance(mesh_kwargs, dict) else mesh_kwargs  # or "auto"
+    groups = {"groups": groups_for(mesh)} if isinstance(mesh, autoshard.Mesh) else {}
     model, data = build(kind)
     save = {"save_strategy": "steps", "save_steps": steps // 2} if resume_mesh else {}
     arguments = {**ARGS, **(arguments or {})}
     args = transformers.TrainingArguments(output_dir=directory, max_steps=steps, **{**arguments, **save})
     trainer = _Trainer(model=model, train_dataset=data[EVAL:], eval_dataset=data[:EVAL], args=args, mesh=mesh,
-                       parallel_options={"groups": groups_for(mesh), **options},
-                       callbacks=[_StopAt(steps // 2)] if resume_mesh else None)
+                       parallel_options={**groups, **options}, callbacks=[_StopAt(steps // 2)] if resume_mesh else None)
     trainer.losses = []
     trainer.train()
     losses, logged = trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -127,7 +127,7 @@ def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_
         # the resumed state's log holds the first half's entries too
         losses, logged = losses + trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = trainer.pm.state_dict()
-    return {"losses": losses, "logged": logged, "eval_loss": trainer.evaluate()["eval_loss"],
+    return {"losses": losses, "logged": logged, "eval_loss": trainer.evaluate()["eval_loss"], "mesh": str(trainer.pm.mesh),
             "state": {k: v.detach().clone() for k, v in state.items()} if torch.distributed.get_rank() == 0 else None,
             "share": sum(p.numel() for p in trainer.pm.parameters()) / sum(p.numel() for p in model.parameters())}
 

@@ -11,11 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(processes: int, *flags: str) -> str:
-    """Run examples/train_gpt.py under torchrun as a user would; returns its output (it must exit 0)."""
+def _torchrun(processes: int, *flags: str, script: str = "examples/train_gpt.py") -> str:
+    """Run an example under torchrun as a user would; returns its output (it must exit 0)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), "examples/train_gpt.py", *flags]
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), script, *flags]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     noise = [line for line in done.stderr.splitlines() if "Deprecat" in line or "deprecated" in line]
@@ -39,3 +39,18 @@ def test_the_example_with_fsdp_over_a_pipeline():
     worst = float(re.search(r"unsharded model's loss over 2 steps: (\S+)", out).group(1))
     assert worst < 1e-5
     assert "FSDP2 over 2 ranks (dp=2): this rank's parameters all-gathered once per step" in out, out
+
+
+def test_the_hf_trainer_example_trains_saves_and_resumes_under_another_mesh(tmp_path):
+    """examples/hf_trainer.py: a Trainer script whose one changed line is autoshard.hf.Trainer; checkpoints at tp=2
+    resumed at pp=2, the model saved for from_pretrained."""
+    output = str(tmp_path / "out")
+    first = _torchrun(2, "--tp", "2", "--steps", "10", "--output", output, script="examples/hf_trainer.py")
+    assert "resumed from None" in first, first
+    second = _torchrun(2, "--pp", "2", "--steps", "20", "--resume", "--output", output,
+                       script="examples/hf_trainer.py")
+    assert "checkpoint-10" in second and "logged losses" in second, second
+    import transformers
+
+    loaded = transformers.LlamaForCausalLM.from_pretrained(os.path.join(output, "final"))
+    assert loaded.config.num_hidden_layers == 4

@@ -49,6 +49,14 @@ def test_the_trainer_under_a_mesh_trains_as_the_plain_trainer(pools, tmp_path_fa
         assert all(r["share"] < 0.8 for r in results), [r["share"] for r in results]
 
 
+def test_mesh_auto_trains_as_the_plain_trainer(pools, tmp_path_factory):
+    """``mesh="auto"``: the planner's mesh for 2 processes, whichever it is, trains as the plain Trainer."""
+    expected = _reference("llama", str(tmp_path_factory.mktemp("reference")))
+    results = pools.get(2).run(golden_hf.trained, "llama", "auto", str(tmp_path_factory.mktemp("run")), STEPS)
+    golden_hf.check(expected, results)
+    assert all("Mesh(" in r["mesh"] for r in results), results[0]["mesh"]
+
+
 def test_bf16_trains_as_the_plain_trainers_autocast(pools, tmp_path_factory):
     """``args.bf16``: autoshard's bf16 autocast against the Trainer's (accelerate's autocast) in one process."""
     expected = _reference("llama", str(tmp_path_factory.mktemp("reference")), bf16=True)

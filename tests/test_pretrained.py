@@ -16,6 +16,10 @@ CELLS = [
     ("mixtral", {"dp": 2, "tp": 2}, {"data_parallel": "fsdp"}),
     ("phi3", {"tp": 4}, {}),
     ("gpt2", {"dp": 2, "tp": 2, "pp": 2}, {}),
+    ("phi3", {"dp": 2, "tp": 2, "pp": 2}, {}),
+    ("mixtral", {"dp": 2, "tp": 2, "pp": 2}, {}),
+    ("phi3", {"dp": 2, "tp": 2}, {"data_parallel": "fsdp"}),
+    ("gpt2", {"dp": 2, "tp": 2}, {"data_parallel": "fsdp"}),
 ]
 
 
