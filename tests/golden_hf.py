@@ -127,7 +127,8 @@ def trained(kind: str, mesh_kwargs: dict, directory: str, steps: int, *, resume_
         # the resumed state's log holds the first half's entries too
         losses, logged = losses + trainer.losses, [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = trainer.pm.state_dict()
-    return {"losses": losses, "logged": logged, "eval_loss": trainer.evaluate()["eval_loss"], "mesh": str(trainer.pm.mesh),
+    return {"losses": losses, "logged": logged, "eval_loss": trainer.evaluate()["eval_loss"],
+            "mesh": str(trainer.pm.mesh),
             "state": {k: v.detach().clone() for k, v in state.items()} if torch.distributed.get_rank() == 0 else None,
             "share": sum(p.numel() for p in trainer.pm.parameters()) / sum(p.numel() for p in model.parameters())}
 
