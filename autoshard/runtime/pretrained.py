@@ -183,7 +183,7 @@ class _Writer:
         for key, (dtype, shape) in layouts.items():
             if dtype not in _DTYPES:
                 raise ValueError(f"save_pretrained: {key} is {dtype}, which safetensors does not store")
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            size = torch.Size(shape).numel() * dtype.itemsize
             header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         text = json.dumps(header, separators=(",", ":")).encode()
