@@ -5,7 +5,7 @@
 
 The zoo GPT at dp = world / 2 x tp = 2, each step's global batch drawn from the step number (the same whatever the
 world), saving into RUN_DIR/ckpt every 2 steps. It resumes from the newest complete checkpoint whatever mesh saved
-it. At PAUSE_STEP, under a world of 4, the ranks of the second node write RUN_DIR/paused-<their agent's pid> and
+it. At PAUSE_STEP, under a world of 4, the ranks of the second node write RUN_DIR/paused-<agent's pid>-<pid> and
 wait: the test kills that agent and its ranks, and the first node's ranks, failing in the step's collectives, are
 restarted by their agent in a world of 2.
 Rank 0 writes every step's loss and each world size it ran under to RUN_DIR/losses.json at the end.
@@ -42,7 +42,7 @@ def main() -> None:
     losses, worlds = list(extra["losses"]), [*extra["worlds"], world]
     for step in range(extra["step"], steps):
         if step == pause and world == 4 and os.environ["GROUP_RANK"] == "1":
-            (run / f"paused-{os.getppid()}").touch()  # the test kills this node's agent, and so its ranks
+            (run / f"paused-{os.getppid()}-{os.getpid()}").touch()  # the test kills this node's agent and ranks
             time.sleep(600)
         ids, target = token_data(torch.Generator().manual_seed(100 + step))
         opt.zero_grad()

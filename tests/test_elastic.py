@@ -60,11 +60,14 @@ def _run(run: Path, kill: bool) -> dict:
     second = _agent(run, port, *([str(PAUSE)] if kill else []))
     deadline = time.monotonic() + 400
     if kill:
-        while not list(run.glob("paused-*")):
+        while len(list(run.glob("paused-*"))) < 2:  # both ranks of one node
             assert time.monotonic() < deadline and first.poll() is None, "the run never reached the kill"
             time.sleep(0.2)
-        node = int(next(run.glob("paused-*")).name.split("-")[1])  # the agent whose ranks paused
+        paused = [tuple(map(int, f.name.split("-")[1:])) for f in run.glob("paused-*")]
+        node = paused[0][0]  # the agent whose ranks paused, killed with them (they run in sessions of their own)
         os.killpg(node, signal.SIGKILL)
+        for _, rank in paused:
+            os.kill(rank, signal.SIGKILL)
         survivor = first if node == second.pid else second
         victim = second if survivor is first else first
         victim.communicate()
