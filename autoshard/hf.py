@@ -108,7 +108,6 @@ class Trainer(transformers.Trainer):
         self.loss_fn = loss_fn or default_loss(model)
         self.parallel_options = dict(parallel_options or {})
         self.pm = None
-        self._resume_from: str | None = None
         super().__init__(model=model, args=args, **kwargs)
         # every rank reads the whole batch: the labels counted on one rank are those of the batch
         self.args.average_tokens_across_devices = False
@@ -189,7 +188,7 @@ class Trainer(transformers.Trainer):
                                 extra={"scheduler": self.lr_scheduler.state_dict()})
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self._resume_from = resume_from_checkpoint  # the weights come with the optimizer's state, below
+        return None  # the weights come with the optimizer's state (_load_optimizer_and_scheduler)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
