@@ -24,6 +24,7 @@ from autoshard.capture import Captured
 from autoshard.passes.axis import Outputs
 from autoshard.passes.batch_norm import batch_norm_pass
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass, insert_splits
+from autoshard.passes.expert_parallel import ExpertParallelPlan, expert_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import propagate
@@ -91,6 +92,9 @@ class Sharding:
     cp_group: object = None
     sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
     batch_norm: tuple[int, int, object] | None = None  # (size, rank, group) of the dp ranks a BatchNorm syncs over
+    ep_plan: ExpertParallelPlan | None = None
+    ep_rank: int = 0
+    ep_group: object = None
     training: bool = True
     keep_outputs: bool = False  # a pipeline stage that hands its activations on
     stage: bool = False  # the graph is one pipeline stage
@@ -226,6 +230,8 @@ def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> 
     if sharding.batch_norm is not None:
         size, rank, group = sharding.batch_norm
         batch_norm_pass(gm, group=group, size=size, rank=rank)
+    if sharding.ep_plan is not None:  # last: it reads the rows each routed layer holds after every other split
+        expert_parallel_pass(gm, sharding.ep_plan, rank=sharding.ep_rank, group=sharding.ep_group)
     if store is not None:
         store.adopt(gm)
 

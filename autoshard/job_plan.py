@@ -32,6 +32,7 @@ from autoshard.capture import Captured
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
+from autoshard.passes.expert_parallel import ExpertLayer, ExpertParallelPlan, plan_expert_parallel
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import split_pipeline
 from autoshard.passes.placements import Shard, local_shape
@@ -51,6 +52,7 @@ class JobPlan:
     tp_plan: TensorParallelPlan | None = None
     cp_plan: ContextParallelPlan | None = None
     sp_plan: ContextParallelPlan | None = None  # where sequence parallelism splits the sequence over tp
+    ep_plan: ExpertParallelPlan | None = None  # the experts split over ep (the mesh's ep > 1)
     cut_after: tuple[str, ...] | None = None  # under pp: the last activation of every stage but the last
     spread: tuple[str, ...] = ()  # weights stored in rows over the pp ranks, gathered for each step
     batch_norm_sync: bool = False  # BatchNorm in training mode sums its statistics over the dp ranks
@@ -73,6 +75,7 @@ class JobPlan:
             "tp_plan": json.loads(self.tp_plan.to_json()) if self.tp_plan is not None else None,
             "cp_plan": dataclasses.asdict(self.cp_plan) if self.cp_plan is not None else None,
             "sp_plan": dataclasses.asdict(self.sp_plan) if self.sp_plan is not None else None,
+            "ep_plan": dataclasses.asdict(self.ep_plan) if self.ep_plan is not None else None,
             "cut_after": list(self.cut_after) if self.cut_after is not None else None,
             "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "notes": self.notes,
         }, indent=1)
@@ -87,8 +90,12 @@ class JobPlan:
         def cp(d):
             return ContextParallelPlan(**d) if d is not None else None
 
+        ep = data.get("ep_plan")
+        ep_plan = ExpertParallelPlan(ep["size"], [ExpertLayer(**dict(layer, weights=tuple(layer["weights"])))
+                                                  for layer in ep["layers"]], list(ep["notes"])) if ep else None
+
         return cls(Mesh(**data["mesh"]), CompileOptions(**options), tp_plan=tp_plan, cp_plan=cp(data["cp_plan"]),
-                   sp_plan=cp(data["sp_plan"]),
+                   sp_plan=cp(data["sp_plan"]), ep_plan=ep_plan,
                    cut_after=tuple(data["cut_after"]) if data["cut_after"] is not None else None,
                    spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"], notes=list(data["notes"]))
 
@@ -102,6 +109,8 @@ class JobPlan:
                          f"{self.cp_plan.attention} attention{', load-balanced' if self.cp_plan.load_balance else ''}")
         if self.sp_plan is not None:
             lines.append(f"  sp: the sequence of {self.sp_plan.seq_len} split over tp between its regions")
+        if self.ep_plan is not None:
+            lines.append(f"  ep: {len(self.ep_plan.layers)} expert layers split over {self.ep_plan.size} ranks")
         if self.cut_after is not None:
             lines.append(f"  pp: cuts after {', '.join(self.cut_after)}")
         if self.spread:
@@ -124,6 +133,9 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
         notes.append(plan.cp_plan.note)
     plan.sp_plan = _sp_plan(captured, plan, notes)
+    if mesh.ep > 1:
+        plan.ep_plan = _ep_plan(captured, mesh, earlier.ep_plan if earlier is not None else None)
+        notes.extend(plan.ep_plan.notes)
     if mesh.pp > 1:
         _pipeline(captured, plan, earlier)
     if plan.sp_plan is not None and options.sequence_parallel == "auto":
@@ -186,6 +198,18 @@ def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, s
     more = f"; and {len(found) - 4} more" if len(found) > 4 else ""
     return [f"{len(found)} weight(s) holding {sum(part for _, part in found):.0%} of the parameters stay replicated "
             f"under tp={tp} (every tp rank holds them whole): {named}{more}"]
+
+
+def _ep_plan(captured: Captured, mesh: Mesh, earlier: ExpertParallelPlan | None) -> ExpertParallelPlan:
+    """This capture's expert layers (node names differ between captures); the experts they split must be the
+    first capture's, as every capture reads the parameters one store holds."""
+    plan = plan_expert_parallel(captured.gm, mesh.ep)
+    if earlier is not None and plan.params() != earlier.params():
+        differ = sorted(set(plan.params()) ^ set(earlier.params()))
+        raise ValueError(f"the capture at input shapes {captured.input_shapes} splits other experts over ep than the "
+                         f"first capture ({', '.join(differ[:3])}): every capture must read the same stacks of "
+                         "experts the same way; use ep=1 for this model")
+    return plan
 
 
 def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,

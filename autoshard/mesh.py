@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """Mesh axes from outermost (slowest-varying rank coordinate) to innermost."""
 
-_AXIS_MEANING = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context"}
+_AXIS_MEANING = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
 _DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
@@ -87,19 +87,32 @@ def _check_degree(axis: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """Degrees of the four parallel axes; ``world_size`` is their product. See the module docstring."""
+    """Degrees of the four parallel axes; ``world_size`` is their product. See the module docstring.
+
+    ``ep`` (expert parallelism) is carved from dp, as torchtitan carves it: the dp ranks form groups of ``ep``
+    consecutive dp coordinates, each rank of a group holding ``1/ep`` of every mixture's experts, while every other
+    layer stays data parallel over all of dp. It adds no ranks, so ``ep`` must divide ``dp``.
+    """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_degree(f.name, getattr(self, f.name))
+        if self.dp % self.ep:
+            fits = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(
+                f"ep={self.ep} does not divide dp={self.dp}: expert parallelism splits the experts over groups of "
+                f"data-parallel ranks (it adds no ranks of its own), so ep must divide dp; use ep in {fits}, or "
+                f"dp={self.ep * max(1, self.dp // self.ep)} with more ranks")
 
     def __str__(self) -> str:
-        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp}{ep})"
 
     @property
     def world_size(self) -> int:
@@ -161,6 +174,19 @@ class Mesh:
             result.append([self.rank_of(**base, dp=d, cp=c) for d in range(self.dp) for c in range(self.cp)])
         return result
 
+    def expert_groups(self) -> list[list[int]]:
+        """The groups of ``ep`` ranks that split the experts among them: the same pp, cp and tp coordinates, dp
+        coordinates ``b * ep .. b * ep + ep - 1``, ordered by their ep coordinate (``dp % ep``)."""
+        return [[self.rank_of(pp=p, dp=b * self.ep + e, cp=c, tp=t) for e in range(self.ep)]
+                for p in range(self.pp) for b in range(self.dp // self.ep) for c in range(self.cp)
+                for t in range(self.tp)]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        """The ranks holding the same experts (the same pp and tp coordinates, the same ``dp % ep``; every cp and
+        ``dp // ep``): they sum their experts' gradients, as ``data_groups`` do for every other parameter."""
+        return [[self.rank_of(pp=p, dp=b * self.ep + e, cp=c, tp=t) for b in range(self.dp // self.ep)
+                 for c in range(self.cp)] for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The ranks of ``rank``'s group along ``axis``, ordered by their ``axis`` coordinate."""
         coords = self.coords(rank)
@@ -175,8 +201,8 @@ class Mesh:
             axis, sep, value = (s.strip() for s in item.partition("="))
             if not sep or not value.lstrip("-").isdigit():
                 raise ValueError(f"cannot read {item!r} in mesh {text!r}: write axis=degree pairs, e.g. 'dp=2,tp=2'")
-            if axis not in AXES:
-                raise ValueError(f"unknown mesh axis {axis!r} in {text!r}: the axes are {', '.join(AXES)}")
+            if axis not in (*AXES, "ep"):
+                raise ValueError(f"unknown mesh axis {axis!r} in {text!r}: the axes are {', '.join(AXES)} (and ep)")
             if axis in degrees:
                 raise ValueError(f"mesh axis {axis!r} is given twice in {text!r}: give each axis once")
             degrees[axis] = int(value)
@@ -205,7 +231,7 @@ class Mesh:
         """Raise ValueError, with meshes that would fit, unless the degrees multiply to ``world_size``."""
         if self.world_size == world_size:
             return
-        product = " x ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        product = " x ".join(f"{axis}={self.degree(axis)}" for axis in ("dp", "tp", "pp", "cp"))
         fits = "; ".join(str(m) for m in self._fitting(world_size)) or "none: the world size must be at least 1"
         rest = self.tp * self.pp * self.cp
         keep = (
@@ -252,6 +278,10 @@ class Mesh:
         ranks["data"] = next(g for g in self.data_groups() if rank in g)
         if self.pp > 1:  # pipeline messages from a higher pp rank to a lower one (``schedules.one_way``)
             groups["pp_back"], ranks["pp_back"] = self._new_groups(self.groups("pp"), rank, timeout), ranks["pp"]
+        if self.ep > 1:
+            for name, every in (("ep", self.expert_groups()), ("ep_replicas", self.expert_replica_groups())):
+                groups[name] = self._new_groups(every, rank, timeout)
+                ranks[name] = next(g for g in every if rank in g)
         return MeshGroups(
             mesh=self,
             rank=rank,
@@ -307,13 +337,13 @@ class MeshGroups:
     def group(self, axis: str) -> ProcessGroup:
         """The group along ``axis``; ``"data"`` is the group over dp and cp together (gradient sums), and
         ``"pp_back"`` a second group over the pp ranks, for pipeline messages to a lower pp rank."""
-        if axis not in ("data", "pp_back"):
+        if axis not in ("data", "pp_back", "ep", "ep_replicas"):
             _check_axis(axis)
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis``, ordered by their ``axis`` coordinate."""
-        if axis != "data":
+        if axis not in ("data", "ep", "ep_replicas"):
             _check_axis(axis)
         return list(self._ranks[axis])
 

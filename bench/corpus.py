@@ -44,12 +44,16 @@ from corpus.architectures import check_eager, names  # noqa: E402
 from launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
-EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv", "tp2sp")  # run only when asked (--meshes tp4 --only ...)
+# run only when asked (--meshes tp4 --only ...)
+EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv", "tp2sp", "ep2", "ep2xtp2", "dp2xep2xpp2")
 WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balanced",
         "cp2alltoall": "all-to-all attention, load balanced",
         "pp2zbv": "the zero-bubble V schedule, 4 microbatches (4 stages: the backward split into input and weight "
                   "gradients)",
-        "tp2sp": "sequence parallelism: the sequence split over tp between the tensor-parallel regions"}
+        "tp2sp": "sequence parallelism: the sequence split over tp between the tensor-parallel regions",
+        "ep2": "expert parallelism: the experts split over the two dp ranks, tokens sent to their experts",
+        "ep2xtp2": "expert parallelism over dp=2 with every expert split over tp=2 too",
+        "dp2xep2xpp2": "expert parallelism over dp=2 inside each of two pipeline stages, 2 microbatches"}
 WRITES = ("pp2", "pp2zbv", "dp2xtp2xpp2", "cp2", "tp2sp")  # the meshes the writes sweep builds every rank of
 WRITES_VERSION = 2  # a sweep made before the passes kept every write is run again (without --rerun too)
 PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)

@@ -171,7 +171,7 @@ def test_bad_rank_or_axis(call, match: str) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("tp=2,ep=2", r"unknown mesh axis 'ep' in 'tp=2,ep=2': the axes are pp, dp, cp, tp"),
+        ("tp=2,zp=2", r"unknown mesh axis 'zp' in 'tp=2,zp=2': the axes are pp, dp, cp, tp \(and ep\)"),
         ("tp2", r"cannot read 'tp2' .* write axis=degree pairs"),
         ("tp=two", r"cannot read 'tp=two'"),
         ("tp=2,tp=4", r"mesh axis 'tp' is given twice"),

@@ -124,7 +124,7 @@ def _world_size(x: LintInput) -> Iterator[Finding]:
 def _model_cut(x: LintInput) -> Iterator[Finding]:
     if x.config is None:
         return
-    for problem in mesh_problems(x.config, replace(x.mesh, dp=1)):  # the batch rule says more about dp
+    for problem in mesh_problems(x.config, replace(x.mesh, dp=1, ep=1)):  # the batch rule says more about dp
         yield Finding("error", "model-cut", problem, "choose degrees that divide the model's sizes")
 
 

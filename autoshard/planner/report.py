@@ -13,6 +13,7 @@ import textwrap
 
 import sympy
 
+from autoshard.mesh import AXES
 from autoshard.planner import model, units
 from autoshard.planner.config import Split
 from autoshard.planner.lint import Finding, lint
@@ -131,7 +132,7 @@ def _cost_of(component: str, est: Estimate, result: PlanResult) -> str:
 def _seed(result: PlanResult, seed: Estimate | None, best: Estimate) -> dict | None:
     if seed is None:
         return None
-    mine = result.find(**dataclasses.asdict(seed.split.mesh))
+    mine = result.find(**{axis: seed.split.mesh.degree(axis) for axis in AXES})
     return {**_estimate(seed), "mesh_rank": result.rank_of(mine) if mine is not None else None,
             "reason": reason(result, seed, best)}
 

@@ -61,9 +61,27 @@ class GradientSync:
         self.pipeline = pipeline
         self.device_type = device_type
         self.reducer = None
+        self.experts: tuple[str, ...] = ()  # parameters split over ep: summed over their replicas, not dp x cp
+        self.experts_group = None  # the ranks holding this rank's experts (None when no other rank does)
 
     def prepare(self, build) -> None:
         """A build was compiled (its parameters are in the store)."""
+        self.note_experts(build)
+
+    def note_experts(self, build) -> None:
+        plan = build.plan.ep_plan
+        if plan is not None and not self.experts:
+            self.experts = tuple(sorted(plan.params()))
+
+    def sum_experts(self) -> None:
+        """Sum the gradients of the experts this rank holds over the ranks holding the same ones. Each already
+        holds the gradient of every token routed to it (the all-to-alls carried them), from its group's ranks."""
+        if self.experts_group is None:
+            return
+        for name in self.experts:
+            param = self.replica.store.find(name)
+            if param is not None and param.grad is not None:
+                dist.all_reduce(param.grad, group=self.experts_group)
 
     def module(self) -> nn.Module:
         """What runs a program's forward and backward without pipelining."""
@@ -115,11 +133,15 @@ class Replicas(GradientSync):
         self._unused = False
 
     def prepare(self, build) -> None:
+        self.note_experts(build)
         if self._ddp is None and build.training:
             self._unused = _has_unused_parameters(build, self.replica)
 
     def module(self) -> nn.Module:
         if self._ddp is None:
+            if self.experts:  # their gradients are not replicas' over dp x cp: summed by ``sum_experts``
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    self.replica, [f"store.{name}" for name in self.experts])
             self._ddp = DistributedDataParallel(self.replica, process_group=self.group,
                                                 find_unused_parameters=self._unused, **_NO_BUFFER_SYNC)
             self._ddp.register_comm_hook(self.group, _sum_hook)
@@ -133,11 +155,13 @@ class PipelineReplicas(GradientSync):
     """Replicas under a pipeline: gradients summed in buckets during the backwards that finish them."""
 
     def prepare(self, build) -> None:
+        self.note_experts(build)
         if self.reducer is None and build.training:
-            self.reducer = self.pipeline.reducer(build.programs, self.replica.store, self.group)
+            self.reducer = self.pipeline.reducer(build.programs, self.replica.store, self.group, self.experts)
 
     def finish_pipeline_step(self) -> None:
-        self.reducer.finish(self.replica.store.named_parameters())
+        self.reducer.finish((name, p) for name, p in self.replica.store.named_parameters() if name not in self.experts)
+        self.sum_experts()
 
     def abort(self) -> None:
         if self.reducer is not None:

@@ -47,6 +47,10 @@ def gather(pm, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
     """Parameter ``target`` (its name in the captures) at full shape from this rank's ``local`` part of it."""
     if local is not None and hasattr(local, "full_tensor"):  # sharded over dp x cp by FSDP2
         local = local.full_tensor()
+    if local is not None and target in pm.experts:  # this ep rank's experts: join every ep rank's on dim 0
+        parts = [torch.empty_like(local) for _ in range(pm.mesh.ep)]
+        dist.all_gather(parts, local.contiguous(), group=pm.groups.group("ep"))
+        local = torch.cat(parts, 0)
     plan = pm.plan
     placement = plan.params[target].placement if plan is not None and target in plan.params else None
     if local is None or not isinstance(placement, Shard):

@@ -66,6 +66,8 @@ class ParallelModel(nn.Module):
         self.sync = gradient_sync(self.replica, data_parallel=options.data_parallel, ranks=mesh.dp * mesh.cp,
                                   group=groups.group("data") if groups is not None and mesh.dp * mesh.cp > 1 else None,
                                   pipeline=self.pipeline, device_type=self.device.type)
+        if groups is not None and mesh.ep > 1 and mesh.dp // mesh.ep * mesh.cp > 1:
+            self.sync.experts_group = groups.group("ep_replicas")
         self._check_batch(example_inputs)
         if target is not None:
             self._check_kinds((*example_inputs, target))  # the example's kinds are what steps must pass
@@ -112,6 +114,12 @@ class ParallelModel(nn.Module):
         if not self.builds:
             raise ValueError("nothing is captured yet: run step() or pass target=... to autoshard.parallelize")
         return self.builds[0].plan
+
+    @property
+    def experts(self) -> dict[str, int]:
+        """The parameters split over ep (stacks of experts, split on dim 0) -> their number of experts."""
+        plan = self.builds[0].plan.ep_plan if self.builds else None
+        return plan.params() if plan is not None else {}
 
     @property
     def rank(self) -> int:
@@ -183,6 +191,8 @@ class ParallelModel(nn.Module):
                 loss = loss / (divisor * build.cp_copies)
                 loss.backward()
             total = total + loss.detach().float()
+        with self._guard("expert gradient sums over their replicas"):
+            self.sync.sum_experts()
         with self._guard("loss all-reduce"):
             return self._sum_over_data(total)
 

@@ -55,11 +55,13 @@ class Pipeline:
             self.groups.across_pp(ranks)
             self.tied.setdefault(name, ranks)
 
-    def reducer(self, programs: dict[int, codegen.RankProgram], store: codegen.ParamStore, group) -> GradientReducer:
-        """Sums over ``group`` (dp x cp) of this rank's gradients, launched during each stage's last backward."""
+    def reducer(self, programs: dict[int, codegen.RankProgram], store: codegen.ParamStore, group,
+                experts: tuple[str, ...] = ()) -> GradientReducer:
+        """Sums over ``group`` (dp x cp) of this rank's gradients, launched during each stage's last backward;
+        the ``experts`` split over ep are not replicas over dp x cp (``GradientSync.sum_experts`` sums them)."""
         stage_params = {
             s: [store.get_parameter(n.target) for n in program.gm.graph.nodes
-                if n.op == "get_attr" and store.find(n.target) is not None
+                if n.op == "get_attr" and store.find(n.target) is not None and n.target not in experts
                 and store.get_parameter(n.target).requires_grad]  # a frozen weight has no gradient to sum
             for s, program in programs.items()
         }

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.passes.collectives import local_part
+from autoshard.passes.expert_parallel import expert_part
 from autoshard.passes.placements import Shard
 from autoshard.runtime import meta_buffers, spread
 
@@ -38,6 +39,7 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=pm.device)
     tied = pm.pipeline.tied if pm.pipeline is not None else {}
     pp_index = pm.coord("pp")
+    experts = pm.experts  # split over ep: summed over it; every other gradient is alike on the ep ranks
     for target, _, param, placement in _entries(pm):
         if param.grad is None:
             continue
@@ -49,11 +51,13 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
                 grad, share = grad.full_tensor(), 1.0 / (pm.mesh.dp * pm.mesh.cp)
             else:
                 grad = grad.to_local()
-        total += share * _squares(grad, placement, pm.mesh.tp)
+        total += share * _squares(grad, placement, pm.mesh.tp) / (1 if target in experts else pm.mesh.ep)
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
             dist.all_reduce(total, group=pm.groups.group(axis))
+    if pm.mesh.ep > 1:
+        dist.all_reduce(total, group=pm.groups.group("ep"))
     norm = total.sqrt().float()
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no read back (1 leaves a gradient as is)
     for _, _, param, _ in _entries(pm):
@@ -137,6 +141,8 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
                 raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
                                  f"{pm.full_shape(target)}")
             local = _local_part(full, placement, tp_rank, size)
+            if target in pm.experts:
+                local = expert_part(local, pm.coord("dp") % pm.mesh.ep, pm.mesh.ep)
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
                 from torch.distributed.tensor import distribute_tensor
 

@@ -46,6 +46,9 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "cp2alltoall": ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True}),
     "pp2zbv": ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}),  # four stages in a V, backward split in two
     "tp2sp": ({"tp": 2}, {"sequence_parallel": True}),  # the sequence split over tp between its regions
+    "ep2": ({"dp": 2, "ep": 2}, {}),  # the experts split over the two dp ranks, the tokens sent to them
+    "ep2xtp2": ({"dp": 2, "ep": 2, "tp": 2}, {}),  # each expert split over tp as well
+    "dp2xep2xpp2": ({"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
@@ -72,8 +75,8 @@ class Outcome:
 
 def world_size(label: str) -> int:
     size = 1
-    for degree in MESHES[label][0].values():
-        size *= degree
+    for axis, degree in MESHES[label][0].items():
+        size *= degree if axis != "ep" else 1  # ep is carved from dp: it adds no ranks
     return size
 
 

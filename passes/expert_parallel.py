@@ -1,0 +1,469 @@
+"""Expert parallelism: each ep rank holds whole experts, and the tokens travel to the rank of their expert.
+
+Terms: an *expert layer* is a mixture of experts as the graph shows it, found from structure alone: grouped
+matmuls (``is_grouped_mm``) of rows sorted by expert, over stacks of expert matrices (3-D parameters, experts on
+dim 0), that share one vector of cumulative row counts per expert (the *offsets*). The rows live in the *sorted
+space*: N rows (tokens x top-k), grouped by expert, downstream of the routing's ``sort``. The layer's *segment* is
+every node on a path from one of its grouped matmuls to another (the activation between the two projections)
+plus the matmuls; every node in it must be row-local (row i of its output reads row i of its inputs only).
+
+The rewrite, on each ep rank (its experts ``[rank * E/ep, (rank + 1) * E/ep)``):
+
+    route = ExpertRoute(offsets)          # counts exchanged (one all-to-all of E integers), splits, permutation
+    x'    = ExpertDispatch(x, route)      # rows sent to their expert's rank, grouped by local expert
+    ...   grouped matmuls over the local experts with the route's local offsets ...
+    y     = ExpertCombine(y', route)      # rows sent back, in the sorted order the rest of the graph expects
+
+Dispatch and combine are one linear map and its transpose (all-to-all with per-rank counts, then a permutation),
+so each is the other's backward. Dropless: every token reaches its expert, whatever the imbalance; sizes that
+depend on the routing are read once per layer and step (the splits an all-to-all needs), never recaptured.
+The expert matrices are sliced on dim 0; their gradients come whole from every rank's tokens through the
+all-to-alls, so they are summed only over the ranks that hold the same experts (``ep_replicas``), not over dp.
+
+A layer whose segment holds an op that is not row-local, or whose stacks are read elsewhere, keeps its experts
+whole on every ep rank (data parallel, as without ep), and the plan says why.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autoshard import meta
+from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.rules_nn import is_grouped_mm
+
+aten = torch.ops.aten
+
+_SORTS = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable}
+_WEIGHT_READS = {aten.transpose.int, aten.detach.default, aten.to.dtype, aten.alias.default, aten._to_copy.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default, aten.clone.default,
+          aten.contiguous.default, aten.alias.default}
+_ALONG = {aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.default: 2, aten.slice.Tensor: 1,
+          aten.narrow.default: 1}  # op -> position of its dim argument (default 0 where absent)
+
+
+class ExpertParallelError(ValueError):
+    """The experts cannot be split over ep as asked; the message names the layer and the degrees that work."""
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One mixture of experts: its offsets node, its number of experts, and its stacks of expert matrices."""
+
+    offsets: str  # node name of the cumulative row counts per expert
+    experts: int
+    weights: tuple[str, ...]  # parameters (experts on dim 0) its grouped matmuls read
+    where: str = ""  # the model's source line
+
+
+@dataclass
+class ExpertParallelPlan:
+    size: int
+    layers: list[ExpertLayer] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # layers left whole, and why
+
+    def params(self) -> dict[str, int]:
+        """Every expert-split parameter -> its number of experts (the dim-0 size, split in ep equal blocks)."""
+        return {w: layer.experts for layer in self.layers for w in layer.weights}
+
+    def __str__(self) -> str:
+        lines = [f"expert-parallel plan over {self.size} ranks:"]
+        for layer in self.layers:
+            lines.append(f"  {layer.experts} experts, {layer.experts // self.size} per rank: "
+                         f"{', '.join(layer.weights)}  ({layer.where})")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding the layers
+
+
+def plan_expert_parallel(gm: fx.GraphModule, size: int) -> ExpertParallelPlan:
+    """The expert layers of ``gm`` split over ``size`` ep ranks; raises when a layer's experts do not divide."""
+    plan = ExpertParallelPlan(size)
+    for offsets, matmuls in _by_offsets(gm).items():
+        layer, why = _layer(gm, offsets, matmuls)
+        if layer is None:
+            plan.notes.append(f"experts at {_where(matmuls[0])} stay whole on every ep rank: {why}")
+            continue
+        if layer.experts % size:
+            fits = [d for d in range(1, layer.experts + 1) if layer.experts % d == 0]
+            raise ExpertParallelError(
+                f"ep={size} does not divide the {layer.experts} experts at {layer.where}: each ep rank holds whole "
+                f"experts, so ep must divide their number; use ep in {fits}")
+        plan.layers.append(layer)
+    if not plan.layers:
+        plan.notes.append("no mixture of experts found (grouped matmuls over stacks of expert matrices): ep splits "
+                          "nothing, and its ranks are data parallel")
+    return plan
+
+
+def _by_offsets(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if is_grouped_mm(node) and isinstance(node.args[2], fx.Node):
+            out.setdefault(node.args[2], []).append(node)
+    return out
+
+
+def _stack(w) -> fx.Node | None:
+    """The 3-D parameter (experts on dim 0) behind a grouped matmul's weight argument (read through a transpose of
+    its last two dims, a cast or a detach), or None."""
+    while isinstance(w, fx.Node) and w.target in _WEIGHT_READS:
+        if w.target is aten.transpose.int and 0 in {d % 3 for d in w.args[1:3]}:
+            return None
+        w = w.args[0]
+    return w if isinstance(w, fx.Node) and w.op == "get_attr" and _shape(w) is not None and len(_shape(w)) == 3 \
+        else None
+
+
+def _layer(gm: fx.GraphModule, offsets: fx.Node, matmuls: list[fx.Node]) -> tuple[ExpertLayer | None, str]:
+    experts = _shape(offsets)[0]
+    stacks = [_stack(m.args[1]) for m in matmuls]
+    if any(s is None for s in stacks):
+        return None, "a grouped matmul's weight is not a stack of expert matrices held as one parameter"
+    if any(_shape(s)[0] != experts for s in stacks):
+        return None, "a stack's experts differ in number from the offsets' entries"
+    sorts = {a for a in _ancestors(offsets) if a.target in _SORTS}
+    if not sorts:
+        return None, "the offsets do not come from a sort of the routed expert ids"
+    segment = _segment(matmuls)
+    rows = _shape(matmuls[0].args[0])[0]
+    why = _row_local(segment, matmuls, offsets, rows, sorts)
+    if why:
+        return None, why
+    names = tuple(dict.fromkeys(s.target for s in stacks))
+    readers = {u for s in stacks for u in _weight_users(s)}
+    if any(r not in matmuls for r in readers):
+        return None, "a stack of expert matrices is read outside the grouped matmuls (it must stay whole)"
+    return ExpertLayer(offsets.name, experts, names, _where(matmuls[0])), ""
+
+
+def _weight_users(param: fx.Node) -> set[fx.Node]:
+    """The nodes that read ``param`` itself (through its casts and transposes)."""
+    out, todo = set(), list(param.users)
+    while todo:
+        node = todo.pop()
+        if node.target in _WEIGHT_READS:
+            todo += list(node.users)
+        else:
+            out.add(node)
+    return out
+
+
+def _segment(matmuls: list[fx.Node]) -> list[fx.Node]:
+    """The matmuls and every node on a path from one of them to another, in graph order."""
+    after = set()
+    todo = list(matmuls)
+    while todo:
+        for user in todo.pop().users:
+            if user not in after:
+                after.add(user)
+                todo.append(user)
+    before = set()
+    for m in matmuls:
+        before |= _ancestors(m)
+    inside = (after & before) | set(matmuls)
+    return [n for n in matmuls[0].graph.nodes if n in inside]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
+
+
+def _row_local(segment: list[fx.Node], matmuls: list[fx.Node], offsets: fx.Node, rows: int,
+               sorts: set[fx.Node]) -> str:
+    """Why some node of the segment mixes rows (or reads rows from outside the sorted space), or ''."""
+    inside = set(segment)
+    for node in segment:
+        if node in matmuls:
+            entries = [node.args[0]]
+        elif node.target is operator.getitem:
+            continue
+        elif node.target in _ALONG:
+            position = _ALONG[node.target]
+            dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+            if dim % len(_shape(node.args[0])) == 0:
+                return f"{node.name} ({node.target}) splits the rows at {_where(node)}"
+            entries = [node.args[0]]
+        elif node.target in _CASTS or _pointwise(node):
+            entries = [a for a in node.all_input_nodes]
+        else:
+            return f"{node.name} ({node.target}) at {_where(node)} is not known to keep rows apart"
+        out = _shape(node) if node.target not in _ALONG else _shape(node.args[0])
+        if out is None or not out or out[0] != rows:
+            return f"{node.name} at {_where(node)} does not keep the {rows} routed rows on dim 0"
+        for value in entries:
+            if value is offsets:
+                return f"{node.name} at {_where(node)} reads the offsets as data"
+            if value in inside:
+                continue
+            shape = _shape(value)
+            if shape is None:
+                return f"{value.name} feeds the experts and is not a tensor"
+            aligned = len(shape) == len(out) and shape and shape[0] == rows
+            if aligned and not (_ancestors(value) & sorts):
+                return f"{value.name} feeds the experts with {rows} rows that are not the routed ones"
+            if not aligned and len(shape) == len(out) and shape[0] != 1:
+                return f"{value.name} feeds the experts with a shape {tuple(shape)} that is not per row"
+    return ""
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = meta.val(node) if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _where(node: fx.Node) -> str:
+    return meta.source_line(node) or node.name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The collectives
+
+
+@dataclass
+class Route:
+    """One step's routing of one layer on this rank: what it sends to and receives from each ep rank, and the
+    permutation from received order (by source rank, then expert) to grouped order (by local expert)."""
+
+    send: list[int]
+    recv: list[int]
+    order: torch.Tensor  # grouped row i is received row order[i]
+    counts: torch.Tensor  # (ep, experts per rank): rows received from each rank for each local expert
+
+
+def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _dispatch(x: torch.Tensor, route: Route, group) -> torch.Tensor:
+    received = _all_to_all(x, sum(route.recv), route.recv, route.send, group)
+    return received.index_select(0, route.order)
+
+
+def _combine(y: torch.Tensor, route: Route, group) -> torch.Tensor:
+    received = torch.empty_like(y).index_copy_(0, route.order, y)
+    return _all_to_all(received, sum(route.send), route.send, route.recv, group)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, route, group):
+        ctx.route, ctx.group = route, group
+        return _dispatch(x, route, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _combine(grad.contiguous(), ctx.route, ctx.group), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, route, group):
+        ctx.route, ctx.group = route, group
+        return _combine(y, route, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _dispatch(grad.contiguous(), ctx.route, ctx.group), None, None
+
+
+class ExpertRoute(_ParallelOp):
+    """From this rank's offsets (cumulative rows per expert, all experts): the layer's route and the offsets of the
+    rows this rank's experts receive. One all-to-all of the counts; the only read back of a step's layer is the
+    per-rank splits, which the all-to-alls of the rows need on the host."""
+
+    kind, backward_kind = "all_to_all", "identity"
+    calls = (1, 0)
+
+    def __init__(self, *, experts: int, group, size: int, rank: int) -> None:
+        super().__init__(group=group, size=size, rank=rank)
+        self.experts = experts
+        self.last: torch.Tensor | None = None  # the last step's rows per local expert (load, for explain())
+
+    def extra_repr(self) -> str:
+        return f"experts={self.experts}, size={self.size}"
+
+    def forward(self, offsets: torch.Tensor) -> tuple[torch.Tensor, Route]:
+        group = self._run_group()
+        per = self.experts // self.size
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # rows per expert, sent
+        send = counts.view(self.size, per)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=group)  # (source rank, local expert)
+        splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one read back
+        flat = recv.reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).view(self.size, per).t().reshape(-1)  # by local expert, then rank
+        lengths = recv.t().reshape(-1)
+        total = int(sum(splits[1]))
+        first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+        order = first + torch.arange(total, device=offsets.device)
+        local = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
+        self.last = recv.sum(0).detach()
+        return local, Route(splits[0], splits[1], order, recv)
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        return self.experts * 8 * (self.size - 1) // self.size, 0
+
+
+class ExpertDispatch(_ParallelOp):
+    """Rows to their expert's rank (all-to-all with the route's splits), grouped by local expert; backward: combine."""
+
+    kind, backward_kind = "all_to_all", "all_to_all"
+
+    def forward(self, x: torch.Tensor, route: Route) -> torch.Tensor:
+        return _Dispatch.apply(x, route, self._run_group())
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size  # a balanced routing's share
+        return moved, moved
+
+
+class ExpertCombine(_ParallelOp):
+    """Rows back to the rank of their token, in the sorted order; backward: dispatch."""
+
+    kind, backward_kind = "all_to_all", "all_to_all"
+
+    def forward(self, y: torch.Tensor, route: Route) -> torch.Tensor:
+        return _Combine.apply(y, route, self._run_group())
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
+        moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size
+        return moved, moved
+
+
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
+EXPERT_OPS: tuple[type, ...] = (ExpertRoute, ExpertDispatch, ExpertCombine)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rewrite
+
+
+def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
+    """Rewrite ``gm`` into what ep rank ``rank`` runs: its experts' slices of the stacks, routes, dispatches and
+    combines around each planned layer. ``gm`` is a rank's graph after tp, cp and sp (its local shapes)."""
+    if plan.size == 1 or not plan.layers:
+        return gm
+    wanted = {layer.offsets: layer for layer in plan.layers}  # a pipeline stage holds some of them
+    rewritten: set[fx.Node] = set()
+    for offsets, matmuls in _by_offsets(gm).items():
+        layer = wanted.get(offsets.name)
+        if layer is None:
+            continue
+        again, why = _layer(gm, offsets, matmuls)
+        if again is None or again.weights != layer.weights:
+            raise ExpertParallelError(f"the experts at {layer.where} no longer match their plan on this rank's "
+                                      f"graph ({why or 'other stacks'}): run with ep=1")
+        _rewrite(gm, offsets, matmuls, layer, rank, group, plan.size)
+        rewritten.update(matmuls)
+    split = plan.params()
+    for node in gm.graph.nodes:  # a stack sliced under a matmul that routes nothing would read other experts
+        if is_grouped_mm(node) and node not in rewritten and (stack := _stack(node.args[1])) is not None \
+                and stack.target in split:
+            raise ExpertParallelError(
+                f"the experts at {_where(node)} are split over ep, but this graph reads them without their routing "
+                "(a pipeline cut between the routing and the experts?): cut elsewhere (cut_after=) or use ep=1")
+    _slice_stacks(gm, plan, rank)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, rank: int, group, size: int) -> None:
+    graph = gm.graph
+    segment = _segment(matmuls)
+    inside = set(segment)
+    rows = _shape(matmuls[0].args[0])[0]
+    index = len([n for n in gm.named_children() if n[0].startswith("expert_route")])
+
+    def add(name: str, module) -> str:
+        gm.add_submodule(f"{name}_{index}", module)
+        return f"{name}_{index}"
+
+    route_mod = add("expert_route", ExpertRoute(experts=layer.experts, group=group, size=size, rank=rank))
+    dispatch_mod = add("expert_dispatch", ExpertDispatch(group=group, size=size, rank=rank))
+    combine_mod = add("expert_combine", ExpertCombine(group=group, size=size, rank=rank))
+    with graph.inserting_after(offsets):
+        routed = graph.call_module(route_mod, (offsets,))
+    with graph.inserting_after(routed):
+        local_offsets = graph.call_function(operator.getitem, (routed, 0))
+    with graph.inserting_after(local_offsets):
+        route = graph.call_function(operator.getitem, (routed, 1))
+    for m in matmuls:
+        m.replace_input_with(offsets, local_offsets)
+    dispatched: dict[fx.Node, fx.Node] = {}
+    for node in segment:
+        for value in node.all_input_nodes:
+            if value in inside or value is local_offsets or _stack_read(value, matmuls):
+                continue
+            shape = _shape(value)
+            if not shape or shape[0] != rows or len(shape) != len(_shape(node) or ()) and node not in matmuls:
+                continue  # broadcast over the rows (checked by _row_local)
+            if value not in dispatched:  # before its first reader in the segment (after the route: every
+                with graph.inserting_before(node):  # segment node follows the first matmul, which reads the offsets)
+                    dispatched[value] = graph.call_module(dispatch_mod, (value, route))
+                if meta.VAL in value.meta:
+                    dispatched[value].meta[meta.VAL] = value.meta[meta.VAL]
+            node.replace_input_with(value, dispatched[value])
+    for node in segment:
+        outside = [u for u in node.users if u not in inside]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            combined = graph.call_module(combine_mod, (node, route))
+        combined.meta.update({k: node.meta[k] for k in (meta.VAL,) if k in node.meta})
+        for user in outside:
+            user.replace_input_with(node, combined)
+
+
+def _stack_read(value: fx.Node, matmuls: list[fx.Node]) -> bool:
+    return any(m.args[1] is value for m in matmuls)
+
+
+def _slice_stacks(gm: fx.GraphModule, plan: ExpertParallelPlan, rank: int) -> None:
+    present = {name for name, _ in gm.named_parameters()}
+    for name, experts in plan.params().items():
+        if name not in present:
+            continue
+        full = gm.get_parameter(name)
+        per = experts // plan.size
+        local = torch.nn.Parameter(full.detach().narrow(0, rank * per, per).contiguous(), full.requires_grad)
+        owner, _, attr = name.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, attr, local)
+
+
+def expert_part(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This ep rank's experts of a stack (dim 0)."""
+    per = full.shape[0] // size
+    return full.narrow(0, rank * per, per)
+

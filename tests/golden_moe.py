@@ -1,0 +1,89 @@
+"""Per-rank checks of expert parallelism driven as a training loop drives a mixture of experts.
+
+Each function runs on every rank of a worker pool (``launcher.py``) and returns plain data. The model is a corpus
+architecture (transformers' own MoE, built tiny); the reference is the same model trained in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import autoshard
+from corpus import build
+
+from golden import groups_for
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+# AdamW divides each gradient by the root of its running square: an element whose gradient is rounding-sized (an
+# expert that few tokens reached) moves by up to lr either way, whatever its size. Parameters after AdamW steps are
+# compared within 2% of lr per step (tp=2 alone, without ep, differs by 1.3e-5 after 3 steps at lr 1e-3); the
+# gradients before each step are compared at the tolerance above.
+LR = 1e-3
+
+
+def _padded(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's ids with uneven right padding, its ``attention_mask``, and targets ignored at the padding."""
+    ids, target = case.inputs[0], case.target.clone()
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 3, 0, 7, 1, 0, 5, 2]):
+        if pad:
+            mask[row, -pad:] = 0
+            target[row, -pad:] = -100
+    return ids, mask, target
+
+
+def _groups(named, decay: float = 0.1) -> list[dict]:
+    named = list(named)
+    return [{"params": [p for n, p in named if p.dim() >= 2 and "norm" not in n], "weight_decay": decay},
+            {"params": [p for n, p in named if not (p.dim() >= 2 and "norm" not in n)], "weight_decay": 0.0}]
+
+
+def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: int = 2, **options) -> dict:
+    """AdamW with weight-decay groups built from ``named_parameters()``, ``accumulate`` ``step()`` calls per optimizer
+    step over padded batches with their ``attention_mask``, global-norm clipping: every call's loss and every
+    parameter after ``steps`` optimizer steps, against the model trained in one process."""
+    case, reference = build(name), build(name).model
+    ids, mask, target = _padded(case)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=(ids, mask), loss_fn=case.loss_fn, target=target,
+                               groups=groups_for(mesh), **options)
+    opt = torch.optim.AdamW(_groups(pm.named_parameters()), lr=LR)
+    ref_opt = torch.optim.AdamW(_groups(reference.named_parameters()), lr=LR)
+    gen = torch.Generator().manual_seed(5)
+    worst_loss, bad_grads = 0.0, {}
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for _ in range(accumulate):
+            shuffled = torch.randperm(ids.shape[0], generator=gen)
+            batch = (ids[shuffled], mask[shuffled])
+            loss = pm.step(*batch, target=target[shuffled], loss_scale=1 / accumulate)
+            ref = case.loss_fn(reference(*batch), target[shuffled]) / accumulate
+            ref.backward()
+            worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
+        norm = pm.clip_grad_norm_(1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        grads = pm.gradients()
+        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+                          if not torch.allclose(grads[n], p.grad, **TOL)})
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    worst = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+    bad = {n: d for n, d in worst.items() if d > 0.02 * LR * steps}
+    held = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
+    experts = {n: tuple(p.shape) for n, p in pm.named_parameters() if p.dim() == 3}
+    return {"loss": worst_loss, "norm": abs(norm.item() - ref_norm.item()), "bad": bad, "bad_grads": bad_grads,
+            "worst": max(worst.values()), "held": held, "experts": experts, "explain": pm.explain()}
+
+
+def inference(name: str, mesh_kwargs: dict, **options) -> dict:
+    """The trained parallel model called for its logits, as ``model(ids)`` is: equal to the model's own."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    expected = case.model(*case.inputs).logits
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    pm.eval()
+    logits = pm(*case.inputs).logits
+    return {"worst": (logits - expected).abs().max().item()}

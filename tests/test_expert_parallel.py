@@ -1,0 +1,150 @@
+"""Expert parallelism: whole experts per ep rank, the tokens sent to them, found from the graph alone.
+
+The layers are found on transformers' own mixtures of experts (grouped matmuls over stacks of expert matrices);
+every cell trains exactly against the unsharded model (loss, every gradient, parameters after steps) with each
+rank holding ``1/ep`` of every stack; a layer that mixes rows between the experts' matmuls keeps its experts whole.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import golden_moe
+import pytest
+import torch
+from corpus import build, cells
+
+import autoshard
+from autoshard.capture import capture
+from autoshard.compile import compile_global_batch
+from autoshard.options import CompileOptions
+from autoshard.passes.expert_parallel import ExpertParallelError, plan_expert_parallel
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "gpt_oss", "jetmoe")
+MESHES = ("ep2", "ep2xtp2", "dp2xep2xpp2")
+
+
+def _captured(name: str):
+    case = build(name)
+    return case, capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+
+
+# ----------------------------------------------------------------------------------------------- finding the layers
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_every_layer_of_experts_is_found_with_its_stacks(name):
+    case, captured = _captured(name)
+    plan = plan_expert_parallel(captured.gm, 2)
+    stacks = {n for n, p in captured.gm.named_parameters() if p.dim() == 3}
+    assert {w for layer in plan.layers for w in layer.weights} == stacks
+    layers = sum(1 for m in case.model.modules() if type(m).__name__.endswith("Experts"))
+    assert len(plan.layers) == layers and all(layer.experts == 4 for layer in plan.layers)
+    assert not plan.notes
+
+
+def test_experts_looped_over_one_at_a_time_stay_whole_and_say_so():
+    _, captured = _captured("jetmoe")  # linear(x, W[i]) per expert: no grouped matmul to route
+    plan = plan_expert_parallel(captured.gm, 2)
+    assert not plan.layers and "no mixture of experts found" in plan.notes[0]
+
+
+def test_a_layer_that_mixes_rows_between_its_matmuls_keeps_its_experts_whole():
+    """A cumulative sum over the routed rows between the two projections reads other experts' rows: the layer is
+    left whole (data parallel), named, and the other layer is still split."""
+    _, captured = _captured("mixtral")
+    gm = captured.gm
+    first = next(n for n in gm.graph.nodes if "grouped_mm" in str(n.target))
+    user = next(iter(first.users))
+    with gm.graph.inserting_after(first):
+        mixed = gm.graph.call_function(torch.ops.aten.cumsum.default, (first, 0))
+    mixed.meta["val"] = first.meta["val"]
+    user.replace_input_with(first, mixed)
+    plan = plan_expert_parallel(gm, 2)
+    assert len(plan.layers) == 1 and "stay whole" in plan.notes[0] and "cumsum" in plan.notes[0]
+
+
+def test_an_ep_degree_that_does_not_divide_the_experts_is_refused_with_those_that_do():
+    _, captured = _captured("mixtral")
+    with pytest.raises(ExpertParallelError, match=r"ep=3 does not divide the 4 experts.*ep in \[1, 2, 4\]"):
+        plan_expert_parallel(captured.gm, 3)
+
+
+def test_ep_is_carved_from_dp():
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp=2.*use ep in \[1, 2\]"):
+        autoshard.Mesh(dp=2, ep=4)
+    mesh = autoshard.Mesh(dp=4, tp=2, ep=2)
+    assert mesh.world_size == 8 and str(mesh) == "Mesh(dp=4, tp=2, pp=1, cp=1, ep=2)"
+    assert mesh.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # consecutive dp coordinates, one tp rank
+    assert mesh.expert_replica_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts
+    assert autoshard.Mesh.parse("dp=2,ep=2") == autoshard.Mesh(dp=2, ep=2)
+
+
+def test_a_rank_program_routes_its_tokens_and_holds_half_of_every_stack():
+    case = build("mixtral")
+    build_ = compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2, ep=2), 1, CompileOptions(),
+                                  target=case.target, loss_fn=case.loss_fn)
+    code = build_.program.code
+    assert code.count("= self.expert_route_") == 2  # one route per layer
+    assert code.count("= self.expert_dispatch_") == 2 and code.count("= self.expert_combine_") == 2  # x in, y out
+    gm = build_.program.gm
+    for name, full in build_.captured.gm.named_parameters():
+        mine = gm.get_parameter(name)
+        if full.dim() == 3:  # rank 1 holds experts 2 and 3
+            assert torch.equal(mine, full[2:4])
+        else:
+            assert mine.shape == full.shape
+    assert "ep: 2 expert layers split over 2 ranks" in str(build_.plan)
+    getitems = [n for n in gm.graph.nodes if n.target is operator.getitem and "expert_route" in str(n.args[0])]
+    assert len(getitems) == 4  # each route gives the local offsets and the route itself
+
+
+# ----------------------------------------------------------------------------------------------- goldens
+
+
+CELLS = [(name, mesh) for mesh in MESHES for name in MOE]
+
+
+@pytest.mark.parametrize("name,mesh", CELLS, ids=[f"{n}-{m}" for n, m in CELLS])
+def test_experts_split_over_ep_train_exactly(pools, name, mesh):
+    degrees, options = cells.MESHES[mesh]
+    found = cells.outcome(pools.get(cells.world_size(mesh)).run(cells.run_cell, name, degrees, **options))
+    assert found.status == "exact", found.text()
+
+
+def test_experts_summed_over_the_ranks_that_hold_them_alike(pools):
+    """dp=4, ep=2: each pair of ranks holding the same experts sums their gradients (and only those)."""
+    found = cells.outcome(pools.get(4).run(cells.run_cell, "mixtral", {"dp": 4, "ep": 2}))
+    assert found.status == "exact", found.text()
+
+
+def test_ep_with_context_parallelism(pools):
+    found = cells.outcome(pools.get(4).run(cells.run_cell, "qwen3_moe", {"dp": 2, "ep": 2, "cp": 2}))
+    assert found.status == "exact", found.text()
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
+def test_an_ordinary_training_loop_over_experts_split_by_ep(pools, mesh):
+    """Accumulation over two step() calls, AdamW groups from named_parameters(), padded rows with their mask,
+    global-norm clipping: the same losses and parameters as the model trained in one process."""
+    world = 4 if mesh.get("tp") else 2
+    for rank, result in enumerate(pools.get(world).run(golden_moe.training_loop, "mixtral", mesh)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert all(shape[0] == 2 for shape in result["experts"].values())  # 2 of 4 experts per rank
+
+
+def test_bf16_autocast_over_experts_split_by_ep(pools):
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "mixtral", {"dp": 2, "ep": 2},
+                                                   steps=2, mixed_precision="bf16")):
+        assert result["loss"] < 2e-2 and result["worst"] < 2e-2, f"rank {rank}: {result['loss']}, {result['worst']}"
+
+
+def test_inference_over_experts_split_by_ep(pools):
+    for result in pools.get(2).run(golden_moe.inference, "mixtral", {"dp": 2, "ep": 2}):
+        assert result["worst"] < 1e-5
+
+
+def test_fsdp_with_ep_is_refused_before_any_collective():
+    with pytest.raises(ValueError, match="data_parallel='fsdp'"):
+        CompileOptions(data_parallel="fsdp").check_mesh(autoshard.Mesh(dp=2, ep=2))
