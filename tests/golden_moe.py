@@ -7,9 +7,9 @@ architecture (transformers' own MoE, built tiny); the reference is the same mode
 from __future__ import annotations
 
 import torch
+from corpus import build
 
 import autoshard
-from corpus import build
 
 from golden import groups_for
 
