@@ -87,3 +87,25 @@ def inference(name: str, mesh_kwargs: dict, **options) -> dict:
     pm.eval()
     logits = pm(*case.inputs).logits
     return {"worst": (logits - expected).abs().max().item()}
+
+
+def pretrained_between_splits(name: str, save_mesh: dict, load_mesh: dict, directory: str) -> dict:
+    """Trained one step at ``save_mesh``, written by ``pm.save_pretrained``; a model built with another seed at
+    ``load_mesh`` reads it with ``pm.load_pretrained`` (each rank its experts' rows only): the same state dict."""
+    case = build(name)
+    mesh = autoshard.Mesh(**save_mesh)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    pm.step(*case.inputs, target=case.target)
+    opt.step()
+    pm.save_pretrained(directory)
+    saved = pm.state_dict()
+    other = build(name, seed=1)
+    mesh = autoshard.Mesh(**load_mesh)
+    pm = autoshard.parallelize(other.model, mesh, example_inputs=other.inputs, loss_fn=other.loss_fn,
+                               target=other.target, groups=groups_for(mesh))
+    read = pm.load_pretrained(directory)
+    loaded = pm.state_dict()
+    total = sum(v.numel() * v.element_size() for v in saved.values())
+    return {"differ": [k for k in saved if not torch.equal(saved[k], loaded[k])], "read": read, "total": total}

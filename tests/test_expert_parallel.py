@@ -148,3 +148,12 @@ def test_inference_over_experts_split_by_ep(pools):
 def test_fsdp_with_ep_is_refused_before_any_collective():
     with pytest.raises(ValueError, match="data_parallel='fsdp'"):
         CompileOptions(data_parallel="fsdp").check_mesh(autoshard.Mesh(dp=2, ep=2))
+
+
+def test_save_pretrained_under_ep_loads_under_another_split_reading_each_ranks_experts(pools, tmp_path):
+    path = str(tmp_path / "hf")
+    results = pools.get(4).run(golden_moe.pretrained_between_splits, "mixtral", {"dp": 2, "ep": 2, "tp": 2},
+                               {"dp": 4, "ep": 4}, path)
+    for rank, result in enumerate(results):
+        assert not result["differ"], f"rank {rank}: {result['differ'][:5]}"
+        assert result["read"] < 0.8 * result["total"], (rank, result["read"], result["total"])

@@ -143,6 +143,7 @@ def test_vocab_parallel_lookup_and_loss_kernels(path):
 HOST_MADE = {
     ("checkpoint.py", "_view"): "buffers the checkpoint's files are read into, copied to the parameters' device",
     ("checkpoint.py", "_tp_data_mesh"): "a DeviceMesh's layout of ranks, which torch keeps on the host",
+    ("checkpoint.py", "_ep_tp_mesh"): "a DeviceMesh's layout of ranks, which torch keeps on the host",
     ("collectives.py", "local_indices"): "a list of indices for the host (``shard`` itself narrows, on the device)",
     ("ring_attention.py", "RingAttention.__init__"): "positions the host plans pieces by; copied to a device once",
     ("ring_attention.py", "GatheredCausalAttention.__init__"): "positions the host plans runs by; copied likewise",
@@ -183,7 +184,7 @@ def test_every_tensor_the_runtime_makes_is_on_the_models_device():
     import autoshard.passes as passes
 
     files = [*sorted((root / "runtime").glob("*.py")), Path(passes.__file__).parent / "collectives.py",
-             Path(passes.__file__).parent / "ring_attention.py"]
+             Path(passes.__file__).parent / "ring_attention.py", Path(passes.__file__).parent / "expert_parallel.py"]
     made = {(path, function, line) for path in files for function, line in _made_without_a_device(path)}
     assert {(path.name, function) for path, function, _ in made} >= set(HOST_MADE), "a HOST_MADE name is stale"
     wrong = [f"{path.parent.name}/{path.name}:{line} in {function}()" for path, function, line in made

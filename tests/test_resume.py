@@ -21,8 +21,8 @@ PAIRS = [
 
 def _world(mesh: dict) -> int:
     out = 1
-    for degree in mesh.values():
-        out *= degree
+    for axis, degree in mesh.items():
+        out *= degree if axis != "ep" else 1  # ep is carved from dp
     return out
 
 
@@ -150,3 +150,22 @@ def test_weights_spread_over_pipeline_ranks_resume_under_another_mesh(pools, tmp
     options = lambda mesh: PP if "pp" in mesh else {}  # noqa: E731
     first = pools.get(2).run(golden_resume.first_half, "corpus/mlm/albert", save, path, options(save))[0]
     _check(pools.get(2).run(golden_resume.second_half, "corpus/mlm/albert", load, path, options(load)), first)
+
+
+# experts split over ep, moved to more ep ranks, to tp, and from tp with ep inside
+EP_PAIRS = [
+    ("ep2-to-ep4", {"dp": 2, "ep": 2}, {"dp": 4, "ep": 4}),
+    ("ep2-to-tp2", {"dp": 2, "ep": 2}, {"tp": 2}),
+    ("tp2-to-ep2xtp2", {"tp": 2}, {"dp": 2, "ep": 2, "tp": 2}),
+]
+
+
+@pytest.mark.parametrize("pair", EP_PAIRS, ids=[p[0] for p in EP_PAIRS])
+@pytest.mark.parametrize("name", ["corpus/mixtral", "corpus/gpt_oss"])
+def test_experts_split_over_ep_resume_under_another_split(pools, tmp_path, name, pair):
+    """Each ep rank writes its experts as its rows of one tensor (and their AdamW moments alike): any other split
+    reads exactly its part."""
+    _, save, load = pair
+    path = str(tmp_path / "ckpt")
+    first = pools.get(_world(save)).run(golden_resume.first_half, name, save, path, {})[0]
+    _check(pools.get(_world(load)).run(golden_resume.second_half, name, load, path, {}), first)

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from autoshard.passes.placements import Shard
 from autoshard.runtime import committed, optimizer_state, spread
 from autoshard.runtime.gather import gather
-from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
+from autoshard.runtime.state import _entries, _few, fsdp_part, rank_part
 
 _BLOCK = "@block"
 _OPTIM = "optim.state."
@@ -386,8 +386,8 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
     so each rank writes only its FSDP2 shard. A blocked or padded one is gathered over dp x cp first
     and written as without FSDP2.
     """
-    mesh = _tp_mesh(pm)
-    meshes: dict = {}  # the (tp, dp x cp) mesh for FSDP2 shards, made once
+    meshes: dict = {"tp": _tp_mesh(pm)}  # and the (tp, dp x cp) mesh for FSDP2 shards, the (ep, tp) mesh, made once
+    experts = pm.experts
     view = {}
     for item in items:
         key, target, local, placement = item
@@ -404,14 +404,17 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
             view[key] = (torch.empty(pm.full_shape(target), dtype=local.dtype) if for_load
                          else gather(pm, target, local.detach()))
             continue
+        if target in experts and "ep" not in meshes:
+            meshes["ep"] = _ep_tp_mesh(pm)
+        mesh, split = (meshes["ep"], True) if target in experts else (meshes["tp"], False)
         same_layout = not for_load or (saved is not None) == blocked_here
         if blocked_here and same_layout:
             sizes = [b if i in placement.whole else b // pm.mesh.tp for i, b in enumerate(placement.blocks)]
             for i, part in enumerate(local.split(sizes, placement.dim)):  # a block held whole: written once
                 whole = i in placement.whole
-                view[f"{key}{_BLOCK}{i}"] = _dtensor(part, mesh, None if whole else placement.dim, for_load)
-        elif placement is not None and same_layout:
-            view[key] = _dtensor(local, mesh, placement.dim, for_load)
+                view[f"{key}{_BLOCK}{i}"] = _dtensor(part, mesh, None if whole else placement.dim, for_load, split)
+        elif (placement is not None or split) and same_layout:
+            view[key] = _dtensor(local, mesh, placement.dim if placement is not None else None, for_load, split)
         elif not for_load:
             view[key] = local.detach()
         elif saved is not None:
@@ -432,9 +435,9 @@ def _read_local(pm, item: Item, view: dict, metadata) -> torch.Tensor:
         return DTensor.from_local(view[key].to_local(), local.device_mesh, local.placements, run_check=False,
                                   shape=local.shape, stride=local.stride())
     if _padded(pm, target, placement):
-        part = _local_part(view[key], placement, pm.coord("tp"), pm.mesh.tp)
+        part = rank_part(pm, target, view[key], placement)
     else:
-        part = _assemble(pm, key, view, metadata, local, placement)
+        part = _assemble(pm, item, view, metadata)
     return fsdp_part(local, part)  # under FSDP2, this rank's part of the tp-local tensor
 
 
@@ -482,13 +485,30 @@ def _padded(pm, target: str, placement: Shard | None) -> bool:
             and bool(pm.full_shape(target)[placement.dim] % pm.mesh.tp))
 
 
-def _dtensor(local: torch.Tensor, mesh, dim: int | None, for_load: bool):
-    """``local`` as this rank's part of a DTensor over tp: split along ``dim``, or replicated where None."""
+def _dtensor(local: torch.Tensor, mesh, dim: int | None, for_load: bool, experts: bool = False):
+    """``local`` as this rank's part of a DTensor over tp: split along ``dim``, or replicated where None. With
+    ``experts``, over (ep, tp): its experts (dim 0) split over ep first (a mesh of ep alone at tp=1)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
 
     data = torch.empty_like(local) if for_load else local.detach().contiguous()
-    return DTensor.from_local(data, mesh, [Replicate() if dim is None else DShard(dim)], run_check=False)
+    placements = [Replicate() if dim is None else DShard(dim)] if mesh.ndim == 1 + experts else []
+    return DTensor.from_local(data, mesh, [DShard(0), *placements] if experts else placements, run_check=False)
+
+
+def _ep_tp_mesh(pm):
+    """A DeviceMesh (ep, tp) of the ranks that split this rank's experts and their tp shards (ep alone at tp=1)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    c = pm.groups.coords
+    first = c["dp"] - c["dp"] % pm.mesh.ep
+    rows = [[pm.mesh.rank_of(pp=c["pp"], dp=first + e, cp=c["cp"], tp=t) for t in range(pm.mesh.tp)]
+            for e in range(pm.mesh.ep)]
+    if pm.mesh.tp == 1:
+        return DeviceMesh.from_group(pm.groups.group("ep"), pm.device.type)
+    groups = [pm.groups.group("ep"), pm.groups.group("tp")]
+    return DeviceMesh.from_group(groups, pm.device.type, mesh=torch.tensor(rows, dtype=torch.int),
+                                 mesh_dim_names=("ep", "tp"))
 
 
 def _tp_mesh(pm):
@@ -499,8 +519,9 @@ def _tp_mesh(pm):
     return DeviceMesh.from_group(pm.groups.group("tp"), pm.device.type)
 
 
-def _assemble(pm, key: str, view: dict, metadata, local: torch.Tensor, placement: Shard | None) -> torch.Tensor:
-    """This rank's part of ``key`` from what DCP read into ``view``."""
+def _assemble(pm, item: Item, view: dict, metadata) -> torch.Tensor:
+    """This rank's part of ``item`` from what DCP read into ``view``."""
+    key, target, local, placement = item
     blocks = _saved_blocks(metadata, key)
     keys = [f"{key}{_BLOCK}{i}" for i in blocks] if blocks else [key]
     parts = [view[k].to_local() if hasattr(view[k], "to_local") else view[k] for k in keys]
@@ -508,7 +529,7 @@ def _assemble(pm, key: str, view: dict, metadata, local: torch.Tensor, placement
     if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
         return torch.cat(parts, placement.dim) if blocked_here else parts[0]
     full = torch.cat(parts, _block_dim(metadata, key, local)) if blocks else parts[0]
-    return _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
+    return rank_part(pm, target, full, placement)
 
 
 def _block_dim(metadata, key: str, local: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.runtime import gather, spread
-from autoshard.runtime.state import _entries, _few, _local_part, fsdp_part
+from autoshard.runtime.state import _entries, _few, fsdp_part, rank_part
 
 
 @dataclass
@@ -198,7 +198,6 @@ def _load_full_state_dict(pm, optimizer: torch.optim.Optimizer, state_dict: dict
         raise ValueError(f"the optimizer state dict has no group for {_few(missing)}: pass the state of an optimizer "
                          "of this model (every parameter the optimizer holds)")
     states, hyper_of = {}, {}
-    tp_rank, size = pm.coord("tp"), pm.mesh.tp
     for target, name, param, placement in entries.values():
         hyper_of[id(param)] = {k: v for k, v in _lookup(pm, group_of, name).items() if k != "params"}
         saved = _lookup(pm, state_dict["state"], name) or {}
@@ -208,7 +207,7 @@ def _load_full_state_dict(pm, optimizer: torch.optim.Optimizer, state_dict: dict
                 if tuple(value.shape) != pm.full_shape(target):
                     raise ValueError(f"{name}'s optimizer state {key!r} has shape {tuple(value.shape)}, the parameter "
                                      f"{pm.full_shape(target)}: pass the state of an optimizer of this model")
-                value = _shard_like(param, _local_part(value, placement, tp_rank, size).to(param.device))
+                value = _shard_like(param, rank_part(pm, target, value, placement).to(param.device))
             values[key] = value
         if values:
             states[id(param)] = values

@@ -108,8 +108,14 @@ def load_pretrained(pm, directory: str) -> int:
             raise ValueError(f"{key} has shape {tuple(sliced(key).get_shape())} in {directory}, the model expects "
                              f"{pm.full_shape(target)}")
     with torch.no_grad(), spread.of(pm).whole(pm.store):
-        for key, _, param, placement in plan:
-            local = _read_part(sliced(key), placement, tp_rank, tp).to(param.dtype)
+        for key, target, param, placement in plan:
+            if target in pm.experts:  # this ep rank's experts (rows of dim 0), then their tp part
+                per = pm.full_shape(target)[0] // pm.mesh.ep
+                first = pm.coord("dp") % pm.mesh.ep * per
+                local = _local_experts(sliced(key), first, per, placement, tp_rank, tp)
+            else:
+                local = _read_part(sliced(key), placement, tp_rank, tp)
+            local = local.to(param.dtype)
             read += local.numel() * local.element_size()
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
                 from torch.distributed.tensor import distribute_tensor
@@ -138,6 +144,14 @@ def _weight_map(directory: str) -> dict[str, str]:
 
     with safe_open(single, framework="pt", device="cpu") as f:
         return dict.fromkeys(f.keys(), _name(1, 1))
+
+
+def _local_experts(sliced, first: int, per: int, placement, rank: int, size: int) -> torch.Tensor:
+    """Experts ``first .. first + per`` of a stack in a file (reading those rows only), then this tp rank's part."""
+    from autoshard.passes.collectives import local_part
+
+    rows = sliced[first:first + per]
+    return rows if placement is None else local_part(rows, placement, rank, size)
 
 
 def _read_part(sliced, placement, rank: int, size: int) -> torch.Tensor:
@@ -276,24 +290,53 @@ def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tenso
         local = local.full_tensor()
     plan = pm.plan
     placement = plan.params[target].placement if plan is not None and target in plan.params else None
-    senders = pm.mesh.group_of("tp", holders[target]) if isinstance(placement, Shard) else [holders[target]]
+    placement = placement if isinstance(placement, Shard) else None
+    if target in pm.experts:  # ep rank e holds experts [e * per, (e + 1) * per): rows of the whole, from its tp group
+        ep, coords = pm.mesh.ep, pm.mesh.coords(holders[target])
+        first = coords["dp"] - coords["dp"] % ep
+        holders_e = [pm.mesh.rank_of(**{**coords, "dp": first + e}) for e in range(ep)]
+    else:
+        holders_e = [holders[target]]
+    groups = [pm.mesh.group_of("tp", h) if placement is not None else [h] for h in holders_e]
     if rank != 0:
-        if rank in senders:
-            for rows in _row_chunks(local, placement.dim if isinstance(placement, Shard) else 0):
+        if any(rank in senders for senders in groups):
+            for rows in _row_chunks(local, placement.dim if placement is not None else 0):
                 dist.send(rows.contiguous(), dst=0)
         return None
-    if not isinstance(placement, Shard):
-        if senders[0] == 0:
-            return local.detach()
-        full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)
-        dist.recv(full, src=senders[0])
-        return full
+    if placement is not None and placement.blocks is None and pm.full_shape(target)[placement.dim] % pm.mesh.tp \
+            and len(groups) > 1:
+        raise NotImplementedError(f"save_pretrained: {target}'s tp shards are padded and its experts split over ep: "
+                                  "save with pm.save_checkpoint, or at a tp degree that divides it")
+    if len(groups) == 1 and placement is None and groups[0][0] == 0:
+        return local.detach()
+    full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)
+    per = full.shape[0] // len(groups)
+    for e, senders in enumerate(groups):
+        out = full.narrow(0, e * per, per) if len(groups) > 1 else full
+        if placement is None:
+            if senders[0] == 0:
+                out.copy_(local.detach())
+            else:
+                dist.recv(out, src=senders[0])
+            continue
+        out = _receive(pm, target, own, placement, local, senders, out)
+        if len(groups) == 1:
+            return out
+    return full
+
+
+def _receive(pm, target: str, own, placement: Shard, local, senders: list[int], into: torch.Tensor) -> torch.Tensor:
+    """Rank 0: the tp-split tensor whose parts ``senders`` hold (rank 0's own from ``local``), assembled into
+    ``into`` (or into a padded buffer, returned narrowed, when the degree does not divide the split dim)."""
     dim, tp = placement.dim, len(senders)
-    part_shape = _part_shape(pm, target, placement)
+    part_shape = _part_shape(pm, tuple(into.shape), placement)
     n = sum(placement.blocks) if placement.blocks is not None else part_shape[dim] * tp  # padded
-    shape = list(part_shape)
-    shape[dim] = n
-    full = torch.empty(shape, dtype=own.dtype, device=pm.device)
+    if n != into.shape[dim]:
+        shape = list(into.shape)
+        shape[dim] = n
+        full = torch.empty(shape, dtype=own.dtype, device=pm.device)
+    else:
+        full = into
     buffer = None
     for r, source in enumerate(senders):
         pieces = _pieces(n, r, tp, placement.blocks, placement.whole)
@@ -309,13 +352,13 @@ def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tenso
                     buffer = torch.empty(rows.numel(), dtype=own.dtype, device=pm.device)
                 rows = buffer[:rows.numel()].view(rows.shape)
                 dist.recv(rows, src=source)
-            into = full if dim == 0 else full.narrow(0, first, count)
+            target_rows = full if dim == 0 else full.narrow(0, first, count)
             offset = 0
             for start, length in pieces:
-                into.narrow(dim, start, length).copy_(rows.narrow(dim, offset, length))
+                target_rows.narrow(dim, start, length).copy_(rows.narrow(dim, offset, length))
                 offset += length
             first += count
-    return full.narrow(dim, 0, pm.full_shape(target)[dim])  # a padded vocabulary's padding dropped
+    return full.narrow(dim, 0, into.shape[dim])  # a padded vocabulary's padding dropped
 
 
 _CHUNK_BYTES = 4 * 2**20
@@ -330,11 +373,11 @@ def _row_chunks(part: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return list(part.split(max(1, _CHUNK_BYTES // row), 0))
 
 
-def _part_shape(pm, target: str, placement: Shard) -> tuple[int, ...]:
-    """The shape of one tp rank's part of ``target`` (for rank 0 receiving parts it does not hold)."""
+def _part_shape(pm, shape: tuple[int, ...], placement: Shard) -> tuple[int, ...]:
+    """The shape of one tp rank's part of a tensor of ``shape`` (for rank 0 receiving parts it does not hold)."""
     from autoshard.passes.placements import local_shape
 
-    return tuple(local_shape(pm.full_shape(target), placement, pm.mesh.tp))
+    return tuple(local_shape(shape, placement, pm.mesh.tp))
 
 
 def _bytes(size: int | str) -> int:

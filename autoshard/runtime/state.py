@@ -124,7 +124,6 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
 
     As ``model.load_state_dict``: with ``strict`` a missing or an unexpected key is an error naming them all.
     """
-    tp_rank, size = pm.coord("tp"), pm.mesh.tp
     missing = [name for _, name, _, _ in _entries(pm) if name not in state]
     unexpected = sorted(set(state) - set(pm.model.state_dict()))
     if strict and (missing or unexpected):
@@ -140,9 +139,7 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
             if tuple(full.shape) != pm.full_shape(target):
                 raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
                                  f"{pm.full_shape(target)}")
-            local = _local_part(full, placement, tp_rank, size)
-            if target in pm.experts:
-                local = expert_part(local, pm.coord("dp") % pm.mesh.ep, pm.mesh.ep)
+            local = rank_part(pm, target, full, placement)
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
                 from torch.distributed.tensor import distribute_tensor
 
@@ -270,7 +267,7 @@ def _initialise(pm, device: torch.device, init) -> None:
                 target = target_of.get(name)
                 if target in held:
                     with torch.no_grad():
-                        _copy_part(pm, held[target][0], value, held[target][1])
+                        _copy_part(pm, target, held[target][0], value, held[target][1])
 
 
 def _run_initialiser(module: torch.nn.Module, init, *, defaults: bool, device: torch.device) -> None:
@@ -300,9 +297,16 @@ def _apply_order(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _copy_part(pm, local, full: torch.Tensor, placement: Shard | None) -> None:
+def _copy_part(pm, target: str, local, full: torch.Tensor, placement: Shard | None) -> None:
     """Write this rank's part of the full tensor ``full`` into its parameter ``local``."""
-    local.copy_(fsdp_part(local, _local_part(full.detach(), placement, pm.coord("tp"), pm.mesh.tp)))
+    local.copy_(fsdp_part(local, rank_part(pm, target, full.detach(), placement)))
+
+
+def rank_part(pm, target: str, full: torch.Tensor, placement: Shard | None) -> torch.Tensor:
+    """This rank's part of parameter ``target``'s full tensor (or of a tensor laid out as it): its tp shard, then,
+    for a stack of experts split over ep, its ep rank's experts."""
+    local = _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
+    return expert_part(local, pm.coord("dp") % pm.mesh.ep, pm.mesh.ep) if target in pm.experts else local
 
 
 def fsdp_part(like, tp_local: torch.Tensor) -> torch.Tensor:
