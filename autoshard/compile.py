@@ -94,6 +94,8 @@ class RankBuild:
         shape = self.tp_local_shape(name)
         if name in self.spread:
             return (shape[0] // self.mesh.pp, *shape[1:])
+        if self.plan.ep_plan is not None and name in self.plan.ep_plan.params():  # its ep rank's experts
+            return (shape[0] // self.mesh.ep, *shape[1:])
         return shape
 
     @property

@@ -19,6 +19,7 @@ from autoshard import meta, schedules
 from autoshard.cost import format_bytes
 from autoshard.mesh import AXES, Mesh
 from autoshard.options import CompileOptions
+from autoshard.passes.expert_parallel import ExpertRoute
 
 _PREFIX = re.compile(r"(?<![\w.])model\.")  # the capture's prefix of parameter names, in a plan's reasons
 
@@ -29,7 +30,8 @@ def render(builds: list, *, model: nn.Module, mesh: Mesh, rank: int, options: Co
     sections = [_header(model, mesh, rank), _graphs(builds, options, mesh, compiler)]
     if builds:
         build = ([b for b in builds if b.training] or builds)[-1]
-        sections += [_loss(build, options, mesh), _parameters(build), _context_parallel(build), _pipeline(build)]
+        sections += [_loss(build, options, mesh), _parameters(build), _context_parallel(build), _experts(build),
+                     _pipeline(build)]
         sections += _code(build) if code else []
         sections.append(_collectives(build))
     if lint is not None:
@@ -120,6 +122,33 @@ def _context_parallel(build) -> list[str]:
         lines.append(f"  note: {plan.note}")
     positions = _ranges(plan.positions(build.coords["cp"]).tolist())
     lines.append(f"  cp rank {build.coords['cp']} holds token positions {positions}")
+    return lines
+
+
+def _experts(build) -> list[str]:
+    """The expert-parallel plan, and each layer's load at the last step this rank ran: rows (tokens x top-k) per
+    expert over its ep group, and the imbalance (the busiest over the mean) by expert and by ep rank."""
+    plan = build.plan.ep_plan
+    if plan is None:
+        return []
+    ep_rank = build.coords["dp"] % plan.size
+    lines = [f"expert-parallel plan over ep={plan.size} (carved from dp={build.mesh.dp}): {len(plan.layers)} "
+             f"layer(s) of experts split; rank {build.rank} is ep rank {ep_rank}"]
+    for layer in plan.layers:
+        per = layer.experts // plan.size
+        stacks = ", ".join(build.captured.names.get(w, [w])[0] for w in layer.weights)
+        lines.append(f"  {layer.where}: {layer.experts} experts, this rank holds {ep_rank * per}-"
+                     f"{(ep_rank + 1) * per - 1} of {stacks}")
+    routes = [m for program in build.programs.values() for m in program.gm.modules() if isinstance(m, ExpertRoute)]
+    for i, route in enumerate(routes):
+        if route.last is None:
+            continue
+        load = route.last.float()
+        by_rank = load.view(plan.size, -1).sum(1)
+        lines.append(f"  layer {i}, last step: rows per expert {load.long().tolist()}; imbalance "
+                     f"{(load.max() / load.mean().clamp(min=1e-9)).item():.2f} by expert, "
+                     f"{(by_rank.max() / by_rank.mean().clamp(min=1e-9)).item():.2f} by ep rank")
+    lines += [f"  note: {note}" for note in plan.notes]
     return lines
 
 
@@ -236,8 +265,9 @@ def _per_step(build) -> list[str]:
     data = mesh.dp * mesh.cp
     if data > 1 and build.training:
         # what the dp x cp sum moves: each gradient at its tp shard's shape (a spread weight's whole, not its rows)
+        experts = build.plan.ep_plan.params() if build.plan.ep_plan is not None else {}
         params = {name: q for program in build.programs.values() for name, q in program.gm.named_parameters()
-                  if q.requires_grad}
+                  if q.requires_grad and name not in experts}
         grads = format_bytes(sum(math.prod(build.tp_local_shape(name)) * q.element_size()
                                  for name, q in params.items()))
         over = " x ".join(f"{a}={mesh.degree(a)}" for a in ("dp", "cp") if mesh.degree(a) > 1)
@@ -251,6 +281,13 @@ def _per_step(build) -> list[str]:
                    else "bucketed by DistributedDataParallel during the last microbatch's backward")
             lines.append(f"per step: all-reduce (sum) of this rank's gradients over {data} ranks ({over}): "
                          f"{grads}, {how}")
+        if experts:
+            replicas = mesh.dp // mesh.ep * mesh.cp
+            held = format_bytes(sum(math.prod(build.stored_shape(n)) * q.element_size() for program in
+                                    build.programs.values() for n, q in program.gm.named_parameters() if n in experts))
+            lines.append(f"per step: the experts' gradients ({held}) " + (
+                f"all-reduced (sum) over the {replicas} ranks holding the same experts" if replicas > 1 else
+                "are not summed: the all-to-alls brought every token's gradient to its expert's one rank"))
         count = " and of the token count" if options.local_batch and build.captured.token_loss is not None else ""
         lines.append(f"per step: all-reduce (sum) of the loss{count} over {data} ranks ({over}): 4 B each")
     if build.tied:

@@ -231,7 +231,7 @@ def _shape(node) -> tuple[int, ...] | None:
 
 
 def _where(node: fx.Node) -> str:
-    return meta.source_line(node) or node.name
+    return meta.module_path(node) or meta.source_line(node) or node.name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,10 +289,10 @@ class _Combine(torch.autograd.Function):
 
 class ExpertRoute(_ParallelOp):
     """From this rank's offsets (cumulative rows per expert, all experts): the layer's route and the offsets of the
-    rows this rank's experts receive. One all-to-all of the counts; the only read back of a step's layer is the
-    per-rank splits, which the all-to-alls of the rows need on the host."""
+    rows this rank's experts receive. One all-gather of the counts (every rank learns the layer's whole load); the
+    only read back of a step's layer is the per-rank splits, which the all-to-alls of the rows need on the host."""
 
-    kind, backward_kind = "all_to_all", "identity"
+    kind, backward_kind = "all_gather", "identity"
     calls = (1, 0)
 
     def __init__(self, *, experts: int, group, size: int, rank: int) -> None:
@@ -306,10 +306,12 @@ class ExpertRoute(_ParallelOp):
     def forward(self, offsets: torch.Tensor) -> tuple[torch.Tensor, Route]:
         group = self._run_group()
         per = self.experts // self.size
-        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # rows per expert, sent
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # this rank's rows per expert
+        every = counts.new_empty(self.size * self.experts)
+        dist.all_gather_into_tensor(every, counts, group=group)
+        every = every.view(self.size, self.experts)  # (source rank, expert): every rank's rows per expert
+        recv = every[:, self.rank * per:(self.rank + 1) * per]  # (source rank, local expert)
         send = counts.view(self.size, per)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=group)  # (source rank, local expert)
         splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one read back
         flat = recv.reshape(-1)
         starts = (torch.cumsum(flat, 0) - flat).view(self.size, per).t().reshape(-1)  # by local expert, then rank
@@ -318,11 +320,11 @@ class ExpertRoute(_ParallelOp):
         first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
         order = first + torch.arange(total, device=offsets.device)
         local = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
-        self.last = recv.sum(0).detach()
+        self.last = every.sum(0).detach()  # the layer's rows per expert over the ep group (load, for explain())
         return local, Route(splits[0], splits[1], order, recv)
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
-        return self.experts * 8 * (self.size - 1) // self.size, 0
+        return self.experts * 8 * self.size, 0
 
 
 class ExpertDispatch(_ParallelOp):
@@ -415,6 +417,7 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
     combine_mod = add("expert_combine", ExpertCombine(group=group, size=size, rank=rank))
     with graph.inserting_after(offsets):
         routed = graph.call_module(route_mod, (offsets,))
+    routed.meta[meta.AXIS] = "ep"
     with graph.inserting_after(routed):
         local_offsets = graph.call_function(operator.getitem, (routed, 0))
     with graph.inserting_after(local_offsets):
@@ -432,6 +435,7 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
             if value not in dispatched:  # before its first reader in the segment (after the route: every
                 with graph.inserting_before(node):  # segment node follows the first matmul, which reads the offsets)
                     dispatched[value] = graph.call_module(dispatch_mod, (value, route))
+                dispatched[value].meta[meta.AXIS] = "ep"
                 if meta.VAL in value.meta:
                     dispatched[value].meta[meta.VAL] = value.meta[meta.VAL]
             node.replace_input_with(value, dispatched[value])
@@ -442,6 +446,7 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
         with graph.inserting_after(node):
             combined = graph.call_module(combine_mod, (node, route))
         combined.meta.update({k: node.meta[k] for k in (meta.VAL,) if k in node.meta})
+        combined.meta[meta.AXIS] = "ep"
         for user in outside:
             user.replace_input_with(node, combined)
 

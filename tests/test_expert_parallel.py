@@ -132,6 +132,9 @@ def test_an_ordinary_training_loop_over_experts_split_by_ep(pools, mesh):
         assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result}"
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
         assert all(shape[0] == 2 for shape in result["experts"].values())  # 2 of 4 experts per rank
+        report = result["explain"]  # the load the last step routed, by expert and by ep rank
+        assert "expert-parallel plan over ep=2" in report and report.count("by expert") == 2, report
+        assert "all_to_all  ExpertDispatch" in report
 
 
 def test_bf16_autocast_over_experts_split_by_ep(pools):
