@@ -359,3 +359,31 @@ def test_sequence_parallelism_divides_what_tp_replicates_and_the_search_takes_it
     assert all(e.split.sequence_parallel == (e.split.tp > 1) for e in best)
     assert not any(e.split.sequence_parallel for e in plan(LLAMA_7B, cluster, sequence_parallel=False).ranked)
     assert " sp" in best[0].split.short() or best[0].split.tp == 1
+
+
+MIXTRAL = TransformerConfig(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, seq=4096, global_batch=512,
+                            ffn=14336, gated=True, experts=8, experts_per_token=2)
+
+
+def test_ep_holds_a_share_of_the_experts_and_pays_their_all_to_alls():
+    """ep=4 (carved from dp=8): each GPU holds a quarter of every layer's experts, the dense weights whole; each
+    token's 2 rows cross the ep link four times a layer (dispatch and combine, forward and backward)."""
+    cluster = Cluster(gpus=8, gpus_per_node=8)
+    whole = evaluate(MIXTRAL, cluster, Split(dp=8, microbatches=64))
+    split = evaluate(MIXTRAL, cluster, Split(dp=8, ep=4, microbatches=64))
+    experts = MIXTRAL.layers * 3 * MIXTRAL.hidden * MIXTRAL.ffn * MIXTRAL.experts
+    assert whole["N_gpu"] - split["N_gpu"] == pytest.approx(experts * 3 / 4)
+    assert whole["t_ep"] == 0 and split["t_ep"] > 0
+    lat, bw = cluster.link(8)[1], cluster.link(8)[0]
+    rows = 1 * MIXTRAL.seq * 2 * MIXTRAL.hidden * 2  # b * s * x * h * bytes
+    assert split["t_ep"] == pytest.approx(MIXTRAL.layers * 4 * (lat + rows * 3 / 4 / bw))
+    assert split.links["ep"] == "NVLink"
+
+
+def test_the_search_tries_ep_for_a_mixture_of_experts_only():
+    result = plan(MIXTRAL, Cluster(gpus=64, gpus_per_node=8, gpu_memory="80GB"))
+    assert any(est.split.ep > 1 for est in result.ranked)
+    assert result.best.split.mesh.ep == result.best.split.ep  # the mesh parallelize gets carries ep
+    assert all(est.split.ep == 1 for est in plan(LLAMA_7B, Cluster(gpus=8)).ranked)
+    assert mesh_problems(MIXTRAL, Mesh(dp=8, ep=8)) == []
+    assert mesh_problems(replace(MIXTRAL, experts=6), Mesh(dp=8, ep=4)) == ["ep=4 does not divide the 6 experts"]

@@ -241,6 +241,7 @@ class Split:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism, carved from dp
     microbatches: int = 1
     interleave: int = 1
     microbatch_size: int = 1
@@ -260,7 +261,7 @@ class Split:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+        return Mesh(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
     @property
     def gpus(self) -> int:
@@ -278,4 +279,4 @@ class Split:
         text = (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} m={self.microbatches} "
                 f"b={self.microbatch_size} v={self.interleave}")
         return (text + (" recompute=full" if self.recompute == "full" else "") + (" zb" if self.zero_bubble else "")
-                + (" sp" if self.sequence_parallel else ""))
+                + (" sp" if self.sequence_parallel else "") + (f" ep={self.ep}" if self.ep > 1 else ""))

@@ -72,14 +72,14 @@ SYMBOLS: dict[str, str] = {
     "beta": "bytes per weight and activation element", "o": "optimizer bytes per parameter",
     "tied": "1 when the embedding and LM head share weights",
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
-    "cp": "context-parallel degree",
+    "cp": "context-parallel degree", "ep": "expert-parallel degree (carved from dp: each rank holds E/ep experts)",
     "m": "microbatches per step", "v": "chunks per pipeline rank (interleave)", "b": "sequences per microbatch",
     "r": "1 with full activation recomputation", "z": "1 when the optimizer state is sharded over dp",
     "w": "1 with a zero-bubble schedule (each backward split into input and weight gradients)",
     "q": "1 with sequence parallelism (what tp replicates split over tp along the sequence)",
     "F": "peak FLOP/s per GPU", "eta": "fraction of peak reached",
-    **{f"bw_{axis}": f"bandwidth of the {axis} link (bytes/s)" for axis in ("tp", "cp", "pp", "dp")},
-    **{f"lat_{axis}": f"latency of the {axis} link (s)" for axis in ("tp", "cp", "pp", "dp")},
+    **{f"bw_{axis}": f"bandwidth of the {axis} link (bytes/s)" for axis in ("tp", "cp", "pp", "dp", "ep")},
+    **{f"lat_{axis}": f"latency of the {axis} link (s)" for axis in ("tp", "cp", "pp", "dp", "ep")},
 }
 SYM = {name: _sym(name) for name in SYMBOLS}
 for _name in ("tied", "r", "z", "w", "q"):  # flags may be 0
@@ -93,21 +93,25 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
     E, x = SYM["E"], SYM["x"]
     dp, tp, pp, cp, m, v, b, r, z, w, q, F, eta = (SYM[k] for k in ("dp", "tp", "pp", "cp", "m", "v", "b", "r", "z",
                                                                      "w", "q", "F", "eta"))
+    ep = SYM["ep"]
     Q = {name: _sym(name) for name in _ORDER}
     d, n, s_l, N_layer, N_gpu, A_keep, A_layer, k_in, t_comp, t_tp, t_cp, t_pp, t_mb, F_layer, F_head = (
         Q[k] for k in ("d", "n", "s_l", "N_layer", "N_gpu", "A_keep", "A_layer", "in_flight", "t_compute", "t_tp",
                        "t_cp", "t_pp", "t_microbatch", "F_layer", "F_head"))
+    N_exp, t_ep = Q["N_experts"], Q["t_ep"]
     kv_local = Max(kv / tp, 1)
-    ring = {axis: (SYM[f"lat_{axis}"], SYM[f"bw_{axis}"]) for axis in ("tp", "cp", "pp", "dp")}
+    ring = {axis: (SYM[f"lat_{axis}"], SYM[f"bw_{axis}"]) for axis in ("tp", "cp", "pp", "dp", "ep")}
     defs = {
         "d": (h / a, "head dim"),
         "n": (v * ceiling(L / (pp * v)), "layers on the fullest stage"),
         "s_l": (s / cp, "tokens of a sequence on one GPU"),
-        "N_layer": ((2 * h**2 + g * h * f * E) / tp + 2 * h * d * kv_local + 2 * h + Piecewise((0, Eq(E, 1)),
-                                                                                              (h * E, True)),
-                    "parameters of a layer on one GPU (every expert's MLP split over tp, the router whole)"),
+        "N_layer": ((2 * h**2 + g * h * f * E / ep) / tp + 2 * h * d * kv_local + 2 * h
+                    + Piecewise((0, Eq(E, 1)), (h * E, True)),
+                    "parameters of a layer on one GPU (its E/ep experts' MLPs split over tp, the router whole)"),
         "N_gpu": (n * N_layer + Piecewise((2 - tied, Eq(pp, 1)), (1, True)) * V * h / tp,
                   "parameters on the GPU: the fullest stage's layers and its embedding table(s)"),
+        "N_experts": (Piecewise((0, Eq(E, 1)), (n * g * h * f * E / (ep * tp), True)),
+                      "of those, the experts' (summed over the dp/ep ranks holding the same, not over dp)"),
         "M_weights": (beta * N_gpu, "weight bytes"),
         "M_grads": (beta * N_gpu, "gradient bytes"),
         "M_optimizer": (o * N_gpu / (1 + z * (dp - 1)), "optimizer-state bytes"),
@@ -131,11 +135,15 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
                  "CP ring-attention time of a microbatch on a stage"),
         "t_pp": (2 * v * Min(pp - 1, 1) * (ring["pp"][0] + b * s_l * h * beta / ring["pp"][1]),
                  "PP send time of a microbatch on a stage"),
-        "t_microbatch": (t_comp + t_tp + t_cp + t_pp, "time of a microbatch on a stage"),
+        "t_ep": (n * (4 + 2 * r) * Min(ep - 1, 1) * (ring["ep"][0] + b * s_l * x * h * beta * (ep - 1)
+                                                      / (ep * ring["ep"][1])),
+                 "EP all-to-all time of a microbatch on a stage (each token's x rows to their experts and back)"),
+        "t_microbatch": (t_comp + t_tp + t_cp + t_pp + t_ep, "time of a microbatch on a stage"),
         "bubble": ((pp - 1) / ((1 + 2 * w) * v * m + pp - 1), "idle fraction of the pipeline"),
         "t_bubble": ((pp - 1) / ((1 + 2 * w) * v) * t_mb, "idle time while the pipeline fills and drains"),
-        "t_dp": (2 * (dp - 1) * (ring["dp"][0] + beta * N_gpu / (dp * ring["dp"][1])),
-                 "DP gradient all-reduce time"),
+        "t_dp": (2 * (dp - 1) * (ring["dp"][0] + beta * (N_gpu - N_exp) / (dp * ring["dp"][1]))
+                 + 2 * (dp / ep - 1) * (ring["dp"][0] + beta * N_exp * ep / (dp * ring["dp"][1])),
+                 "DP gradient all-reduce time (the experts' over their dp/ep replicas)"),
         "t_step": (m * t_mb + Q["t_bubble"] + Q["t_dp"], "time of a training step"),
         "mfu": (b * m * dp * 3 * (L * F_layer + F_head) / (dp * tp * pp * cp * F * Q["t_step"]),
                 "model FLOPs utilisation: useful FLOPs / (GPUs * peak * step time)"),
@@ -144,9 +152,9 @@ def _define() -> dict[str, tuple[sympy.Expr, str]]:
     return defs
 
 
-_ORDER = ("d", "n", "s_l", "N_layer", "N_gpu", "M_weights", "M_grads", "M_optimizer", "A_keep", "A_layer", "in_flight",
-          "M_activations", "memory", "F_layer", "F_head", "t_compute", "t_tp", "t_cp", "t_pp", "t_microbatch",
-          "bubble", "t_bubble", "t_dp", "t_step", "mfu")
+_ORDER = ("d", "n", "s_l", "N_layer", "N_gpu", "N_experts", "M_weights", "M_grads", "M_optimizer", "A_keep",
+          "A_layer", "in_flight", "M_activations", "memory", "F_layer", "F_head", "t_compute", "t_tp", "t_cp", "t_pp",
+          "t_ep", "t_microbatch", "bubble", "t_bubble", "t_dp", "t_step", "mfu")
 FORMULAS: dict[str, tuple[sympy.Expr, str]] = _define()
 """name -> (formula, meaning). A formula uses ``SYMBOLS`` and the names defined before it."""
 
@@ -191,7 +199,7 @@ def min_microbatches(pp: int, *, interleave: int = 1, bubble: float = 0.05, zero
 
 _INPUTS = tuple(SYM)
 _OUTPUTS = ("N_gpu", "n", "in_flight", "M_weights", "M_grads", "M_optimizer", "M_activations", "memory", "t_compute",
-            "t_tp", "t_cp", "t_pp", "t_microbatch", "bubble", "t_bubble", "t_dp", "t_step", "mfu")
+            "t_tp", "t_cp", "t_pp", "t_ep", "t_microbatch", "bubble", "t_bubble", "t_dp", "t_step", "mfu")
 
 
 @functools.cache
@@ -231,12 +239,13 @@ class Estimate:
         """The step time as a sum: compute, TP, CP, PP, bubble, DP (seconds)."""
         m = self.split.microbatches
         return {"compute": m * self["t_compute"], "tp": m * self["t_tp"], "cp": m * self["t_cp"],
-                "pp": m * self["t_pp"], "bubble": self["t_bubble"], "dp": self["t_dp"]}
+                "pp": m * self["t_pp"], "ep": m * self["t_ep"], "bubble": self["t_bubble"], "dp": self["t_dp"]}
 
 
 def spans(split: Split) -> dict[str, int]:
     """How many consecutive ranks one group along each axis covers, in ``autoshard.mesh``'s rank layout."""
-    return {"tp": split.tp, "cp": split.tp * split.cp, "dp": split.tp * split.cp * split.dp, "pp": split.gpus}
+    return {"tp": split.tp, "cp": split.tp * split.cp, "dp": split.tp * split.cp * split.dp, "pp": split.gpus,
+            "ep": split.tp * split.cp * split.ep}
 
 
 def inputs(config: TransformerConfig, cluster: Cluster, split: Split) -> dict[str, float]:
@@ -246,7 +255,7 @@ def inputs(config: TransformerConfig, cluster: Cluster, split: Split) -> dict[st
         "g": 3 if config.gated else 2, "E": config.experts, "x": config.experts_per_token, "V": config.vocab,
         "s": config.seq, "beta": config.dtype_bytes,
         "o": 8 if config.dtype_bytes >= 4 else 12, "tied": int(config.tied_embeddings),
-        "dp": split.dp, "tp": split.tp, "pp": split.pp, "cp": split.cp, "m": split.microbatches,
+        "dp": split.dp, "tp": split.tp, "pp": split.pp, "cp": split.cp, "ep": split.ep, "m": split.microbatches,
         "v": split.interleave, "b": split.microbatch_size, "r": int(split.recompute == "full"),
         "z": int(split.shard_optimizer), "w": int(split.zero_bubble), "q": int(split.sequence_parallel),
         "F": cluster.peak_flops,

@@ -21,7 +21,7 @@ from autoshard.planner.model import Estimate
 from autoshard.planner.search import PlanResult, rule_of_thumb
 
 _COMPONENTS = {"compute": "compute", "tp": "TP all-reduces", "cp": "CP ring attention", "pp": "pipeline sends",
-               "bubble": "bubble", "dp": "DP all-reduce"}
+               "ep": "EP all-to-alls", "bubble": "bubble", "dp": "DP all-reduce"}
 WIDTH = 110
 _FLAGS = {"microbatches": "bubble>5%", "deep-pipeline": "pp>32", "tp-spans-nodes": "tp>node"}
 
@@ -124,6 +124,8 @@ def _cost_of(component: str, est: Estimate, result: PlanResult) -> str:
         return f"cp={s.cp} over {link.get('cp', 'no link')}"
     if component == "pp":
         return f"pp={s.pp}, v={s.interleave} over {link.get('pp', 'no link')}"
+    if component == "ep":
+        return f"ep={s.ep} over {link.get('ep', 'no link')}"
     if component == "bubble":
         return f"{est.bubble:.1%} idle at pp={s.pp}, m={s.microbatches}, v={s.interleave}"
     return f"dp={s.dp} over {link.get('dp', 'no link')}, {_gb(est['M_grads'])} GB of gradients"
@@ -219,21 +221,32 @@ def _header(data: dict) -> list[str]:
 
 _COLUMNS = ("  #   dp  tp  pp  cp     m   b  v zb sp recomp  mem GB  step s  bubble    MFU | compute    tp    cp    pp"
             "  idle    dp")
+# a mixture of experts: ep and its all-to-alls, in the same width
+_EXPERT_COLUMNS = ("  #   dp  tp  pp  cp  ep    m   b  v zb sp recomp  mem GB  step s  bubble    MFU | compute"
+                   "   tp   cp   pp   ep idle   dp")
 
 
 def _table(data: dict) -> list[str]:
-    lines = [_COLUMNS, "-" * len(_COLUMNS)]
+    experts = any(row["split"].get("ep", 1) > 1 for row in data["ranked"])
+    header = _EXPERT_COLUMNS if experts else _COLUMNS
+    lines = [header, "-" * len(header)]
     for row in data["ranked"]:
         s, t = row["split"], row["breakdown_s"]
+        degrees = f"{row['rank']:>3}{s['dp']:>5}{s['tp']:>4}{s['pp']:>4}{s['cp']:>4}"
+        degrees += f"{s.get('ep', 1):>4}{s['microbatches']:>5}" if experts else f"{s['microbatches']:>6}"
+        times = (f"{t['compute']:>7.2f}{t['tp']:>5.2f}{t['cp']:>5.2f}{t['pp']:>5.2f}{t['ep']:>5.2f}{t['bubble']:>5.2f}"
+                 f"{t['dp']:>5.2f}") if experts else \
+            f"{t['compute']:>7.2f}{t['tp']:>6.2f}{t['cp']:>6.2f}{t['pp']:>6.2f}{t['bubble']:>6.2f}{t['dp']:>6.2f}"
         lines.append(
-            f"{row['rank']:>3}{s['dp']:>5}{s['tp']:>4}{s['pp']:>4}{s['cp']:>4}{s['microbatches']:>6}"
-            f"{s['microbatch_size']:>4}{s['interleave']:>3}{'zb' if s.get('zero_bubble') else '-':>3}"
+            f"{degrees}{s['microbatch_size']:>4}{s['interleave']:>3}{'zb' if s.get('zero_bubble') else '-':>3}"
             f"{'sp' if s.get('sequence_parallel') else '-':>3} "
             f"{s['recompute'] if s['recompute'] != 'none' else '-':<6}"
             f"{_gb(row['memory_bytes']):>8}{row['step_time_s']:>8.2f}{row['bubble']:>8.1%}{row['mfu']:>7.1%} | "
-            f"{t['compute']:>7.2f}{t['tp']:>6.2f}{t['cp']:>6.2f}{t['pp']:>6.2f}{t['bubble']:>6.2f}{t['dp']:>6.2f}")
+            f"{times}")
     lines.append("columns: m microbatches of b sequences, v chunks per pipeline rank, zb a zero-bubble schedule")
     lines.append("(ZB-H1 at v=1, ZBV at v=2), sp sequence parallelism; times in seconds per step")
+    if experts:
+        lines.append("ep: the experts split over ep of the dp ranks, each token's rows sent to their experts and back")
     return lines
 
 

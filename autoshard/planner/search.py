@@ -53,6 +53,8 @@ def mesh_problems(config: TransformerConfig, mesh: Mesh) -> list[str]:
         problems.append(f"cp={mesh.cp} does not divide the sequence length {config.seq}")
     if config.global_batch % mesh.dp:
         problems.append(f"dp={mesh.dp} does not divide the global batch of {config.global_batch} sequences")
+    if config.experts % mesh.ep:
+        problems.append(f"ep={mesh.ep} does not divide the {config.experts} experts")
     return problems
 
 
@@ -77,10 +79,19 @@ def splits_of(config: TransformerConfig, mesh: Mesh, *, shard_optimizer: bool = 
             zero = (False, True) if zero_bubble and mesh.pp > 1 and (v == 1 or (v == 2 and m >= 2 * mesh.pp - 1)) \
                 else (False,)
             # sequence parallelism moves what tp's all-reduces move and stores less: on wherever tp > 1
-            out += [Split(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, microbatches=m, interleave=v,
+            out += [Split(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=ep, microbatches=m, interleave=v,
                           microbatch_size=b, shard_optimizer=shard_optimizer, zero_bubble=zb,
-                          sequence_parallel=sequence_parallel and mesh.tp > 1) for zb in zero]
+                          sequence_parallel=sequence_parallel and mesh.tp > 1) for zb in zero
+                    for ep in expert_degrees(config, mesh)]
     return out
+
+
+def expert_degrees(config: TransformerConfig, mesh: Mesh) -> list[int]:
+    """The ep degrees a mixture of experts can take on ``mesh``: those dividing both dp and the experts (1 alone for
+    a dense model, or where ``mesh`` fixes its own ep)."""
+    if mesh.ep > 1 or config.experts == 1:
+        return [mesh.ep]
+    return [ep for ep in divisors(mesh.dp) if config.experts % ep == 0]
 
 
 @dataclass
