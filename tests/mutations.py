@@ -32,6 +32,7 @@ LOOP = "tests/test_training_loop.py::"
 CLIPPING = COMPOSED + "test_global_norm_clipping_and_adamw_match_the_unsharded_model"
 RESUME = "tests/test_resume.py::"
 WRITES = "tests/test_lost_writes.py::"
+EP = "tests/test_expert_parallel.py::"
 
 MUTANTS = (
     # ------------------------------------------------------------------ the four that once survived the suite
@@ -576,4 +577,30 @@ MUTANTS = (
            "            prepared.append(AcceleratedScheduler(obj, accelerator._optimizers, split_batches=False,",
            "the scheduler steps once per process at each optimizer step, as accelerate does for sharded batches",
            ("tests/test_hf_trainer.py::test_an_accelerate_loop_changed_by_one_line_trains_as_in_one_process[tp2]",)),
+    # ------------------------------------------------------------------------------------ expert parallelism
+    Mutant("ep-experts-summed-over-dp", "autoshard/runtime/data_parallel.py",
+           "            if self.experts:  # their gradients are not replicas' over dp x cp: summed by ``sum_experts``",
+           "            if False:",
+           "DDP sums the experts' gradients over dp, adding other ranks' experts into this rank's",
+           (EP + "test_experts_split_over_ep_train_exactly[mixtral-ep2]",)),
+    Mutant("ep-replicas-not-summed", "autoshard/runtime/data_parallel.py",
+           "        if self.experts_group is None:",
+           "        if True:",
+           "the ranks holding the same experts (dp=4, ep=2) keep their own gradients unsummed",
+           (EP + "test_experts_summed_over_the_ranks_that_hold_them_alike",)),
+    Mutant("ep-combine-unpermuted", "passes/expert_parallel.py",
+           "    received = torch.empty_like(y).index_copy_(0, route.order, y)",
+           "    received = y",
+           "the combine sends the rows back in the experts' order, not in the order they came",
+           (EP + "test_experts_split_over_ep_train_exactly[mixtral-ep2]",)),
+    Mutant("ep-clip-norm-local", "autoshard/runtime/state.py",
+           '        dist.all_reduce(total, group=pm.groups.group("ep"))',
+           "        pass",
+           "the global gradient norm counts only this rank's experts",
+           (EP + "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2]",)),
+    Mutant("ep-checkpoint-experts-as-replicas", "autoshard/runtime/checkpoint.py",
+           '        mesh, split = (meshes["ep"], True) if target in experts else (meshes["tp"], False)',
+           '        mesh, split = meshes["tp"], False',
+           "every ep rank writes its experts under the whole stack's key, as if they were replicas",
+           (RESUME + "test_experts_split_over_ep_resume_under_another_split[corpus/mixtral-ep2-to-tp2]",)),
 )
