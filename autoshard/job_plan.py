@@ -128,6 +128,8 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     every rank and before any collective. Notes are made for the first capture only."""
     notes: list[str] = []
     plan = JobPlan(mesh, options, batch_norm_sync=check_batch_norm(captured, mesh, options, notes))
+    if earlier is None:
+        check_batch_split(captured, mesh, options)
     plan.tp_plan = earlier.tp_plan if earlier is not None else _tp_plan(captured, mesh, options, notes)
     plan.cp_plan = _cp_plan(captured, mesh, options, earlier.cp_plan if earlier is not None else None)
     if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
@@ -319,6 +321,47 @@ def _weightless(captured: Captured) -> Captured:
 
 _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5,
                 aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
+
+
+def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions) -> None:
+    """Refuse, before any collective, to split the batch (dp, microbatches) of a loss that is no sum over samples.
+
+    dp and microbatches run the graph on parts of the batch and add up the parts' losses (a token mean rewritten to
+    a sum, or a mean over samples). A loss term computed from means over the whole batch at once (a router's
+    load-balancing loss: the fraction of tokens each expert got times its mean probability) is not such a sum: each
+    part would compute it from its own tokens, and the training would differ from the model run whole. The batch
+    dim is split in a propagation of the training graph: where a sum over it (pending over the parts) is needed whole
+    before the loss, the loss is no such sum. (BatchNorm is ``check_batch_norm``'s; cp and tp keep the batch
+    whole.)"""
+    if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
+        return
+    from autoshard.passes.axis import Axis, Outputs
+    from autoshard.passes.placements import Partial, R
+    from autoshard.passes.propagate import propagate, redistributions
+
+    gm = codegen.prepare(captured, None)
+    if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
+        return
+    batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
+    if not batch or batch < 2:
+        return  # a batch of one sample per part cannot show it
+    seeds = {n.target: Shard(0) for n in gm.graph.nodes
+             if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
+             and meta.val(n).shape[0] == batch}
+    prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
+    whole = [r for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
+    if not whole:
+        return
+    parts = [f"dp={mesh.dp}" if mesh.dp > 1 else "", f"microbatches={options.microbatches}"
+             if options.microbatches > 1 else ""]
+    where = meta.source_line(whole[0].value) or whole[0].value.name
+    raise ValueError(
+        "the loss is not a sum over the batch's samples (it holds a term computed from the whole batch at once, such "
+        f"as a router's load-balancing loss from the fraction of tokens each expert got; here at {where}): "
+        f"{' and '.join(filter(None, parts))} would compute it on each part of the batch alone, and the sum of those "
+        "would not be the model's loss. Keep the batch whole (dp=1, one microbatch: tp, cp and pp with one microbatch "
+        "are exact), or leave that term out of the loss (for transformers' mixtures of experts, "
+        "output_router_logits=False)")
 
 
 def check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:

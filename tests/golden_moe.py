@@ -109,3 +109,40 @@ def pretrained_between_splits(name: str, save_mesh: dict, load_mesh: dict, direc
     loaded = pm.state_dict()
     total = sum(v.numel() * v.element_size() for v in saved.values())
     return {"differ": [k for k in saved if not torch.equal(saved[k], loaded[k])], "read": read, "total": total}
+
+
+def compiled(name: str, mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
+    """``compile=True`` over experts split by ep: exact over one step, then ``steps - 1`` more; the graphs the later
+    steps compile (the rows each expert receives change from step to step)."""
+    from autoshard.verify import compare
+
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), compile=True, **options)
+    first = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=1)
+    graphs = pm.compiler.graphs
+    later = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=steps - 1)
+    return {"ok": first.ok and later.ok, "report": f"{first}\n{later}", "graphs": graphs,
+            "recompiled": pm.compiler.graphs - graphs}
+
+
+def with_router_loss(name: str):
+    """The case with its router's load-balancing loss in the loss, as transformers adds it to the cross-entropy."""
+    import torch.nn.functional as F
+
+    case = build(name)
+    case.model.config.output_router_logits = True
+
+    def loss_fn(output, target):
+        ce = F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+        return ce + 0.02 * output.aux_loss
+
+    return case, loss_fn
+
+
+def router_loss(name: str, mesh_kwargs: dict) -> dict:
+    case, loss_fn = with_router_loss(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(case.model, mesh, case.inputs, loss_fn, target=case.target, groups=groups_for(mesh))
+    return {"ok": report.ok, "report": str(report)}

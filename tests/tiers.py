@@ -54,6 +54,8 @@ FULL_ONLY = {
         "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
     "tests/test_elastic.py::test_a_run_that_loses_a_node_goes_on_at_the_smaller_world_size":
         "test_restart.py's five kills under torchrun --max-restarts, and test_resume.py's moves between meshes",
+    "tests/test_expert_parallel.py::test_compiled_programs_over_experts_split_by_ep":
+        "the compiled goldens of test_compile.py (the same compiler) and the eager ep goldens (the same programs)",
     "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[500]":
         "the same fuzz's first 50 cases",
     **{f"tests/test_compile.py::test_compiled_programs_are_exact_and_compile_once[{cell}]":
