@@ -38,9 +38,10 @@ sys.path[:0] = [str(BENCH.parent / "tests"), str(BENCH)]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from common import summarize, wait_until_quiet  # noqa: E402
+from moe import Runner  # noqa: E402  (AdamW at the same learning rate)
 from tp_dtensor import time_steps  # noqa: E402
 
-BATCH, SEQ, LR = 8, 128, 1e-3
+BATCH, SEQ = 8, 128
 HIDDEN = 256
 MODELS = {
     "mixtral-like": ("MixtralConfig", "MixtralForCausalLM", {
@@ -68,18 +69,6 @@ def build(name: str, seed: int = 0):
     tokens = torch.randint(0, fields["vocab_size"], (BATCH, SEQ), generator=gen)
     target = torch.randint(0, fields["vocab_size"], (BATCH, SEQ), generator=gen)
     return model, tokens, target
-
-
-class Runner:
-    def __init__(self, module, params, forward_backward) -> None:
-        self.module, self.forward_backward = module, forward_backward
-        self.optimizer = torch.optim.AdamW(params, lr=LR)
-
-    def step(self):
-        self.optimizer.zero_grad()
-        loss = self.forward_backward()
-        self.optimizer.step()
-        return loss
 
 
 def runners(model, tokens, target, world: int) -> dict[str, Runner]:

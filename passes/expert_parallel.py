@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -327,36 +328,33 @@ class ExpertRoute(_ParallelOp):
         return self.experts * 8 * self.size, 0
 
 
-class ExpertDispatch(_ParallelOp):
-    """Rows to their expert's rank (all-to-all with the route's splits), grouped by local expert; backward: combine."""
+class _Rows(_ParallelOp):
+    """Rows moved over the ep group by an all-to-all with a route's splits (forward and backward alike)."""
 
     kind, backward_kind = "all_to_all", "all_to_all"
+    function: ClassVar[type[torch.autograd.Function]]
 
     def forward(self, x: torch.Tensor, route: Route) -> torch.Tensor:
-        return _Dispatch.apply(x, route, self._run_group())
+        return self.function.apply(x, route, self._run_group())
 
     def extra_repr(self) -> str:
         return f"size={self.size}"
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
-        moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size  # a balanced routing's share
+        moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size  # a uniform routing's share
         return moved, moved
 
 
-class ExpertCombine(_ParallelOp):
+class ExpertDispatch(_Rows):
+    """Rows to their expert's rank (all-to-all with the route's splits), grouped by local expert; backward: combine."""
+
+    function = _Dispatch
+
+
+class ExpertCombine(_Rows):
     """Rows back to the rank of their token, in the sorted order; backward: dispatch."""
 
-    kind, backward_kind = "all_to_all", "all_to_all"
-
-    def forward(self, y: torch.Tensor, route: Route) -> torch.Tensor:
-        return _Combine.apply(y, route, self._run_group())
-
-    def extra_repr(self) -> str:
-        return f"size={self.size}"
-
-    def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
-        moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size
-        return moved, moved
+    function = _Combine
 
 
 def _numel(shape) -> int:
