@@ -286,10 +286,10 @@ def _shape(arg: object, shape_map: ShapeMap) -> tuple[Dim, ...]:
 
 
 def _ints(shape: torch.Size) -> tuple[int, ...]:
-    return tuple(_size(d) for d in shape)
+    return tuple(dim_size(d) for d in shape)
 
 
-def _size(dim: int | torch.SymInt) -> int:
+def dim_size(dim: int | torch.SymInt) -> int:
     """A dim's size; one that depends on the data (the tokens routed to an expert) counts at its upper bound.
 
     Costs only balance stages, so an estimate is safe; without a finite bound such a dim counts as 1.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autoshard import meta, schedules
-from autoshard.cost import format_bytes
+from autoshard.cost import dim_size, format_bytes
 from autoshard.mesh import AXES, Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.expert_parallel import ExpertRoute
@@ -330,7 +330,7 @@ def collectives(gm) -> dict[tuple[str, str, str, str], tuple[int, int]]:
         if module is None:
             continue
         arg = meta.val(node.args[0]) if node.args and hasattr(node.args[0], "meta") else None
-        shape = list(arg.shape) if arg is not None else []
+        shape = [dim_size(d) for d in arg.shape] if arg is not None else []  # a routed size: at its upper bound
         forward, backward = module.comm_bytes(shape, arg.element_size() if arg is not None else 4)
         axis, op = node.meta.get(meta.AXIS, "tp"), type(module).__name__
         counts = getattr(module, "calls", (1, 1))

@@ -112,6 +112,18 @@ def test_experts_split_over_ep_train_exactly(pools, name, mesh):
     assert found.status == "exact", found.text()
 
 
+@pytest.mark.parametrize("name,mesh", CELLS, ids=[f"{n}-{m}" for n, m in CELLS])
+def test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process(pools, name, mesh):
+    """The same cells driven by a training loop (AdamW over weight-decay groups, two step() calls per optimizer
+    step, a padded batch, clipping): every loss and gradient within 1e-5, the parameters after AdamW steps too
+    (within its tolerance: golden_moe.LR)."""
+    degrees, options = cells.MESHES[mesh]
+    for rank, result in enumerate(pools.get(cells.world_size(mesh)).run(golden_moe.training_loop, name, degrees,
+                                                                        steps=2, **options)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+
+
 def test_experts_summed_over_the_ranks_that_hold_them_alike(pools):
     """dp=4, ep=2: each pair of ranks holding the same experts sums their gradients (and only those)."""
     found = cells.outcome(pools.get(4).run(cells.run_cell, "mixtral", {"dp": 4, "ep": 2}))
