@@ -203,7 +203,7 @@ def _row_local(segment: list[fx.Node], matmuls: list[fx.Node], offsets: fx.Node,
             entries = [a for a in node.all_input_nodes]
         else:
             return f"{node.name} ({node.target}) at {_where(node)} is not known to keep rows apart"
-        out = _shape(node) if node.target not in _ALONG else _shape(node.args[0])
+        out = _rows_shape(node)
         if out is None or not out or out[0] != rows:
             return f"{node.name} at {_where(node)} does not keep the {rows} routed rows on dim 0"
         for value in entries:
@@ -214,12 +214,22 @@ def _row_local(segment: list[fx.Node], matmuls: list[fx.Node], offsets: fx.Node,
             shape = _shape(value)
             if shape is None:
                 return f"{value.name} feeds the experts and is not a tensor"
-            aligned = len(shape) == len(out) and shape and shape[0] == rows
+            aligned = _aligned(shape, out, rows)
             if aligned and not (_ancestors(value) & sorts):
                 return f"{value.name} feeds the experts with {rows} rows that are not the routed ones"
             if not aligned and len(shape) == len(out) and shape[0] != 1:
                 return f"{value.name} feeds the experts with a shape {tuple(shape)} that is not per row"
     return ""
+
+
+def _rows_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape whose dim 0 holds the routed rows at ``node``: its output's, or its input's for a split."""
+    return _shape(node.args[0]) if node.target in _ALONG else _shape(node)
+
+
+def _aligned(shape: tuple[int, ...], out: tuple[int, ...] | None, rows: int) -> bool:
+    """Whether a value of ``shape`` read where the rows are ``out`` holds one row per routed row (not broadcast)."""
+    return bool(out) and len(shape) == len(out) and bool(shape) and shape[0] == rows
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -427,8 +437,7 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
         for value in node.all_input_nodes:
             if value in inside or value is local_offsets or _stack_read(value, matmuls):
                 continue
-            shape = _shape(value)
-            if not shape or shape[0] != rows or len(shape) != len(_shape(node) or ()) and node not in matmuls:
+            if not _aligned(_shape(value) or (), _rows_shape(node), rows):
                 continue  # broadcast over the rows (checked by _row_local)
             if value not in dispatched:  # before its first reader in the segment (after the route: every
                 with graph.inserting_before(node):  # segment node follows the first matmul, which reads the offsets)
