@@ -60,6 +60,13 @@ FULL_ONLY = {
        "the same architectures' SGD goldens at the same meshes, and Mixtral's AdamW loop at each of them"
        for name in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "gpt_oss", "jetmoe")
        for mesh in ("ep2", "ep2xtp2", "dp2xep2xpp2") if (name, mesh) != ("jetmoe", "ep2xtp2")},  # explain() at tp2
+    **{f"tests/test_expert_parallel.py::test_experts_split_over_ep_train_exactly[{name}-{mesh}]":
+       "the same meshes on Mixtral, gpt-oss, DeepSeek-V3 and JetMoE (every op their experts' segments hold: a fused "
+       "GLU, biases per expert, a clamped GLU, a shared expert beside; experts left whole)"
+       for name in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe") for mesh in ("ep2", "ep2xtp2", "dp2xep2xpp2")},
+    **{f"tests/test_expert_parallel.py::test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process"
+       f"[mixtral-{mesh}]": "Mixtral's AdamW loop at ep2, the ordinary loop at ep2 x tp2, the SGD golden at this mesh"
+       for mesh in ("ep2xtp2", "dp2xep2xpp2")},
     "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[500]":
         "the same fuzz's first 50 cases",
     **{f"tests/test_compile.py::test_compiled_programs_are_exact_and_compile_once[{cell}]":
