@@ -464,12 +464,11 @@ def _stack_read(value: fx.Node, matmuls: list[fx.Node]) -> bool:
 
 def _slice_stacks(gm: fx.GraphModule, plan: ExpertParallelPlan, rank: int) -> None:
     present = {name for name, _ in gm.named_parameters()}
-    for name, experts in plan.params().items():
+    for name in plan.params():
         if name not in present:
             continue
         full = gm.get_parameter(name)
-        per = experts // plan.size
-        local = torch.nn.Parameter(full.detach().narrow(0, rank * per, per).contiguous(), full.requires_grad)
+        local = torch.nn.Parameter(expert_part(full.detach(), rank, plan.size).contiguous(), full.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, attr, local)
 
