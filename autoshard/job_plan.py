@@ -129,7 +129,7 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     notes: list[str] = []
     plan = JobPlan(mesh, options, batch_norm_sync=check_batch_norm(captured, mesh, options, notes))
     if earlier is None:
-        check_batch_split(captured, mesh, options)
+        check_batch_split(captured, mesh, options, notes)
     plan.tp_plan = earlier.tp_plan if earlier is not None else _tp_plan(captured, mesh, options, notes)
     plan.cp_plan = _cp_plan(captured, mesh, options, earlier.cp_plan if earlier is not None else None)
     if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
@@ -323,7 +323,7 @@ _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, a
                 aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
 
 
-def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions) -> None:
+def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str] | None = None) -> None:
     """Refuse, before any collective, to split the batch (dp, microbatches) of a loss that is no sum over samples.
 
     dp and microbatches run the graph on parts of the batch and add up the parts' losses (a token mean rewritten to
@@ -331,8 +331,9 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions) -
     load-balancing loss: the fraction of tokens each expert got times its mean probability) is not such a sum: each
     part would compute it from its own tokens, and the training would differ from the model run whole. The batch
     dim is split in a propagation of the training graph: where a sum over it (pending over the parts) is needed whole
-    before the loss, the loss is no such sum. (BatchNorm is ``check_batch_norm``'s; cp and tp keep the batch
-    whole.)"""
+    before the loss, the loss is no such sum. With ``batch_statistics="local"`` each part computes it from its own
+    samples (DDP's and gradient accumulation's loss), said in ``notes``. (BatchNorm is ``check_batch_norm``'s; cp
+    and tp keep the batch whole.)"""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
         return
     from autoshard.passes.axis import Axis, Outputs
@@ -355,13 +356,20 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions) -
     parts = [f"dp={mesh.dp}" if mesh.dp > 1 else "", f"microbatches={options.microbatches}"
              if options.microbatches > 1 else ""]
     where = meta.source_line(whole[0].value) or whole[0].value.name
+    if options.batch_statistics == "local":
+        if notes is not None:
+            notes.append(f"the loss holds a term computed from the whole batch at once (here at {where}); with "
+                         f"batch_statistics='local' {' and '.join(filter(None, parts))} compute it from each part's "
+                         "own samples and average the parts' losses, as DDP and gradient accumulation do, which "
+                         "differs from the model run on the whole batch")
+        return
     raise ValueError(
         "the loss is not a sum over the batch's samples (it holds a term computed from the whole batch at once, such "
         f"as a router's load-balancing loss from the fraction of tokens each expert got; here at {where}): "
         f"{' and '.join(filter(None, parts))} would compute it on each part of the batch alone, and the sum of those "
         "would not be the model's loss. Keep the batch whole (dp=1, one microbatch: tp, cp and pp with one microbatch "
-        "are exact), or leave that term out of the loss (for transformers' mixtures of experts, "
-        "output_router_logits=False)")
+        "are exact), pass batch_statistics='local' to compute it on each part as DDP and gradient accumulation do, "
+        "or leave that term out of the loss (for transformers' mixtures of experts, output_router_logits=False)")
 
 
 def check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:

@@ -27,6 +27,7 @@ CHOICES = {
     "data_parallel": DataParallel.names(),
     "pipeline_balance": ("both", "time", "memory"),
     "batch_norm": ("unsharded", "local"),
+    "batch_statistics": ("unsharded", "local"),
 }
 _MEANINGS = {
     "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
@@ -37,6 +38,10 @@ _MEANINGS = {
     "batch_norm": "'unsharded' (the statistics of the whole batch, as the model run whole: summed over the dp "
                   "ranks as SyncBatchNorm does, refused where a microbatch or a cp or sp rank sees part of it) or "
                   "'local' (each rank's and each microbatch's own statistics, as DDP keeps them)",
+    "batch_statistics": "'unsharded' (a loss term computed from the whole batch at once, such as a router's "
+                        "load-balancing loss, refused where dp or microbatches split the batch) or 'local' (each "
+                        "rank's and each microbatch's part computes it from its own samples, as DDP and gradient "
+                        "accumulation do)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
@@ -92,6 +97,12 @@ class CompileOptions:
         a cp or sp rank sees part of the batch is refused naming the layers (a microbatch cannot pass the layer
         before every microbatch of the step has reached it); ``"local"`` keeps each rank's and each microbatch's
         own statistics (DDP's behaviour), said once.
+    batch_statistics: what a loss term computed from the whole batch at once sees (a router's load-balancing loss:
+        the fraction of tokens each expert got times its mean probability) where dp or microbatches split the batch:
+        ``"unsharded"`` (the default) refuses such a loss there, naming the model's line, since each part would
+        compute the term from its own samples; ``"local"`` lets each rank's and each microbatch's part do so and
+        averages the parts' losses (what DDP and gradient accumulation compute, and Megatron's default for the
+        load-balancing loss), said once.
     detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
         NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
         ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
@@ -117,6 +128,7 @@ class CompileOptions:
     data_parallel: str = "ddp"
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     batch_norm: str = "unsharded"
+    batch_statistics: str = "unsharded"
     compile: bool = False
     detect_anomaly: bool = False
 

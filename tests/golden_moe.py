@@ -77,6 +77,40 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
             "worst": max(worst.values()), "held": held, "experts": experts, "explain": pm.explain()}
 
 
+def router_loss_local(name: str, mesh_kwargs: dict, *, steps: int = 2, **options) -> dict:
+    """The router's load-balancing loss with ``batch_statistics="local"``, driven as a loop drives it: a padded batch
+    with its ``attention_mask``, weight-decay groups from ``named_parameters()``, SGD steps. The reference is the model
+    in one process computing the loss on each part (each dp rank's slice, each microbatch of it) and averaging them,
+    as DDP with gradient accumulation does: every loss, every gradient and the parameters after the steps."""
+    case, loss_fn = with_router_loss(name)
+    reference, reference.config.output_router_logits = build(name).model, True
+    ids, mask, target = _padded(case)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=(ids, mask), loss_fn=loss_fn, target=target,
+                               groups=groups_for(mesh), batch_statistics="local", **options)
+    opt = torch.optim.SGD(_groups(pm.named_parameters()), lr=0.1)
+    ref_opt = torch.optim.SGD(_groups(reference.named_parameters()), lr=0.1)
+    parts = mesh.dp * options.get("microbatches", 1)
+    worst_loss, bad_grads = 0.0, {}
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(ids, mask, target=target)
+        ref = sum(loss_fn(reference(i, m), t) for i, m, t in zip(ids.chunk(parts), mask.chunk(parts),
+                                                                  target.chunk(parts), strict=True)) / parts
+        ref.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
+        grads = pm.gradients()
+        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+                          if not torch.allclose(grads[n], p.grad, **TOL)})
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    bad = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+           if not torch.allclose(full[n], p.detach(), **TOL)}
+    return {"loss": worst_loss, "bad_grads": bad_grads, "bad": bad, "explain": pm.explain()}
+
+
 def inference(name: str, mesh_kwargs: dict, **options) -> dict:
     """The trained parallel model called for its logits, as ``model(ids)`` is: equal to the model's own."""
     case = build(name)

@@ -194,6 +194,16 @@ def test_a_router_loss_over_the_whole_batch_is_refused_where_the_batch_is_split(
                              target=case.target, loss_fn=loss_fn)
 
 
+@pytest.mark.parametrize("mesh,options", [({"dp": 2, "ep": 2}, {}), ({"dp": 2}, {"microbatches": 2})],
+                         ids=["ep2", "dp2-m2"])
+def test_a_router_loss_computed_on_each_part_with_local_batch_statistics(pools, mesh, options):
+    """``batch_statistics="local"``: each rank's and microbatch's part computes the load-balancing loss from its own
+    tokens, and the parts' losses are averaged, as DDP with gradient accumulation does; said in ``explain()``."""
+    for rank, result in enumerate(pools.get(2).run(golden_moe.router_loss_local, "mixtral", mesh, **options)):
+        assert result["loss"] < 1e-5 and not result["bad_grads"] and not result["bad"], (rank, result)
+        assert "batch_statistics='local'" in result["explain"]
+
+
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"cp": 2}], ids=["tp2", "cp2"])
 def test_a_router_loss_is_exact_where_the_batch_stays_whole(pools, mesh):
     for result in pools.get(2).run(golden_moe.router_loss, "mixtral", mesh):
