@@ -49,7 +49,7 @@ def parallelize(
             "for one input write example_inputs=(tokens,)"
         )
     options = _one_set_of_options(options, option_fields)
-    mesh = _mesh(mesh, model, example_inputs, options)
+    mesh = _mesh(mesh, model, example_inputs, options, loss_fn=loss_fn, target=target)
     findings = lint_findings(mesh, model, example_inputs, options)
     if _rank() == 0:  # the lint is about the job: said once, not once per rank
         for finding in findings:
@@ -74,12 +74,17 @@ def _one_set_of_options(options: CompileOptions | None, fields: dict) -> Compile
     return options
 
 
-def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, options: CompileOptions) -> Mesh:
+def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, options: CompileOptions, *,
+          loss_fn=None, target=None) -> Mesh:
     if isinstance(mesh, str):
         if mesh != "auto":
             raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
-        mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches, local_batch=options.local_batch,
-                         announce=True, sequence_parallel=options.sequence_parallel)
+        if options.planner_profile is not None:
+            mesh = measured_mesh(model, example_inputs, options, loss_fn=loss_fn, target=target, announce=True)
+        else:
+            mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches,
+                             local_batch=options.local_batch, announce=True,
+                             sequence_parallel=options.sequence_parallel)
     mesh = mesh if mesh is not None else Mesh()
     options.check_mesh(mesh)
     return mesh
@@ -176,6 +181,42 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
     if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
     return mesh
+
+
+def measured_mesh(model: nn.Module, example_inputs: tuple, options: CompileOptions, *, loss_fn, target,
+                  world_size: int | None = None, announce: bool = False) -> Mesh:
+    """The mesh ``mesh="auto"`` takes with ``planner_profile``: every dp x tp x pp x cp mesh of the world size whose
+    dp x microbatches divides the batch, compiled here and costed from the profile (the same on every rank: the
+    same files and the same compilation); the fastest."""
+    import dataclasses
+
+    from autoshard.batching import batch_size
+    from autoshard.mesh import _meshes_of
+    from autoshard.planner.predict import Compiler, predict
+    from autoshard.planner.profile import Profile
+
+    if loss_fn is None or target is None:
+        raise ValueError("mesh='auto' with planner_profile costs the training step: pass loss_fn and target")
+    if options.local_batch:
+        raise ValueError("mesh='auto' with planner_profile needs the global batch: it cannot be used with "
+                         "local_batch=True (pass a mesh)")
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    profile = Profile.load(options.planner_profile)
+    batch = batch_size(example_inputs) or 1
+    plain = dataclasses.replace(options, planner_profile=None)
+    compiler = Compiler(model, example_inputs, target, loss_fn)
+    found = [predict(compiler, mesh, profile, plain) for mesh in _meshes_of(world_size)
+             if batch % (mesh.dp * options.microbatches) == 0]
+    found.sort(key=lambda p: p.step)
+    if not found or found[0].error is not None:
+        why = "; ".join(str(p) for p in found[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
+        raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
+    if announce and _rank() == 0:
+        runners_up = ", ".join(f"{p.mesh} {p.step * 1e3:.3g} ms" for p in found[1:5] if p.error is None)
+        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {found[0]} from the profile "
+              f"{options.planner_profile}; then {runners_up}", flush=True)
+    return found[0].mesh
 
 
 def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool, fallback: Mesh,

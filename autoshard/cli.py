@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-COMMAND_MODULES = ("autoshard.planner.command", "autoshard.inspect_cli")
+COMMAND_MODULES = ("autoshard.planner.command", "autoshard.planner.calibrate_command", "autoshard.inspect_cli")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -103,6 +103,10 @@ class CompileOptions:
         compute the term from its own samples; ``"local"`` lets each rank's and each microbatch's part do so and
         averages the parts' losses (what DDP and gradient accumulation compute, and Megatron's default for the
         load-balancing loss), said once.
+    planner_profile: the JSON profile ``autoshard calibrate`` wrote on this machine: ``mesh="auto"`` then compiles
+        the model for every mesh of the world size (in this process, without process groups) and takes the one
+        whose step, predicted node by node from the profile, is fastest (``autoshard.planner.predict``). Without
+        it, ``mesh="auto"`` reads the model as a transformer and plans it on the default GPU's formulas.
     detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
         NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
         ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
@@ -129,6 +133,7 @@ class CompileOptions:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     batch_norm: str = "unsharded"
     batch_statistics: str = "unsharded"
+    planner_profile: str | None = None  # a profile ``autoshard calibrate`` wrote: mesh="auto" predicts from it
     compile: bool = False
     detect_anomaly: bool = False
 

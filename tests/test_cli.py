@@ -67,9 +67,10 @@ def test_errors_are_one_line_with_the_fix_and_exit_code_2(args, says, capsys):
 
 
 def test_subcommands_come_from_modules_and_inspect_has_its_place():
-    assert cli.COMMAND_MODULES == ("autoshard.planner.command", "autoshard.inspect_cli")
+    assert cli.COMMAND_MODULES == ("autoshard.planner.command", "autoshard.planner.calibrate_command",
+                                   "autoshard.inspect_cli")
     parser = cli.build_parser()
-    assert "plan" in parser.format_help()
+    assert "plan" in parser.format_help() and "calibrate" in parser.format_help()
 
 
 def test_plan_540b_from_the_entry_point():

@@ -23,7 +23,7 @@ QUICK_FILES = {
     "test_planner.py", "test_partition.py", "test_mesh.py", "test_cost.py", "test_cli.py", "test_inspect_cli.py",
     "test_split_backward.py", "test_cutting_inputs.py", "test_capture.py", "test_models.py", "test_tiers.py",
     "test_layers.py", "test_job_plan.py", "test_kernels.py",
-    "test_checkpoint_trust.py",
+    "test_checkpoint_trust.py", "test_planner_profile.py",
 }
 QUICK_GOLDENS = {
     "tests/test_tensor_parallel.py::test_golden_tensor_parallel[gpt-2]",

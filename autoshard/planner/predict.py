@@ -1,0 +1,260 @@
+"""Step time of a mesh predicted from its compiled rank programs and a measured profile, not from a formula.
+
+For a candidate (a mesh and its options) the model is compiled as ``parallelize`` would compile it, in this process
+and without process groups (``compile_rank`` with no groups: the collectives are there, counted, not run), once per
+pipeline coordinate. Each program is costed node by node from the profile (``profile.py``):
+
+- a matmul (``linear``, ``mm``, ``addmm``, ``bmm``, ...) by its forward FLOPs at the rank's local shapes, forward and
+  backward as measured together; attention likewise; a view by the fixed cost of an op; any other op by the fixed
+  cost plus its output's bytes;
+- each collective the passes put in (tp's, cp's, sp's, ep's) by its kind, group size and counted bytes, forward and
+  backward (its two kinds), as ``explain()`` counts them;
+
+and the step is assembled as the runtime runs it: microbatches one after another (a pipeline's schedule simulated
+with its stages' times, its sends costed from the bytes a stage hands on), then the gradients' all-reduce over dp x
+cp in DDP's buckets and the optimizer's step over the rank's parameters. A CPU computes and communicates on the
+same cores, so the parts add up; where the ranks outnumber the cores (the profile's), every rank's compute is
+slowed by their ratio, and a pipeline's step is at least its ranks' work over the cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autoshard import batching, cost, meta
+from autoshard.mesh import Mesh, _meshes_of
+from autoshard.options import CompileOptions
+from autoshard.planner.profile import Profile
+
+_MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm", "convolution",
+                      "conv1d", "conv2d"})
+_GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "_grouped_mm_fallback"})  # experts' rows
+_ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+_COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+                    "all_to_all": "all_to_all", "ring": "send_recv"}
+
+
+@dataclass
+class Prediction:
+    """A candidate's predicted step (seconds), by part."""
+
+    mesh: Mesh
+    options: dict
+    step: float
+    parts: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the candidate cannot run (it does not compile for this model)
+
+    def label(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.mesh}" + (f" [{extra}]" if extra else "")
+
+    def __str__(self) -> str:
+        if self.error:
+            return f"{self.label()}: refused ({self.error})"
+        parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.parts.items() if v)
+        return f"{self.label()}: {self.step * 1e3:.1f} ms ({parts})"
+
+
+def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float]:
+    """(compute, communication) seconds of one forward and backward of ``gm``."""
+    costs = cost.annotate(gm)
+    compute = communication = 0.0
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            communication += _collective_time(gm, node, profile)
+            compute += _attention_module_time(gm, node, profile)
+            continue
+        if node.op != "call_function":
+            continue
+        name = cost.op_name(node.target)
+        spent = costs.get(node)
+        flops = float(spent.flops) if spent is not None and isinstance(spent.flops, int) else 0.0
+        if name in _GROUPED:  # each row through its expert's matrix: 2 x rows x outputs x inputs
+            compute += _grouped_time(node, float(cost._matmul_rule(0, adds=False)(node, tuple)), profile)
+        elif name in _MATMULS and flops:
+            out = meta.val(node)
+            n = cost.dim_size(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() else 1
+            rows = (cost._output_numel(node, tuple) / n) if n else 0
+            compute += profile.matmul_time(rows, n, flops / max(2.0 * rows * n, 1.0))
+        elif name in _ATTENTION and flops:
+            compute += profile.attention_time(flops)
+        elif name in cost._VIEWS or name in ("sym_size", "_assert_tensor_metadata", "_assert_scalar"):
+            compute += profile.view_seconds  # no data moves; dispatch and autograd only
+        else:
+            nbytes = spent.activation_bytes if spent is not None and isinstance(spent.activation_bytes, int) else 0
+            compute += profile.op_time(nbytes)
+    return compute, communication
+
+
+def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
+    """Attention a pass wrapped in a module (cp's gathered, ring or all-to-all attention): this rank's queries over
+    the whole sequence's keys (a ring's keys arrive a rank's part at a time)."""
+    module = gm.get_submodule(node.target)
+    if not type(module).__name__.endswith("Attention") or len(node.args) < 2:
+        return 0.0
+    q, k = (meta.val(a) if isinstance(a, fx.Node) else None for a in node.args[:2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() < 2:
+        return 0.0
+    numel = 1
+    for d in q.shape:
+        numel *= cost.dim_size(d)
+    positions = getattr(module, "positions", None)
+    if isinstance(positions, torch.Tensor) and positions.numel() == cost.dim_size(q.shape[-2]):
+        # causal: query at position t attends t + 1 keys; the profile's causal attention of s queries is counted
+        # as 4 b h s^2 d for its s (s + 1) / 2 pairs
+        pairs = float((positions.double() + 1).sum())
+        return profile.attention_time(4.0 * numel / positions.numel() * 2 * pairs)
+    keys = cost.dim_size(k.shape[-2]) * (getattr(module, "size", 1) if hasattr(module, "comm_bytes") else 1)
+    return profile.attention_time(4.0 * numel * keys)
+
+
+def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
+    module = gm.get_submodule(node.target)
+    size = getattr(module, "size", 1)
+    if not hasattr(module, "comm_bytes") or size <= 1:
+        return 0.0
+    arg = meta.val(node.args[0]) if node.args and hasattr(node.args[0], "meta") else None
+    shape = [cost.dim_size(d) for d in arg.shape] if isinstance(arg, torch.Tensor) else []
+    forward, backward = module.comm_bytes(shape, arg.element_size() if isinstance(arg, torch.Tensor) else 4)
+    calls = getattr(module, "calls", (1, 1))
+    spent = 0.0
+    for kind, nbytes, count in ((module.kind, forward, calls[0]), (module.backward_kind, backward, calls[1])):
+        if nbytes and kind in _COLLECTIVE_KIND:
+            spent += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
+    return spent
+
+
+class Compiler:
+    """Compiles a model for candidate meshes in this process, one capture per microbatch shape."""
+
+    def __init__(self, model: nn.Module, inputs: tuple, target: torch.Tensor, loss_fn) -> None:
+        self.model, self.inputs, self.target, self.loss_fn = model, inputs, target, loss_fn
+        self._captures: dict = {}
+
+    def builds(self, mesh: Mesh, options: CompileOptions) -> list[list]:
+        """Per pipeline coordinate, one build per cp coordinate (causal attention gives cp ranks unequal work); dp,
+        tp and ep coordinate 0, whose programs are alike."""
+        from autoshard.compile import capture_for_training, compile_rank
+        from autoshard.job_plan import plan_job
+
+        options.check_mesh(mesh)
+        batch = batching.batch_size(self.inputs)
+        batching.check(batch, microbatches=options.microbatches, dp=mesh.dp, local=False)
+        values = batching.split((*self.inputs, self.target), mesh.dp * options.microbatches)[0]
+        key = tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
+        if key not in self._captures:
+            self._captures[key] = capture_for_training(self.model, values[:-1], values[-1], self.loss_fn,
+                                                       training=self.model.training)
+        captured = self._captures[key]
+        plan = plan_job(captured, mesh, options)
+        first = {axis: 0 for axis in ("dp", "tp") if mesh.degree(axis) > 1}
+        return [[compile_rank(captured, plan, mesh.coords(mesh.rank_of(**first, **({"pp": r} if mesh.pp > 1 else {}),
+                                                                       **({"cp": c} if mesh.cp > 1 else {}))))
+                 for c in range(mesh.cp)] for r in range(mesh.pp)]
+
+
+def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOptions | None = None,
+            **option_fields) -> Prediction:
+    """The predicted step of ``mesh`` with ``options`` or ``option_fields`` (``parallelize``'s keyword options)."""
+    options = options if options is not None else CompileOptions(**option_fields)
+    if not option_fields and options.microbatches > 1:  # what the label shows
+        option_fields = {"microbatches": options.microbatches}
+    try:
+        builds = compiler.builds(mesh, options)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        return Prediction(mesh, option_fields, math.inf, error=str(e).split("\n")[0][:200])
+    m = options.microbatches
+    stage_times = []  # per pp rank, its slowest cp rank's (compute, communication) of one microbatch
+    for per_cp in builds:
+        spent = [[program_time(program.gm, profile) for program in build.programs.values()] for build in per_cp]
+        stage_times.append(max(((sum(s[0] for s in one), sum(s[1] for s in one)) for one in spent), key=sum))
+    builds = [per_cp[0] for per_cp in builds]
+    parts: dict[str, float] = {}
+    crowd = profile.contention(mesh.world_size)
+    if mesh.pp == 1:
+        compute, comm = stage_times[0]
+        parts["compute"], parts["collectives"] = m * compute * crowd, m * comm
+    else:
+        parts.update(_pipeline(builds, stage_times, mesh, options, profile))
+    held = builds[0].held_bytes
+    mine = max(held) if held else sum(p.numel() * p.element_size() for p in compiler.model.parameters())
+    experts = _expert_bytes(builds[0])
+    replicas = mesh.dp * mesh.cp
+    parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
+    if experts and replicas // mesh.ep > 1:  # the experts' gradients, summed over the ranks holding the same ones
+        parts["gradient sync"] += profile.gradient_sync_time(replicas // mesh.ep, experts)
+    parts["optimizer"] = mine * profile.optimizer_byte_seconds * crowd
+    return Prediction(mesh, option_fields, sum(parts.values()), parts)
+
+
+def _expert_bytes(build) -> float:
+    """Bytes of the experts this rank holds under ep (outside DDP: their gradients arrive through the all-to-alls)."""
+    plan = build.plan.ep_plan
+    if plan is None or build.mesh.ep == 1:
+        return 0.0
+    return float(sum(math.prod(build.stored_shape(name)) * 4 for name in plan.params()))
+
+
+def _grouped_time(node: fx.Node, flops: float, profile: Profile) -> float:
+    """A grouped matmul runs each expert's rows through its matrix: as many products as the stack holds experts,
+    each of its share of the rows (the routing taken as even), each with an op's fixed cost around it."""
+    out, stack = meta.val(node), meta.val(node.args[1]) if len(node.args) > 1 else None
+    if not isinstance(out, torch.Tensor) or not isinstance(stack, torch.Tensor) or stack.dim() != 3:
+        return 0.0
+    experts = cost.dim_size(stack.shape[0])
+    n = cost.dim_size(out.shape[-1])
+    rows = cost._output_numel(node, tuple) / max(n, 1)
+    k = flops / max(2.0 * rows * n, 1.0)
+    return experts * (profile.matmul_time(rows / experts, n, k) + 3 * profile.op_seconds)
+
+
+def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptions, profile: Profile) -> dict:
+    """A pipeline's schedule simulated with its slowest rank's microbatch time (compute and the collectives inside
+    its stages), each send costed from the bytes its stage hands on."""
+    from autoshard import schedules
+
+    p, v, m = mesh.pp, options.chunks, options.microbatches
+    slowest = max(c + k for c, k in stage_times)
+    sent = max(sum(_spec_bytes(specs[1]) for specs in build.local_specs.values()) for build in builds)
+    send = profile.collective_time("send_recv", 2, sent / max(1, len(builds[0].local_specs))) if sent else 0.0
+    name = str(options.schedule)
+    actions = schedules.schedule(name, p, m, v)
+    sim = schedules.simulate(actions, p, v, forward_cost=slowest / 3, backward_cost=2 * slowest / 3,
+                             send_cost=send, placement=schedules.placement_of(name))
+    busy, crowd = m * slowest, profile.contention(mesh.world_size)
+    if busy * crowd > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a
+        return {"compute": busy * crowd, "bubble": 0.0}  # rank idle in the bubble gives its core to the others)
+    return {"compute": busy, "bubble": sim.makespan - busy}
+
+
+def _spec_bytes(specs) -> int:
+    return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
+
+
+def candidates(world_size: int, *, batch: int, microbatches: tuple[int, ...] = (1, 2, 4)) -> list[tuple[Mesh, dict]]:
+    """Every mesh of ``world_size`` ranks (dp, tp, pp, cp), a pipeline with each microbatch count the batch allows."""
+    out = []
+    for mesh in _meshes_of(world_size):
+        counts = [m for m in microbatches if batch % (mesh.dp * m) == 0] if mesh.pp > 1 else [1]
+        if batch % mesh.dp:
+            continue
+        for m in counts:
+            out.append((mesh, {"microbatches": m} if m > 1 else {}))
+    return out
+
+
+def search(model: nn.Module, inputs: tuple, *, loss_fn, target: torch.Tensor, profile: Profile,
+           world_size: int | None = None, choices: list[tuple[Mesh, dict]] | None = None) -> list[Prediction]:
+    """Every candidate's prediction, fastest first (refused ones last, with why)."""
+    world = world_size or profile.world_size
+    compiler = Compiler(model, inputs, target, loss_fn)
+    if choices is None:
+        choices = candidates(world, batch=batching.batch_size(inputs) or 1)
+    found = [predict(compiler, mesh, profile, **opts) for mesh, opts in choices]
+    return sorted(found, key=lambda pr: pr.step)
+

@@ -1,0 +1,329 @@
+"""A machine's measured costs: what ``autoshard calibrate`` writes and the graph-costed planner reads.
+
+The planner's formulas cost a transformer on a preset GPU; a profile is measured where the job runs, by every rank
+of the world at once (so compute is measured under the contention the job will have: on a CPU, ranks sharing
+cores), in one short run:
+
+- ``matmul``: a linear's forward and backward time on a grid of shapes (rows, outputs, inputs): a product is costed
+  at the nearest measured shape, scaled by its FLOPs;
+- ``attention``: ``scaled_dot_product_attention``'s forward and backward by its forward FLOPs, causal;
+- ``elementwise``: an op's fixed cost (dispatch and autograd, forward and backward) and its time per byte of output;
+  a view's cost;
+- ``optimizer``: AdamW's step and ``zero_grad`` per byte of parameters;
+- ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
+  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once.
+
+Bytes are counted as ``explain()`` counts them (an all-reduce: the tensor; an all-gather: the gathered tensor; a
+reduce-scatter: its input; an all-to-all: what leaves the rank), so no ring factor is applied on top.
+
+    torchrun --standalone --nproc-per-node 4 -m autoshard.planner.profile --out profile.json
+    autoshard calibrate --nproc 4 --out profile.json     # the same, launched for you
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+_DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce per 25 MiB of gradients
+
+
+@dataclass
+class Profile:
+    """Measured costs of one machine at one world size (seconds, FLOPs and bytes)."""
+
+    world_size: int
+    threads: int
+    device: str
+    cores: int = 0  # the cores the world's processes share (0: unknown, each process taken to have its own)
+    matmul: list[tuple[int, int, int, float]] = field(default_factory=list)  # (m, n, k, forward + backward seconds)
+    attention: list[tuple[float, float]] = field(default_factory=list)  # the same for causal attention
+    op_seconds: float = 0.0  # an op's fixed cost, forward and backward
+    view_seconds: float = 0.0  # a view's (no data moves: dispatch and autograd)
+    byte_seconds: float = 0.0  # per byte of an op's output, forward and backward
+    optimizer_byte_seconds: float = 0.0  # AdamW step and zero_grad per byte of parameters
+    collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # kind -> size -> (s, s/B)
+    seconds: float = 0.0  # how long the calibration took
+
+    # --------------------------------------------------------------------------------------------- reading
+
+    def matmul_time(self, m: float, n: float, k: float) -> float:
+        """A ``(m, k) @ (k, n)`` product forward and backward: the measured shape nearest in log sizes, scaled by
+        the FLOPs (a CPU's rate depends on the shape, not on the FLOPs alone)."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        if not self.matmul:
+            raise ValueError("this profile has no matmul measurements")
+
+        def distance(point):
+            return sum(math.log(a / b) ** 2 for a, b in zip(point[:3], (m, n, k), strict=True))
+
+        pm, pn, pk, seconds = min(self.matmul, key=distance)
+        return seconds * (m * n * k) / (pm * pn * pk)
+
+    def attention_time(self, flops: float) -> float:
+        return _interpolate(self.attention, flops)
+
+    def contention(self, ranks: int) -> float:
+        """How much slower compute runs when ``ranks`` processes of ``threads`` threads compute at once on the
+        profile's cores (1 where each has its own). The micro-benchmarks measure each rank alone in turn."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, ranks * self.threads / self.cores)
+
+    def op_time(self, nbytes: float) -> float:
+        return self.op_seconds + nbytes * self.byte_seconds
+
+    def collective_time(self, kind: str, size: int, nbytes: float, calls: int = 1) -> float:
+        """``calls`` collectives of ``kind`` over groups of ``size`` moving ``nbytes`` in all."""
+        if size <= 1 or not nbytes:
+            return 0.0
+        fits = self.collectives.get(kind) or self.collectives.get("all_reduce", {})
+        if not fits:
+            raise ValueError(f"this profile measured no {kind} (its kinds: {sorted(self.collectives)})")
+        known = sorted(int(s) for s in fits)
+        nearest = min(known, key=lambda s: (abs(math.log(s / size)), s))
+        latency, per_byte = fits[str(nearest)]
+        return calls * latency + nbytes * per_byte * _ring_scale(size, nearest)
+
+    def gradient_sync_time(self, size: int, nbytes: float) -> float:
+        """DDP's all-reduce of ``nbytes`` of gradients over ``size`` ranks, in its 25 MiB buckets."""
+        return self.collective_time("all_reduce", size, nbytes, calls=max(1, math.ceil(nbytes / _DDP_BUCKET)))
+
+    # --------------------------------------------------------------------------------------------- files
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        data = json.loads(Path(path).read_text())
+        data["matmul"] = [tuple(p) for p in data["matmul"]]  # noqa: C416
+        data["attention"] = [tuple(p) for p in data["attention"]]
+        data["collectives"] = {k: {s: tuple(v) for s, v in fits.items()} for k, fits in data["collectives"].items()}
+        return cls(**data)
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear in log-log between measured points; proportional to ``x`` beyond them."""
+    if x <= 0:
+        return 0.0
+    if not points:
+        raise ValueError("this profile has no measurement of that kind")
+    xs = [p[0] for p in points]
+    i = bisect_left(xs, x)
+    if i == 0:
+        return points[0][1] * x / points[0][0]  # below the smallest: at its rate (the fixed cost is in op_seconds)
+    if i == len(points):
+        return points[-1][1] * x / points[-1][0]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+
+def _ring_scale(size: int, measured: int) -> float:
+    """A ring moves ``(n-1)/n`` of the bytes per rank: scale a fit made at ``measured`` ranks to ``size``."""
+    return ((size - 1) / size) / ((measured - 1) / measured)
+
+
+# ------------------------------------------------------------------------------------------------- measuring
+
+
+def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: bool = True) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between runs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if sync and dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _linear_point(m: int, n: int, k: int, repeats: int) -> tuple[int, int, int, float]:
+    x = torch.randn(m, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    g = torch.randn(m, n)
+
+    def run():
+        F.linear(x, w).backward(g)
+        x.grad = w.grad = None
+
+    return m, n, k, _timed(run, repeats=repeats)
+
+
+def _attention_point(b: int, h: int, s: int, d: int, repeats: int) -> tuple[float, float]:
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, h, s, d)
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+        q.grad = k.grad = v.grad = None
+
+    return 4.0 * b * h * s * s * d, _timed(run, repeats=repeats)
+
+
+_MIX = (lambda y, x: y * 1.0001, lambda y, x: F.silu(y), lambda y, x: y + x, lambda y, x: torch.softmax(y, -1),
+        lambda y, x: y.pow(2), lambda y, x: y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6),
+        lambda y, x: torch.cat([y[..., 1:], y[..., :1]], -1), lambda y, x: y.float() * x)
+_VIEW_MIX = (lambda y: y.transpose(0, 1), lambda y: y.reshape(y.shape[1], -1), lambda y: y.unsqueeze(0).squeeze(0),
+             lambda y: y.t())
+
+
+def _elementwise(repeats: int) -> tuple[float, float, float]:
+    """(fixed seconds, seconds per output byte) of an op forward and backward, from a chain of the ops transformers
+    are made of (scale, SiLU, add, softmax, power, a norm, a rotation's cat, a cast) over a small and a large
+    tensor, the difference giving the per-byte part; and a view's seconds."""
+    rounds = 4
+
+    def chain(rows: int, ops) -> float:
+        x = torch.randn(rows, 64, requires_grad=True)
+
+        def run():
+            y = x
+            for _ in range(rounds):
+                for op in ops:
+                    y = op(y, x) if ops is _MIX else op(y)
+            y.sum().backward()
+            x.grad = None
+
+        return _timed(run, repeats=repeats) / (rounds * len(ops))
+
+    small, large = 1, 1 << 14
+    t_small, t_large = chain(small, _MIX), chain(large, _MIX)
+    per_byte = max(t_large - t_small, 0.0) / ((large - small) * 64 * 4)
+    return t_small, per_byte, chain(small, _VIEW_MIX)
+
+
+def _optimizer(repeats: int) -> float:
+    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def run():
+        opt.step()
+        for p in params:
+            p.grad = torch.randn_like(p) if p.grad is None else p.grad
+
+    return _timed(run, repeats=repeats) / sum(p.numel() * 4 for p in params)
+
+
+def _groups_of(world: int) -> dict[int, list]:
+    """For each group size that divides the world: every group of consecutive ranks of that size (created alike
+    on every rank)."""
+    made = {}
+    for size in range(2, world + 1):
+        if world % size:
+            continue
+        groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+        made[size] = groups[dist.get_rank() // size]
+    return made
+
+
+def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int) -> tuple[float, float]:
+    """(latency, seconds per byte) of ``kind`` over ``group``, least squares over ``sizes`` (bytes, as explain()
+    counts them)."""
+    points = []
+    rank = dist.get_rank(group)
+    for nbytes in sizes:
+        numel = max(size, nbytes // 4 // size * size)
+        x = torch.randn(numel)
+        if kind == "all_reduce":
+            fn, counted = (lambda x=x: dist.all_reduce(x, group=group)), numel * 4
+        elif kind == "all_gather":
+            out = torch.empty(numel * size)
+            fn, counted = (lambda x=x, out=out: dist.all_gather_into_tensor(out, x, group=group)), numel * size * 4
+        elif kind == "reduce_scatter":
+            out = torch.empty(numel // size)
+            fn, counted = (lambda x=x, out=out: dist.reduce_scatter_tensor(out, x, group=group)), numel * 4
+        elif kind == "all_to_all":
+            out = torch.empty_like(x)
+            fn = lambda x=x, out=out: dist.all_to_all_single(out, x, group=group)  # noqa: E731
+            counted = numel * 4 * (size - 1) // size
+        else:  # a pair's exchange: even group ranks send to the next one, which receives
+            peer = dist.get_global_rank(group, rank ^ 1) if (rank ^ 1) < size else None
+
+            def fn(x=x, peer=peer, rank=rank):
+                if peer is None:
+                    return
+                if rank % 2 == 0:
+                    dist.send(x, peer, group=None)
+                else:
+                    dist.recv(x, peer, group=None)
+            counted = numel * 4
+        points.append((counted, _timed(fn, repeats=repeats, sync=False)))
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / max(sum((p[0] - mx) ** 2 for p in points), 1e-30)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def calibrate(*, quick: bool = False) -> Profile:
+    """Measure this machine on every rank of the initialised world at once (or alone without one); rank 0's
+    numbers, which every rank returns. ``quick`` takes fewer sizes and repeats (a test's)."""
+    start = time.perf_counter()
+    repeats = 3 if quick else 5
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sizes, rows = ((128, 512), (256, 2048)) if quick else ((128, 512, 2048), (64, 256, 1024, 4096))
+    matmul = [_linear_point(m, n, k, repeats) for m in rows for n in sizes for k in sizes if 2 * m * n * k <= 2.2e9]
+    shapes = ((1, 4, 64, 32), (2, 8, 256, 64)) if quick else ((1, 4, 64, 32), (2, 8, 128, 64), (2, 8, 256, 64),
+                                                                (4, 8, 512, 64))
+    attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
+    op_seconds, byte_seconds, view_seconds = _elementwise(repeats)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    profile = Profile(world_size=world, threads=torch.get_num_threads(), device="cpu", cores=cores, matmul=matmul,
+                      attention=attention, op_seconds=op_seconds, byte_seconds=byte_seconds, view_seconds=view_seconds,
+                      optimizer_byte_seconds=_optimizer(repeats))
+    if world > 1:
+        sizes = [4 << 10, 256 << 10, 2 << 20] if quick else [4 << 10, 64 << 10, 512 << 10, 4 << 20]
+        for size, group in _groups_of(world).items():
+            for kind in KINDS:
+                fit = _collective_fit(kind, group, size, sizes, repeats)
+                profile.collectives.setdefault(kind, {})[str(size)] = fit
+        shared = [asdict(profile)]
+        dist.broadcast_object_list(shared, src=0)
+        profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
+                                                           for k, f in shared[0]["collectives"].items()}})
+    profile.seconds = time.perf_counter() - start
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autoshard.planner.profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the profile's JSON file")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    profile = calibrate(quick=args.quick)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        profile.save(args.out)
+        print(f"autoshard: calibrated {profile.world_size} rank(s) in {profile.seconds:.1f} s -> {args.out}",
+              flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

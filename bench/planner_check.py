@@ -1,0 +1,186 @@
+"""The graph-costed planner against measurement: every mesh of W ranks, predicted and measured, on three models.
+
+    GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 bench/planner_check.py
+    GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 4 bench/planner_check.py
+
+Every rank first calibrates this machine at this world size (``autoshard.planner.profile.calibrate``: compute on
+every rank at once, each collective on every group size). Then, per model (an HF Llama, HF GPT-2 and a Mixtral-like
+mixture of experts from transformers, built from configs, nothing downloaded):
+
+- rank 0 predicts every candidate's step from its compiled rank programs and the profile
+  (``autoshard.planner.predict``): every dp x tp x pp x cp mesh of W ranks (a pipeline with the most microbatches
+  the batch allows, up to 4), and ep for the mixture;
+- every rank trains each candidate, taking turns step by step (``zero_grad``, ``step``, AdamW, between barriers),
+  and rank 0 keeps the median step.
+
+Reported into ``bench/results_planner_<W>.md``: predicted and measured milliseconds, the error, the rank of each
+candidate by prediction and by measurement, and whether the predicted best is the measured best (or within 3% of
+it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH.parent / "tests"), str(BENCH)]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import autoshard  # noqa: E402
+from autoshard.planner.predict import Compiler, predict  # noqa: E402
+from autoshard.planner.profile import calibrate  # noqa: E402
+
+BATCH, SEQ, HIDDEN, LAYERS, VOCAB = 8, 128, 256, 4, 2048
+
+
+def build(name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "hf-llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512,
+                                          num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
+                                          max_position_embeddings=SEQ, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(config)
+    elif name == "hf-gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=8,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512,
+                                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                            num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0,
+                                            max_position_embeddings=SEQ)
+        model = transformers.MixtralForCausalLM(config)
+    model.config.use_cache = False
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return model.train(), tokens, target
+
+
+def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
+    from autoshard.mesh import _meshes_of
+
+    out = []
+    for mesh in _meshes_of(world):
+        if BATCH % mesh.dp:
+            continue
+        opts = {}
+        if mesh.pp > 1:
+            opts["microbatches"] = max(m for m in (1, 2, 4) if (BATCH // mesh.dp) % m == 0)
+        out.append((mesh, opts))
+        if moe and mesh.dp > 1 and mesh.pp == 1 and mesh.cp == 1:
+            out.append((autoshard.Mesh(dp=mesh.dp, tp=mesh.tp, ep=mesh.dp), {}))
+    return out
+
+
+def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[float]:
+    from models import hf_token_loss
+
+    runners = []
+    for mesh, opts in choices:
+        pm = autoshard.parallelize(copy.deepcopy(model), mesh, example_inputs=(tokens,), loss_fn=hf_token_loss,
+                                   target=target, groups=mesh.create_groups(), **opts)
+        runners.append((pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)))
+    times: list[list[float]] = [[] for _ in runners]
+    for index in range(warmup + steps):
+        order = list(range(len(runners)))
+        shift = index % len(order)
+        for i in order[shift:] + order[:shift]:
+            pm, opt = runners[i]
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            pm.step(tokens, target=target)
+            opt.step()
+            dist.barrier()
+            if index >= warmup:
+                times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="hf-llama,hf-gpt2,mixtral-like")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=None, help="markdown report (default bench/results_planner_<W>.md)")
+    args = parser.parse_args()
+    from models import hf_token_loss
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    profile = calibrate()
+    rows = {}
+    for name in args.models.split(","):
+        model, tokens, target = build(name)
+        choices = candidates(world, name == "mixtral-like")
+        predictions = []
+        if rank == 0:
+            compiler = Compiler(model, (tokens,), target, hf_token_loss)
+            predictions = [predict(compiler, mesh, profile, **opts) for mesh, opts in choices]
+        shared = [predictions]
+        dist.broadcast_object_list(shared, src=0)
+        predictions = shared[0]
+        runnable = [(c, p) for c, p in zip(choices, predictions, strict=True) if p.error is None]
+        measured = measure(model, tokens, target, [c for c, _ in runnable], args.warmup, args.steps)
+        rows[name] = [(p, m) for (_, p), m in zip(runnable, measured, strict=True)]
+        rows[name] += [(p, None) for p in predictions if p.error is not None]
+    if rank == 0:
+        write(rows, profile, world, time.perf_counter() - started, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write(rows: dict, profile, world: int, seconds: float, args) -> None:
+    out = Path(args.out or BENCH / f"results_planner_{world}.md")
+    lines = [f"# The graph-costed planner against measurement at {world} ranks", "",
+             f"`GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node {world} "
+             "bench/planner_check.py`", "",
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread per rank; "
+             f"batch {BATCH} x {SEQ} tokens; calibrated in {profile.seconds:.1f} s; the whole run {seconds:.0f} s.",
+             ""]
+    summary = {}
+    for name, found in rows.items():
+        timed = [(p, m) for p, m in found if m is not None]
+        by_prediction = sorted(timed, key=lambda pm: pm[0].step)
+        by_measure = sorted(timed, key=lambda pm: pm[1])
+        best = by_measure[0][1]
+        chosen = by_prediction[0]
+        errors = [abs(p.step - m) / m for p, m in timed]
+        hit = chosen[1] <= 1.03 * best
+        summary[name] = {"worst_error": max(errors), "chosen": chosen[0].label(), "best": by_measure[0][0].label(),
+                         "chosen_over_best": chosen[1] / best, "hit": hit}
+        lines += [f"## {name}", "", "| mesh | predicted ms | measured ms | error | rank predicted | rank measured |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for p, m in by_measure:
+            lines.append(f"| {p.label()} | {p.step * 1e3:.1f} | {m * 1e3:.1f} | {(p.step - m) / m:+.0%} | "
+                         f"{by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} |")
+        for p, _ in found:
+            if p.error is not None:
+                lines.append(f"| {p.label()} | refused: {p.error} | | | | |")
+        lines += ["", f"Predicted best {chosen[0].label()} measured {chosen[1] / best:.2f}x the measured best "
+                      f"({by_measure[0][0].label()}); worst error {max(errors):.0%}.", ""]
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"world": world, "summary": summary,
+                                                    "profile": profile.__dict__}, indent=1, default=str) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()

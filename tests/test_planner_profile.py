@@ -1,0 +1,154 @@
+"""The graph-costed planner: a measured profile (``autoshard calibrate``), predictions from the compiled programs,
+and ``mesh="auto"`` choosing by them. Single process: the candidates are compiled without process groups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.api import measured_mesh
+from autoshard.options import CompileOptions
+from autoshard.planner.predict import Compiler, predict
+from autoshard.planner.profile import Profile
+
+from models import build
+
+DATA = Path(__file__).with_name("data")
+
+
+def _profile(**changes) -> Profile:
+    """A machine of 20 GFLOP/s matmuls, 10 us ops and 1 GB/s links with 100 us latency."""
+    fields = dict(world_size=2, threads=1, device="cpu",
+                  matmul=[(m, n, k, 3 * 2 * m * n * k / 20e9) for m in (64, 1024) for n in (64, 1024)
+                          for k in (64, 1024)],
+                  attention=[(1e6, 3e6 / 10e9), (1e9, 3e9 / 10e9)], op_seconds=10e-6, byte_seconds=1e-10,
+                  view_seconds=2e-6, optimizer_byte_seconds=1e-9,
+                  collectives={kind: {"2": (100e-6, 1e-9)} for kind in
+                               ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")})
+    fields.update(changes)
+    return Profile(**fields)
+
+
+def test_a_profile_round_trips_through_its_json(tmp_path):
+    profile = _profile()
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_a_product_is_costed_at_the_nearest_measured_shape_scaled_by_its_flops():
+    profile = _profile(matmul=[(64, 64, 64, 1e-3), (1024, 1024, 1024, 2.0)])
+    assert profile.matmul_time(64, 64, 64) == pytest.approx(1e-3)
+    assert profile.matmul_time(128, 64, 64) == pytest.approx(2e-3)  # nearest is the small one, twice its rows
+    assert profile.matmul_time(1024, 1024, 512) == pytest.approx(1.0)
+
+
+def test_collectives_pay_their_latency_per_call_and_a_ring_scales_with_the_group():
+    profile = _profile()
+    one = profile.collective_time("all_reduce", 2, 1e6)
+    assert one == pytest.approx(100e-6 + 1e6 * 1e-9)
+    assert profile.collective_time("all_reduce", 2, 1e6, calls=3) == pytest.approx(300e-6 + 1e6 * 1e-9)
+    assert profile.collective_time("all_reduce", 4, 1e6) == pytest.approx(100e-6 + 1e6 * 1e-9 * 1.5)  # 3/4 over 1/2
+    assert profile.collective_time("all_reduce", 1, 1e6) == 0.0
+    assert profile.gradient_sync_time(2, 60 * 2**20) == pytest.approx(3 * 100e-6 + 60 * 2**20 * 1e-9)  # 3 buckets
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    case = build("gpt")
+    return case, Compiler(case.model, case.inputs, case.target, case.loss_fn)
+
+
+def test_a_prediction_splits_the_work_as_the_mesh_splits_it(gpt):
+    case, compiler = gpt
+    profile = _profile()
+    whole = predict(compiler, autoshard.Mesh(), profile)
+    tp = predict(compiler, autoshard.Mesh(tp=2), profile)
+    dp = predict(compiler, autoshard.Mesh(dp=2), profile)
+    pp = predict(compiler, autoshard.Mesh(pp=2), profile, microbatches=2)
+    for p in (whole, tp, dp, pp):
+        assert p.error is None and p.step > 0, p
+    assert tp.parts["compute"] < 0.8 * whole.parts["compute"] and tp.parts["collectives"] > 0
+    assert dp.parts["compute"] < 0.8 * whole.parts["compute"] and dp.parts["gradient sync"] > 0
+    assert pp.parts["bubble"] > 0 and "gradient sync" in pp.parts and pp.parts["gradient sync"] == 0
+    assert whole.parts["collectives"] == 0 and whole.parts["gradient sync"] == 0
+
+
+def test_the_slowest_cp_rank_sets_the_step(gpt):
+    """Causal attention gives the cp rank holding the later half of the sequence three times the first's pairs."""
+    case, compiler = gpt
+    profile = _profile()
+    builds = compiler.builds(autoshard.Mesh(cp=2), CompileOptions())
+    from autoshard.planner.predict import program_time
+
+    first, second = (sum(program_time(p.gm, profile)[0] for p in b.programs.values()) for b in builds[0])
+    assert second > first
+    assert predict(compiler, autoshard.Mesh(cp=2), profile).parts["compute"] == pytest.approx(second)
+
+
+def test_a_mesh_the_model_cannot_take_is_predicted_as_refused(gpt):
+    case, compiler = gpt
+    found = predict(compiler, autoshard.Mesh(tp=3), _profile(world_size=3))
+    assert found.error and found.step == float("inf")
+
+
+def test_mesh_auto_with_a_profile_takes_the_fastest_prediction(gpt, tmp_path):
+    """Links that are slow for every collective but a pair's send make the pipeline the fastest at 2 ranks;
+    fast links and slow matmuls make the data-parallel split the fastest."""
+    case, _ = gpt
+    slow = {kind: {"2": (0.5, 1e-6)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    path = tmp_path / "slow_links.json"
+    _profile(collectives={**slow, "send_recv": {"2": (1e-6, 1e-12)}}).save(path)
+    options = CompileOptions(microbatches=2, planner_profile=str(path))
+    chosen = measured_mesh(case.model, case.inputs, options, loss_fn=case.loss_fn, target=case.target, world_size=2)
+    assert chosen == autoshard.Mesh(pp=2)
+    path = tmp_path / "fast_links.json"
+    _profile().save(path)
+    options = CompileOptions(planner_profile=str(path))
+    chosen = measured_mesh(case.model, case.inputs, options, loss_fn=case.loss_fn, target=case.target, world_size=2)
+    assert chosen == autoshard.Mesh(dp=2)
+
+
+def test_mesh_auto_with_a_profile_needs_the_loss():
+    case = build("gpt")
+    with pytest.raises(ValueError, match="pass loss_fn and target"):
+        measured_mesh(case.model, case.inputs, CompileOptions(planner_profile="p.json"), loss_fn=None, target=None,
+                      world_size=2)
+
+
+def test_calibrate_writes_a_profile_of_this_machine(tmp_path):
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "autoshard.cli", "calibrate", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    profile = Profile.load(out)
+    assert profile.world_size == 1 and profile.threads == 1 and profile.seconds < 60
+    assert all(seconds > 0 for *_, seconds in profile.matmul) and profile.op_seconds > 0
+    assert profile.matmul_time(512, 512, 512) > profile.matmul_time(128, 128, 128)
+    assert json.loads(out.read_text())["device"] == "cpu"
+    assert torch.get_num_threads() >= 1
+
+
+def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
+    """``tests/data/profile_cpu_2.json`` is the profile ``bench/planner_check.py`` calibrated on this machine at 2
+    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) it measured dp2 fastest (178.7 ms, against 208.4
+    for pp2, 232.0 for tp2 and 236.0 for cp2: ``bench/results_planner_2.md``). ``mesh="auto"`` with that profile
+    takes dp2."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                                      attn_implementation="sdpa", use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    tokens = torch.randint(0, 2048, (8, 128))
+    from models import hf_token_loss
+
+    options = CompileOptions(planner_profile=str(DATA / "profile_cpu_2.json"))
+    chosen = measured_mesh(model, (tokens,), options, loss_fn=hf_token_loss, target=tokens, world_size=2)
+    assert chosen == autoshard.Mesh(dp=2)
