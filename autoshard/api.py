@@ -49,7 +49,11 @@ def parallelize(
             "for one input write example_inputs=(tokens,)"
         )
     options = _one_set_of_options(options, option_fields)
-    mesh = _mesh(mesh, model, example_inputs, options, loss_fn=loss_fn, target=target)
+    ranking = None
+    if mesh == "auto" and options.planner_profile is not None:
+        mesh, options, ranking = measured_choice(model, example_inputs, options, loss_fn=loss_fn, target=target,
+                                                 announce=True)
+    mesh = _mesh(mesh, model, example_inputs, options)
     findings = lint_findings(mesh, model, example_inputs, options)
     if _rank() == 0:  # the lint is about the job: said once, not once per rank
         for finding in findings:
@@ -60,8 +64,10 @@ def parallelize(
         _check_gpu(model)
     elif groups.mesh != mesh:
         raise ValueError(f"the process groups were created for {groups.mesh}, not for {mesh}: pass groups of this mesh")
-    return ParallelModel(model, mesh, groups, options, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
-                         lint=findings if mesh.world_size > 1 else None)
+    pm = ParallelModel(model, mesh, groups, options, example_inputs=example_inputs, loss_fn=loss_fn, target=target,
+                       lint=findings if mesh.world_size > 1 else None)
+    pm.ranking = ranking
+    return pm
 
 
 def _one_set_of_options(options: CompileOptions | None, fields: dict) -> CompileOptions:
@@ -74,17 +80,12 @@ def _one_set_of_options(options: CompileOptions | None, fields: dict) -> Compile
     return options
 
 
-def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, options: CompileOptions, *,
-          loss_fn=None, target=None) -> Mesh:
+def _mesh(mesh: Mesh | str | None, model: nn.Module, example_inputs: tuple, options: CompileOptions) -> Mesh:
     if isinstance(mesh, str):
         if mesh != "auto":
             raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one rank) or \"auto\" (the planner's choice)")
-        if options.planner_profile is not None:
-            mesh = measured_mesh(model, example_inputs, options, loss_fn=loss_fn, target=target, announce=True)
-        else:
-            mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches,
-                             local_batch=options.local_batch, announce=True,
-                             sequence_parallel=options.sequence_parallel)
+        mesh = auto_mesh(model, example_inputs, microbatches=options.microbatches, local_batch=options.local_batch,
+                         announce=True, sequence_parallel=options.sequence_parallel)
     mesh = mesh if mesh is not None else Mesh()
     options.check_mesh(mesh)
     return mesh
@@ -184,10 +185,18 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
 
 
 def measured_mesh(model: nn.Module, example_inputs: tuple, options: CompileOptions, *, loss_fn, target,
-                  world_size: int | None = None, announce: bool = False) -> Mesh:
-    """The mesh ``mesh="auto"`` takes with ``planner_profile``: every dp x tp x pp x cp mesh of the world size whose
-    dp x microbatches divides the batch, compiled here and costed from the profile (the same on every rank: the
-    same files and the same compilation); the fastest."""
+                  world_size: int | None = None) -> Mesh:
+    """The mesh ``mesh="auto"`` takes with ``planner_profile`` (:func:`measured_choice`)."""
+    return measured_choice(model, example_inputs, options, loss_fn=loss_fn, target=target, world_size=world_size)[0]
+
+
+def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOptions, *, loss_fn, target,
+                    world_size: int | None = None, announce: bool = False) -> tuple[Mesh, CompileOptions, list]:
+    """What ``mesh="auto"`` takes with ``planner_profile``: every dp x tp x pp x cp mesh of the world size whose dp x
+    microbatches divides the batch, compiled here and costed from the profile (the same on every rank: the same
+    files and the same compilation), the fastest. A pipeline also tries 2, 4 and 8 microbatches and the zero-bubble
+    ZB-H1 schedule where the options leave those at their defaults. Returns the mesh, the options it runs with and
+    the ranking (predictions, fastest first)."""
     import dataclasses
 
     from autoshard.batching import batch_size
@@ -205,18 +214,38 @@ def measured_mesh(model: nn.Module, example_inputs: tuple, options: CompileOptio
     profile = Profile.load(options.planner_profile)
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
+    default = CompileOptions()
     compiler = Compiler(model, example_inputs, target, loss_fn)
-    found = [predict(compiler, mesh, profile, plain) for mesh in _meshes_of(world_size)
-             if batch % (mesh.dp * options.microbatches) == 0]
-    found.sort(key=lambda p: p.step)
-    if not found or found[0].error is not None:
-        why = "; ".join(str(p) for p in found[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
+    found = []
+    for mesh in _meshes_of(world_size):
+        counts = [options.microbatches]
+        if mesh.pp > 1 and options.microbatches == default.microbatches:
+            counts = [m for m in (2, 4, 8) if m >= mesh.pp]
+        schedules = [options.schedule]
+        if mesh.pp > 1 and options.schedule == default.schedule and options.chunks == 1:
+            schedules.append("zb-h1")
+        for m in counts:
+            if batch % (mesh.dp * m):
+                continue
+            for schedule in schedules:
+                chosen = dataclasses.replace(plain, microbatches=m, schedule=schedule)
+                found.append((predict(compiler, mesh, profile, chosen,
+                                      **_changed(chosen, plain, ("microbatches", "schedule"))), chosen))
+    found.sort(key=lambda pair: pair[0].step)
+    ranking = [p for p, _ in found]
+    if not found or found[0][0].error is not None:
+        why = "; ".join(str(p) for p in ranking[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
         raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
+    best, chosen = found[0]
     if announce and _rank() == 0:
-        runners_up = ", ".join(f"{p.mesh} {p.step * 1e3:.3g} ms" for p in found[1:5] if p.error is None)
-        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {found[0]} from the profile "
-              f"{options.planner_profile}; then {runners_up}", flush=True)
-    return found[0].mesh
+        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from the profile "
+              f"{options.planner_profile}", flush=True)
+    return best.mesh, dataclasses.replace(chosen, planner_profile=options.planner_profile), ranking
+
+
+def _changed(options: CompileOptions, before: CompileOptions, names: tuple[str, ...]) -> dict:
+    return {name: str(getattr(options, name)) if name == "schedule" else getattr(options, name) for name in names
+            if getattr(options, name) != getattr(before, name)}
 
 
 def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool, fallback: Mesh,

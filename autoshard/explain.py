@@ -25,9 +25,9 @@ _PREFIX = re.compile(r"(?<![\w.])model\.")  # the capture's prefix of parameter 
 
 
 def render(builds: list, *, model: nn.Module, mesh: Mesh, rank: int, options: CompileOptions, lint: list | None,
-           code: bool = False, compiler=None) -> str:
+           code: bool = False, compiler=None, ranking: list | None = None) -> str:
     """The report of rank ``rank`` from its ``builds`` (every capture so far; the latest is described)."""
-    sections = [_header(model, mesh, rank), _graphs(builds, options, mesh, compiler)]
+    sections = [_header(model, mesh, rank), planner_ranking(ranking, options), _graphs(builds, options, mesh, compiler)]
     if builds:
         build = ([b for b in builds if b.training] or builds)[-1]
         sections += [_loss(build, options, mesh), _parameters(build), _context_parallel(build), _experts(build),
@@ -48,6 +48,22 @@ def _header(model: nn.Module, mesh: Mesh, rank: int) -> list[str]:
     groups = [f"{axis} {mesh.group_of(axis, rank)}" for axis in ("tp", "cp", "dp", "pp") if mesh.degree(axis) > 1]
     if groups:
         lines.append(f"  groups of rank {rank}: {'; '.join(groups)}")
+    return lines
+
+
+def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5) -> list[str]:
+    """``mesh="auto"`` with a profile: the ``top`` fastest predictions, and what the winner gains over the next."""
+    if not ranking:
+        return []
+    lines = [f"mesh='auto' from the profile {options.planner_profile}: the {min(top, len(ranking))} fastest of "
+             f"{len(ranking)} predicted steps"]
+    lines += [f"  {i}. {prediction}" for i, prediction in enumerate(ranking[:top], 1)]
+    if len(ranking) > 1 and ranking[1].error is None:
+        best, next_ = ranking[0], ranking[1]
+        diffs = sorted(((next_.parts.get(k, 0.0) - best.parts.get(k, 0.0), k) for k in {*best.parts, *next_.parts}),
+                       key=lambda d: -abs(d[0]))
+        said = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs if abs(d) >= 0.01 * best.step)
+        lines.append(f"  why: {next_.label()} would take {(next_.step - best.step) * 1e3:.2f} ms more ({said})")
     return lines
 
 

@@ -152,3 +152,42 @@ def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
     options = CompileOptions(planner_profile=str(DATA / "profile_cpu_2.json"))
     chosen = measured_mesh(model, (tokens,), options, loss_fn=hf_token_loss, target=tokens, world_size=2)
     assert chosen == autoshard.Mesh(dp=2)
+
+
+def test_the_ranking_and_why_the_winner_wins_are_explained(gpt, tmp_path):
+    from autoshard.api import measured_choice
+    from autoshard.explain import planner_ranking
+
+    case, _ = gpt
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    mesh, options, ranking = measured_choice(case.model, case.inputs, CompileOptions(planner_profile=str(path)),
+                                             loss_fn=case.loss_fn, target=case.target, world_size=2)
+    assert mesh == ranking[0].mesh and options.planner_profile == str(path)
+    labels = [p.label() for p in ranking]
+    assert any("microbatches=4" in label and "schedule=zb-h1" in label for label in labels), labels  # searched
+    lines = planner_ranking(ranking, options)
+    assert lines[0].startswith("mesh='auto' from the profile") and lines[1].startswith("  1. ")
+    assert len(lines) == 7 and lines[-1].startswith("  why: ") and "ms more" in lines[-1]
+
+
+def _auto_from_a_profile(path: str) -> dict:
+    from autoshard.verify import compare
+
+    case, reference = build("gpt"), build("gpt").model
+    pm = autoshard.parallelize(case.model, "auto", example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, planner_profile=path)
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
+    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "explain": pm.explain()}
+
+
+def test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose(pools, tmp_path):
+    """Every rank compiles and costs the same candidates from the same file, so all take the same mesh."""
+    path = tmp_path / "p.json"
+    slow = {kind: {"2": (0.5, 1e-6)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    _profile(collectives={**slow, "send_recv": {"2": (1e-6, 1e-12)}}).save(path)
+    results = pools.get(2).run(_auto_from_a_profile, str(path))
+    for rank, result in enumerate(results):
+        assert result["ok"], (rank, result["report"])
+        assert result["mesh"] == autoshard.Mesh(pp=2), result["mesh"]
+        assert "mesh='auto' from the profile" in result["explain"]

@@ -49,6 +49,7 @@ class ParallelModel(nn.Module):
         super().__init__()
         options.check_mesh(mesh)
         self.mesh, self.groups, self.options, self.loss_fn, self.lint = mesh, groups, options, loss_fn, lint
+        self.ranking = None  # mesh="auto" with a profile: every candidate's prediction, fastest first
         self.replica = Replica(codegen.ParamStore())
         self.anomaly = Finding() if options.detect_anomaly else None
         if self.anomaly is not None:
@@ -387,7 +388,7 @@ class ParallelModel(nn.Module):
         from autoshard.explain import render
 
         return render(self.builds, model=self.model, mesh=self.mesh, rank=self.rank, options=self.options,
-                             lint=self.lint, code=code, compiler=self.compiler)
+                      lint=self.lint, code=code, compiler=self.compiler, ranking=self.ranking)
 
     # the state functions live in ``state``; these are the model's own methods for them
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature
