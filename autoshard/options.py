@@ -181,9 +181,6 @@ class CompileOptions:
         if self.tp_plan is not None and self.tp_plan.size != mesh.tp:
             raise ValueError(f"the tp plan was made for tp={self.tp_plan.size}, the mesh has tp={mesh.tp}: make "
                              f"the plan at tp={mesh.tp} or use a mesh of tp={self.tp_plan.size}")
-        if mesh.ep > 1 and self.data_parallel == "fsdp":
-            raise ValueError(f"{mesh} with data_parallel='fsdp': FSDP2 would shard the experts over dp x cp on top "
-                             "of ep, which autoshard does not do yet; use data_parallel='ddp' with ep, or ep=1")
 
     def replace(self, **changes) -> CompileOptions:
         return dataclasses.replace(self, **changes)

@@ -8,8 +8,9 @@ every rank at once, each collective on every group size). Then, per model (an HF
 mixture of experts from transformers, built from configs, nothing downloaded):
 
 - rank 0 predicts every candidate's step from its compiled rank programs and the profile
-  (``autoshard.planner.predict``): every dp x tp x pp x cp mesh of W ranks (a pipeline with the most microbatches
-  the batch allows, up to 4), and ep for the mixture;
+  (``autoshard.planner.predict``): every dp x tp x pp x cp mesh of W ranks with the option variants
+  ``mesh="auto"`` searches (a pipeline with the most microbatches the batch allows, up to 4), and ep for the
+  mixture;
 - every rank trains each candidate, taking turns step by step (``zero_grad``, ``step``, AdamW, between barriers),
   and rank 0 keeps the median step.
 
@@ -72,16 +73,22 @@ def build(name: str):
 
 
 def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
+    """Every mesh with the option variants ``mesh="auto"`` searches (ring and all-to-all attention under cp, ZB-H1
+    for a pipeline, which runs the most microbatches the batch allows up to 4), and ep for the mixture."""
+    from autoshard.api import _variants
     from autoshard.mesh import _meshes_of
+    from autoshard.options import CompileOptions
 
     out = []
     for mesh in _meshes_of(world):
         if BATCH % mesh.dp:
             continue
-        opts = {}
+        base = {}
         if mesh.pp > 1:
-            opts["microbatches"] = max(m for m in (1, 2, 4) if (BATCH // mesh.dp) % m == 0)
-        out.append((mesh, opts))
+            base["microbatches"] = max(m for m in (1, 2, 4) if (BATCH // mesh.dp) % m == 0)
+        variants = _variants(mesh, CompileOptions(), CompileOptions())
+        variants += [{"schedule": "zb-h1"}] if mesh.pp > 1 else []
+        out += [(mesh, {**base, **variant}) for variant in variants]
         if moe and mesh.dp > 1 and mesh.pp == 1 and mesh.cp == 1:
             out.append((autoshard.Mesh(dp=mesh.dp, tp=mesh.tp, ep=mesh.dp), {}))
     return out

@@ -22,6 +22,7 @@ CELLS = [
     ("gpt2", {"dp": 2, "tp": 2}, {"data_parallel": "fsdp"}),
     ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {}),  # each expert's rows from its ep rank, its columns from tp
     ("gpt_oss", {"dp": 2, "ep": 2, "pp": 2}, {}),
+    ("mixtral", {"dp": 2, "ep": 2}, {"data_parallel": "fsdp"}),  # the experts outside FSDP2, the rest sharded by it
 ]
 
 

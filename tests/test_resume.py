@@ -160,6 +160,17 @@ EP_PAIRS = [
 ]
 
 
+@pytest.mark.parametrize("save,save_options,load,load_options", [
+    ({"dp": 2, "ep": 2}, FSDP, {"dp": 4, "ep": 4}, {}), ({"dp": 2, "ep": 2}, {}, {"dp": 4, "ep": 2}, FSDP)],
+    ids=["fsdp-ep2-to-ep4", "ep2-to-fsdp-dp4xep2"])
+def test_experts_under_fsdp_resume_under_another_split(pools, tmp_path, save, save_options, load, load_options):
+    """FSDP2 shards every other parameter (and its AdamW moments) over dp x cp while the experts stay their ep
+    rank's rows: a checkpoint written either way loads under the other."""
+    path = str(tmp_path / "ckpt")
+    first = pools.get(_world(save)).run(golden_resume.first_half, "corpus/mixtral", save, path, save_options)[0]
+    _check(pools.get(_world(load)).run(golden_resume.second_half, "corpus/mixtral", load, path, load_options), first)
+
+
 @pytest.mark.parametrize("pair", EP_PAIRS, ids=[p[0] for p in EP_PAIRS])
 @pytest.mark.parametrize("name", ["corpus/mixtral", "corpus/gpt_oss"])
 def test_experts_split_over_ep_resume_under_another_split(pools, tmp_path, name, pair):

@@ -76,6 +76,10 @@ FULL_ONLY = {
                     "test_a_router_loss_is_exact_where_the_batch_stays_whole[cp2]",
                     "test_bf16_autocast_over_experts_split_by_ep", "test_ep_with_context_parallelism",
                     "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2xtp2]")},
+    "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
+        "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
+    "tests/test_resume.py::test_experts_under_fsdp_resume_under_another_split[ep2-to-fsdp-dp4xep2]":
+        "the fsdp-ep2-to-ep4 cell (the same checkpoint format, read the other way)",
     "tests/test_expert_parallel.py::test_a_router_loss_computed_on_each_part_with_local_batch_statistics[dp2-m2]":
         "the ep2 cell (the same option; dp's and microbatches' loss averaging is the plain dp golden's)",
     **{f"tests/test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/gpt_oss-{pair}]":

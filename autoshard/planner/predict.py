@@ -104,6 +104,8 @@ def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) 
     for d in q.shape:
         numel *= cost.dim_size(d)
     positions = getattr(module, "positions", None)
+    if positions is None and getattr(module, "layout", None) is not None and getattr(module, "causal", False):
+        positions = module.layout[module.rank]  # a ring's: the global positions of this rank's queries
     if isinstance(positions, torch.Tensor) and positions.numel() == cost.dim_size(q.shape[-2]):
         # causal: query at position t attends t + 1 keys; the profile's causal attention of s queries is counted
         # as 4 b h s^2 d for its s (s + 1) / 2 pairs
@@ -125,7 +127,10 @@ def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> flo
     spent = 0.0
     for kind, nbytes, count in ((module.kind, forward, calls[0]), (module.backward_kind, backward, calls[1])):
         if nbytes and kind in _COLLECTIVE_KIND:
+            # and the copy that packs or unpacks it (a cat of gathered parts, a stack of the parts to scatter, the
+            # clone an in-place all-reduce writes into): the profile times the collectives on ready buffers
             spent += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
+            spent += profile.op_time(nbytes)
     return spent
 
 

@@ -108,17 +108,8 @@ class GradientSync:
         gradients only: a gradient that still holds an earlier, already summed step would be counted once per
         rank. So gradient accumulation over several steps equals eager ``backward()`` calls.
         """
-        earlier = {}
-        for p in self.replica.parameters():
-            if p.grad is not None:
-                earlier[p], p.grad = p.grad, None
-        try:
+        with _set_aside(self.replica.parameters()):
             yield
-        finally:
-            for p, grad in earlier.items():
-                if p.grad is not None:
-                    grad.add_(p.grad)
-                p.grad = grad
 
 
 Local = GradientSync
@@ -169,16 +160,20 @@ class PipelineReplicas(GradientSync):
 
 
 class FullyShard(GradientSync):
-    """FSDP2 over dp x cp: parameters, gradients and optimizer state sharded."""
+    """FSDP2 over dp x cp: parameters, gradients and optimizer state sharded; the experts split over ep stay
+    whole on their ep rank, as under DDP."""
 
     sharded = True
+    _ignored: frozenset = frozenset()  # the experts FSDP2 leaves alone
 
     def prepare(self, build) -> None:
+        self.note_experts(build)
         if not self.replica.sharded_data:
             if build.training:
                 self._shard()
             return  # now, so that an optimizer built next holds the sharded parameters
-        new = [name for name, p in self.replica.store.named_parameters() if not hasattr(p, "device_mesh")]
+        new = [name for name, p in self.replica.store.named_parameters()
+               if not hasattr(p, "device_mesh") and p not in self._ignored]
         if new:
             raise ValueError(
                 f"the capture at input shapes {build.captured.input_shapes} reads parameters no earlier capture read "
@@ -192,9 +187,13 @@ class FullyShard(GradientSync):
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(self.group, self.device_type)
+        # The experts split over ep are no replicas over dp x cp: FSDP2 leaves them alone (each ep rank holds its
+        # own already), and ``sum_experts`` sums their gradients over the ranks holding the same ones.
+        experts = self._ignored = {self.replica.store.find(name) for name in self.experts} - {None}
         # Under pipelining a stage runs one forward per microbatch: keep the parameters gathered for the step
         # rather than all-gathering them again for every microbatch (torchtitan's default too).
-        fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None)
+        fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None,
+                    ignored_params=experts or None)
         self.replica.set_gradient_divide_factor(1.0)  # losses are normalised globally: gradients are sums
         self.replica.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
         self.replica.sharded_data = True
@@ -223,10 +222,30 @@ class FullyShard(GradientSync):
             for group in fsdp_state._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+        self.sum_experts()
 
     @contextlib.contextmanager
     def fresh_gradients(self):
-        yield  # FSDP2 adds each reduce-scattered gradient into the sharded gradient it keeps
+        """FSDP2 adds each reduce-scattered gradient into the sharded gradient it keeps; the experts it leaves alone
+        are summed over their replicas by ``sum_experts``, so their earlier steps' gradients are set aside."""
+        with _set_aside(self._ignored):
+            yield
+
+
+@contextlib.contextmanager
+def _set_aside(params):
+    """Take the gradients ``params`` hold away for the block, then add them back to what it left."""
+    earlier = {}
+    for p in params:
+        if p.grad is not None:
+            earlier[p], p.grad = p.grad, None
+    try:
+        yield
+    finally:
+        for p, grad in earlier.items():
+            if p.grad is not None:
+                grad.add_(p.grad)
+            p.grad = grad
 
 
 def gradient_sync(replica: Replica, *, data_parallel: str, ranks: int, group, pipeline,

@@ -51,12 +51,12 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
                 grad, share = grad.full_tensor(), 1.0 / (pm.mesh.dp * pm.mesh.cp)
             else:
                 grad = grad.to_local()
-        total += share * _squares(grad, placement, pm.mesh.tp) / (1 if target in experts else pm.mesh.ep)
+        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, target in experts)
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
             dist.all_reduce(total, group=pm.groups.group(axis))
-    if pm.mesh.ep > 1:
+    if pm.mesh.ep > 1 and not pm.sync.sharded:  # under FSDP2 the sum over dp x cp took the ep ranks in already
         dist.all_reduce(total, group=pm.groups.group("ep"))
     norm = total.sqrt().float()
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no read back (1 leaves a gradient as is)
@@ -65,6 +65,17 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard
             grad.mul_(coef.to(grad.dtype))
     return norm
+
+
+def _ep_weight(pm, expert: bool) -> float:
+    """What this rank's squares of one gradient count for under ep. Under DDP the total is summed over the ep ranks:
+    an expert's once (each holds its own), every other gradient 1/ep (alike on them). Under FSDP2 it is summed over
+    dp x cp: every other gradient is a disjoint shard (once), an expert's is held alike by dp x cp / ep ranks."""
+    if pm.mesh.ep == 1:
+        return 1.0
+    if pm.sync.sharded:
+        return pm.mesh.ep / (pm.mesh.dp * pm.mesh.cp) if expert else 1.0
+    return 1.0 if expert else 1.0 / pm.mesh.ep
 
 
 def _squares(grad: torch.Tensor, placement: Shard | None, tp: int) -> torch.Tensor:
