@@ -11,8 +11,8 @@ mixture of experts from transformers, built from configs, nothing downloaded):
   (``autoshard.planner.predict``): every dp x tp x pp x cp mesh of W ranks with the option variants
   ``mesh="auto"`` searches (a pipeline with the most microbatches the batch allows, up to 4), and ep for the
   mixture;
-- every rank trains each candidate, taking turns step by step (``zero_grad``, ``step``, AdamW, between barriers),
-  and rank 0 keeps the median step.
+- every rank trains each candidate in turn (``zero_grad``, ``step``, AdamW, between barriers; 2 steps of warm-up,
+  then 5 timed), and rank 0 keeps the median step.
 
 Reported into ``bench/results_planner_<W>.md``: predicted and measured milliseconds, the error, the rank of each
 candidate by prediction and by measurement, and whether the predicted best is the measured best (or within 3% of
@@ -73,8 +73,8 @@ def build(name: str):
 
 
 def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
-    """Every mesh with the option variants ``mesh="auto"`` searches (ring and all-to-all attention under cp, ZB-H1
-    for a pipeline, which runs the most microbatches the batch allows up to 4), and ep for the mixture."""
+    """Every mesh with the option variants ``mesh="auto"`` searches (ring and all-to-all attention under cp; a
+    pipeline runs the most microbatches the batch allows, up to 4), and ep for the mixture."""
     from autoshard.api import _variants
     from autoshard.mesh import _meshes_of
     from autoshard.options import CompileOptions
@@ -87,7 +87,6 @@ def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
         if mesh.pp > 1:
             base["microbatches"] = max(m for m in (1, 2, 4) if (BATCH // mesh.dp) % m == 0)
         variants = _variants(mesh, CompileOptions(), CompileOptions())
-        variants += [{"schedule": "zb-h1"}] if mesh.pp > 1 else []
         out += [(mesh, {**base, **variant}) for variant in variants]
         if moe and mesh.dp > 1 and mesh.pp == 1 and mesh.cp == 1:
             out.append((autoshard.Mesh(dp=mesh.dp, tp=mesh.tp, ep=mesh.dp), {}))
@@ -95,19 +94,17 @@ def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
 
 
 def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[float]:
+    """Each candidate alone, one after another (a runner built, warmed up, timed and dropped: 30 candidates'
+    models and optimizer states held at once would measure the memory more than the mesh), rank 0's median."""
     from models import hf_token_loss
 
-    runners = []
+    medians = []
     for mesh, opts in choices:
         pm = autoshard.parallelize(copy.deepcopy(model), mesh, example_inputs=(tokens,), loss_fn=hf_token_loss,
                                    target=target, groups=mesh.create_groups(), **opts)
-        runners.append((pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)))
-    times: list[list[float]] = [[] for _ in runners]
-    for index in range(warmup + steps):
-        order = list(range(len(runners)))
-        shift = index % len(order)
-        for i in order[shift:] + order[:shift]:
-            pm, opt = runners[i]
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        times = []
+        for index in range(warmup + steps):
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()
@@ -115,8 +112,10 @@ def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[flo
             opt.step()
             dist.barrier()
             if index >= warmup:
-                times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+                times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+        del pm, opt
+    return medians
 
 
 def main() -> None:

@@ -165,7 +165,7 @@ def test_the_ranking_and_why_the_winner_wins_are_explained(gpt, tmp_path):
                                              loss_fn=case.loss_fn, target=case.target, world_size=2)
     assert mesh == ranking[0].mesh and options.planner_profile == str(path)
     labels = [p.label() for p in ranking]
-    assert any("microbatches=4" in label and "schedule=zb-h1" in label for label in labels), labels  # searched
+    assert any("microbatches=4" in label for label in labels), labels  # searched for the pipeline
     lines = planner_ranking(ranking, options)
     assert lines[0].startswith("mesh='auto' from the profile") and lines[1].startswith("  1. ")
     assert len(lines) == 7 and lines[-1].startswith("  why: ") and "ms more" in lines[-1]
