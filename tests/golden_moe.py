@@ -38,6 +38,14 @@ def _groups(named, decay: float = 0.1) -> list[dict]:
             {"params": [p for n, p in named if not (p.dim() >= 2 and "norm" not in n)], "weight_decay": 0.0}]
 
 
+def _differing_gradients(pm, reference) -> dict[str, float]:
+    """Each gradient of ``pm`` (gathered to full shape) beyond the tolerance of the reference's: its largest
+    difference."""
+    grads = pm.gradients()
+    return {n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+            if not torch.allclose(grads[n], p.grad, **TOL)}
+
+
 def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: int = 2, **options) -> dict:
     """AdamW with weight-decay groups built from ``named_parameters()``, ``accumulate`` ``step()`` calls per optimizer
     step over padded batches with their ``attention_mask``, global-norm clipping: every call's loss and every
@@ -63,9 +71,7 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
             worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
         norm = pm.clip_grad_norm_(1.0)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        grads = pm.gradients()
-        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
-                          if not torch.allclose(grads[n], p.grad, **TOL)})
+        bad_grads.update(_differing_gradients(pm, reference))
         opt.step()
         ref_opt.step()
     full = pm.full_parameters()
@@ -100,9 +106,7 @@ def router_loss_local(name: str, mesh_kwargs: dict, *, steps: int = 2, **options
                                                                   target.chunk(parts), strict=True)) / parts
         ref.backward()
         worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
-        grads = pm.gradients()
-        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
-                          if not torch.allclose(grads[n], p.grad, **TOL)})
+        bad_grads.update(_differing_gradients(pm, reference))
         opt.step()
         ref_opt.step()
     full = pm.full_parameters()
