@@ -50,7 +50,7 @@ def parallelize(
         )
     options = _one_set_of_options(options, option_fields)
     ranking = None
-    if mesh == "auto" and options.planner_profile is not None:
+    if mesh == "auto" and (options.planner_profile is not None or options.calibrate):
         mesh, options, ranking = measured_choice(model, example_inputs, options, loss_fn=loss_fn, target=target,
                                                  announce=True)
     mesh = _mesh(mesh, model, example_inputs, options)
@@ -211,7 +211,11 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
                          "local_batch=True (pass a mesh)")
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    profile = Profile.load(options.planner_profile)
+    if options.calibrate and _device_of(model) != "cpu":
+        raise ValueError("calibrate=True measures CPU processes (gloo, CPU kernels) and this model is on "
+                         f"{_device_of(model)}: pass a mesh, or mesh='auto' without calibrate to plan on the "
+                         "GPU presets")
+    profile = _calibrated(world_size, options) if options.calibrate else Profile.load(options.planner_profile)
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
     default = CompileOptions()
@@ -235,8 +239,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
     best, chosen = found[0]
     if announce and _rank() == 0:
-        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from the profile "
-              f"{options.planner_profile}", flush=True)
+        print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from "
+              f"{_profile_source(options)}", flush=True)
     return best.mesh, dataclasses.replace(chosen, planner_profile=options.planner_profile), ranking
 
 
@@ -249,6 +253,22 @@ def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> l
     if mesh.cp > 1 and options.cp_attention == default.cp_attention and not options.cp_load_balance:
         variants += [{"cp_attention": "ring", "cp_load_balance": True}, {"cp_attention": "alltoall"}]
     return variants
+
+
+def _calibrated(world_size: int, options: CompileOptions):
+    """This job's profile: its ranks measured together (the process group initialised from torchrun's environment
+    when nothing has), rank 0's numbers on every rank, so every rank chooses alike."""
+    from autoshard.planner.profile import calibrate
+
+    if world_size > 1 and not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise RuntimeError(f"calibrate=True on {world_size} ranks needs the ranks: launch with torchrun")
+        dist.init_process_group("gloo", timeout=options.timeout, **_restarted_store(options.timeout))
+    return calibrate()
+
+
+def _profile_source(options: CompileOptions) -> str:
+    return "a calibration of this job's ranks" if options.calibrate else f"the profile {options.planner_profile}"
 
 
 def _changed(options: CompileOptions, before: CompileOptions, names: tuple[str, ...]) -> dict:

@@ -55,7 +55,9 @@ def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5)
     """``mesh="auto"`` with a profile: the ``top`` fastest predictions, and what the winner gains over the next."""
     if not ranking:
         return []
-    lines = [f"mesh='auto' from the profile {options.planner_profile}: the {min(top, len(ranking))} fastest of "
+    from autoshard.api import _profile_source
+
+    lines = [f"mesh='auto' from {_profile_source(options)}: the {min(top, len(ranking))} fastest of "
              f"{len(ranking)} predicted steps"]
     lines += [f"  {i}. {prediction}" for i, prediction in enumerate(ranking[:top], 1)]
     if len(ranking) > 1 and ranking[1].error is None:

@@ -107,6 +107,9 @@ class CompileOptions:
         the model for every mesh of the world size (in this process, without process groups) and takes the one
         whose step, predicted node by node from the profile, is fastest (``autoshard.planner.predict``). Without
         it, ``mesh="auto"`` reads the model as a transformer and plans it on the default GPU's formulas.
+    calibrate: with ``mesh="auto"``, measure the job's own ranks first (``autoshard.planner.profile.calibrate``,
+        about 8 s on 2 CPU ranks: every rank at once, rank 0's numbers broadcast) and choose from that profile as
+        from ``planner_profile``.
     detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
         NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
         ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
@@ -134,6 +137,7 @@ class CompileOptions:
     batch_norm: str = "unsharded"
     batch_statistics: str = "unsharded"
     planner_profile: str | None = None  # a profile ``autoshard calibrate`` wrote: mesh="auto" predicts from it
+    calibrate: bool = False  # mesh="auto" measures this job's ranks first and predicts from that
     compile: bool = False
     detect_anomaly: bool = False
 
@@ -155,7 +159,7 @@ class CompileOptions:
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
         for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile",
-                     "detect_anomaly"):
+                     "detect_anomaly", "calibrate"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "sequence_parallel" and value == "auto"):
                 raise ValueError(f"{name}={value!r} is not valid: pass True or False"

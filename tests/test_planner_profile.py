@@ -191,3 +191,23 @@ def test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose(pools, tmp
         assert result["ok"], (rank, result["report"])
         assert result["mesh"] == autoshard.Mesh(pp=2), result["mesh"]
         assert "mesh='auto' from the profile" in result["explain"]
+
+
+def _auto_calibrated() -> dict:
+    from autoshard.verify import compare
+
+    case, reference = build("llama"), build("llama").model
+    pm = autoshard.parallelize(case.model, "auto", example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, calibrate=True)
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
+    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "explain": pm.explain()}
+
+
+def test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose(pools):
+    """``calibrate=True``: the job's 2 ranks measure this machine together, rank 0's profile reaches both, and both
+    take the same mesh from it."""
+    results = pools.get(2).run(_auto_calibrated, timeout=300)
+    assert results[0]["mesh"] == results[1]["mesh"]
+    for rank, result in enumerate(results):
+        assert result["ok"], (rank, result["report"])
+        assert "mesh='auto' from a calibration of this job's ranks" in result["explain"]
