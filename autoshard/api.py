@@ -211,6 +211,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
                          "local_batch=True (pass a mesh)")
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    from autoshard.explain import profile_source
+
     if options.calibrate and _device_of(model) != "cpu":
         raise ValueError("calibrate=True measures CPU processes (gloo, CPU kernels) and this model is on "
                          f"{_device_of(model)}: pass a mesh, or mesh='auto' without calibrate to plan on the "
@@ -240,7 +242,7 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
     best, chosen = found[0]
     if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from "
-              f"{_profile_source(options)}", flush=True)
+              f"{profile_source(options)}", flush=True)
     return best.mesh, dataclasses.replace(chosen, planner_profile=options.planner_profile), ranking
 
 
@@ -265,10 +267,6 @@ def _calibrated(world_size: int, options: CompileOptions):
             raise RuntimeError(f"calibrate=True on {world_size} ranks needs the ranks: launch with torchrun")
         dist.init_process_group("gloo", timeout=options.timeout, **_restarted_store(options.timeout))
     return calibrate()
-
-
-def _profile_source(options: CompileOptions) -> str:
-    return "a calibration of this job's ranks" if options.calibrate else f"the profile {options.planner_profile}"
 
 
 def _changed(options: CompileOptions, before: CompileOptions, names: tuple[str, ...]) -> dict:

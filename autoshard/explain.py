@@ -51,13 +51,16 @@ def _header(model: nn.Module, mesh: Mesh, rank: int) -> list[str]:
     return lines
 
 
+def profile_source(options: CompileOptions) -> str:
+    """Where ``mesh="auto"``'s measured costs came from."""
+    return "a calibration of this job's ranks" if options.calibrate else f"the profile {options.planner_profile}"
+
+
 def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5) -> list[str]:
     """``mesh="auto"`` with a profile: the ``top`` fastest predictions, and what the winner gains over the next."""
     if not ranking:
         return []
-    from autoshard.api import _profile_source
-
-    lines = [f"mesh='auto' from {_profile_source(options)}: the {min(top, len(ranking))} fastest of "
+    lines = [f"mesh='auto' from {profile_source(options)}: the {min(top, len(ranking))} fastest of "
              f"{len(ranking)} predicted steps"]
     lines += [f"  {i}. {prediction}" for i, prediction in enumerate(ranking[:top], 1)]
     if len(ranking) > 1 and ranking[1].error is None:
