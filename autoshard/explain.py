@@ -272,7 +272,7 @@ def _pipeline_rows(build, index: int, stage: str) -> list[tuple]:
                                       "send", "recv")):
         if not specs or peer == here:  # the V's tip hands over in memory
             continue
-        size = format_bytes(_spec_bytes(specs))
+        size = format_bytes(spec_bytes(specs))
         rows.append((stage, "pp", "forward", there, f"activations {'from' if there == 'recv' else 'to'} pp rank "
                      f"{peer}", "1", size))
         if build.training:
@@ -392,7 +392,7 @@ def _specs(specs: list) -> str:
     return ", ".join(f"{_shape(s.shape)} {str(s.dtype).removeprefix('torch.')}" for s in specs)
 
 
-def _spec_bytes(specs: list) -> int:
+def spec_bytes(specs: list) -> int:
     return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
 
 

@@ -26,7 +26,8 @@ import torch
 from torch import fx, nn
 
 from autoshard import batching, cost, meta
-from autoshard.mesh import Mesh, _meshes_of
+from autoshard.explain import spec_bytes
+from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.planner.profile import Profile
 
@@ -225,7 +226,7 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
 
     p, v, m = mesh.pp, options.chunks, options.microbatches
     slowest = max(c + k for c, k in stage_times)
-    sent = max(sum(_spec_bytes(specs[1]) for specs in build.local_specs.values()) for build in builds)
+    sent = max(sum(spec_bytes(specs[1]) for specs in build.local_specs.values()) for build in builds)
     send = profile.collective_time("send_recv", 2, sent / max(1, len(builds[0].local_specs))) if sent else 0.0
     name = str(options.schedule)
     actions = schedules.schedule(name, p, m, v)
@@ -235,31 +236,3 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
     if busy * crowd > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a
         return {"compute": busy * crowd, "bubble": 0.0}  # rank idle in the bubble gives its core to the others)
     return {"compute": busy, "bubble": sim.makespan - busy}
-
-
-def _spec_bytes(specs) -> int:
-    return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs)
-
-
-def candidates(world_size: int, *, batch: int, microbatches: tuple[int, ...] = (1, 2, 4)) -> list[tuple[Mesh, dict]]:
-    """Every mesh of ``world_size`` ranks (dp, tp, pp, cp), a pipeline with each microbatch count the batch allows."""
-    out = []
-    for mesh in _meshes_of(world_size):
-        counts = [m for m in microbatches if batch % (mesh.dp * m) == 0] if mesh.pp > 1 else [1]
-        if batch % mesh.dp:
-            continue
-        for m in counts:
-            out.append((mesh, {"microbatches": m} if m > 1 else {}))
-    return out
-
-
-def search(model: nn.Module, inputs: tuple, *, loss_fn, target: torch.Tensor, profile: Profile,
-           world_size: int | None = None, choices: list[tuple[Mesh, dict]] | None = None) -> list[Prediction]:
-    """Every candidate's prediction, fastest first (refused ones last, with why)."""
-    world = world_size or profile.world_size
-    compiler = Compiler(model, inputs, target, loss_fn)
-    if choices is None:
-        choices = candidates(world, batch=batching.batch_size(inputs) or 1)
-    found = [predict(compiler, mesh, profile, **opts) for mesh, opts in choices]
-    return sorted(found, key=lambda pr: pr.step)
-
