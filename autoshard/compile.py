@@ -215,7 +215,7 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
         training=captured.with_loss,
         batch_norm=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None)
         if plan.batch_norm_sync else None,
-        ep_plan=plan.ep_plan, ep_rank=coords["dp"] % mesh.ep,
+        ep_plan=plan.ep_plan, ep_rank=mesh.expert_coord(coords),
         ep_group=groups.group("ep") if groups is not None and mesh.ep > 1 else None,
     )
     if mesh.pp == 1:

@@ -152,8 +152,9 @@ def _experts(build) -> list[str]:
     plan = build.plan.ep_plan
     if plan is None:
         return []
-    ep_rank = build.coords["dp"] % plan.size
-    lines = [f"expert-parallel plan over ep={plan.size} (carved from dp={build.mesh.dp}): {len(plan.layers)} "
+    ep_rank = build.mesh.expert_coord(build.coords)
+    carved = f"dp x cp = {build.mesh.dp} x {build.mesh.cp}" if build.mesh.cp > 1 else f"dp={build.mesh.dp}"
+    lines = [f"expert-parallel plan over ep={plan.size} (carved from {carved}): {len(plan.layers)} "
              f"layer(s) of experts split; rank {build.rank} is ep rank {ep_rank}"]
     for layer in plan.layers:
         per = layer.experts // plan.size
@@ -303,7 +304,7 @@ def _per_step(build) -> list[str]:
             lines.append(f"per step: all-reduce (sum) of this rank's gradients over {data} ranks ({over}): "
                          f"{grads}, {how}")
         if experts:
-            replicas = mesh.dp // mesh.ep * mesh.cp
+            replicas = mesh.expert_replicas
             held = format_bytes(sum(math.prod(build.stored_shape(n)) * q.element_size() for program in
                                     build.programs.values() for n, q in program.gm.named_parameters() if n in experts))
             lines.append(f"per step: the experts' gradients ({held}) " + (

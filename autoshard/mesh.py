@@ -89,9 +89,11 @@ def _check_degree(axis: str, value: object) -> None:
 class Mesh:
     """Degrees of the four parallel axes; ``world_size`` is their product. See the module docstring.
 
-    ``ep`` (expert parallelism) is carved from dp, as torchtitan carves it: the dp ranks form groups of ``ep``
-    consecutive dp coordinates, each rank of a group holding ``1/ep`` of every mixture's experts, while every other
-    layer stays data parallel over all of dp. It adds no ranks, so ``ep`` must divide ``dp``.
+    ``ep`` (expert parallelism) is carved from dp x cp, as torchtitan carves it: the dp x cp ranks, numbered
+    ``cp * dp_degree + dp`` (dp fastest), form groups of ``ep`` consecutive numbers, each rank of a group holding
+    ``1/ep`` of every mixture's experts, while every other layer stays data and context parallel over all of them.
+    Where ``ep`` divides dp, a group is consecutive dp coordinates at one cp coordinate; a larger ``ep`` takes cp
+    coordinates too. It adds no ranks, so ``ep`` must divide ``dp x cp``.
     """
 
     dp: int = 1
@@ -103,12 +105,13 @@ class Mesh:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_degree(f.name, getattr(self, f.name))
-        if self.dp % self.ep:
-            fits = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+        if (self.dp * self.cp) % self.ep:
+            shared = self.dp * self.cp
+            fits = [d for d in range(1, shared + 1) if shared % d == 0]
             raise ValueError(
-                f"ep={self.ep} does not divide dp={self.dp}: expert parallelism splits the experts over groups of "
-                f"data-parallel ranks (it adds no ranks of its own), so ep must divide dp; use ep in {fits}, or "
-                f"dp={self.ep * max(1, self.dp // self.ep)} with more ranks")
+                f"ep={self.ep} does not divide dp x cp = {self.dp} x {self.cp}: expert parallelism splits the experts "
+                f"over groups of data- and context-parallel ranks (it adds no ranks of its own), so ep must divide "
+                f"dp x cp; use ep in {fits}, or dp={self.ep * max(1, self.dp // self.ep)} with more ranks")
 
     def __str__(self) -> str:
         ep = f", ep={self.ep}" if self.ep > 1 else ""
@@ -174,18 +177,39 @@ class Mesh:
             result.append([self.rank_of(**base, dp=d, cp=c) for d in range(self.dp) for c in range(self.cp)])
         return result
 
+    @property
+    def expert_replicas(self) -> int:
+        """How many ranks hold each expert alike (``dp x cp / ep``; each one's group in ``expert_replica_groups``)."""
+        return self.dp * self.cp // self.ep
+
+    def expert_coord(self, coords: Mapping[str, int]) -> int:
+        """The ep coordinate of the rank at ``coords``: its place in its ep group."""
+        rank = self.rank_of(**{axis: coords[axis] for axis in AXES})
+        return self.expert_group_of(rank).index(rank)
+
     def expert_groups(self) -> list[list[int]]:
-        """The groups of ``ep`` ranks that split the experts among them: the same pp, cp and tp coordinates, dp
-        coordinates ``b * ep .. b * ep + ep - 1``, ordered by their ep coordinate (``dp % ep``)."""
-        return [[self.rank_of(pp=p, dp=b * self.ep + e, cp=c, tp=t) for e in range(self.ep)]
-                for p in range(self.pp) for b in range(self.dp // self.ep) for c in range(self.cp)
-                for t in range(self.tp)]
+        """The groups of ``ep`` ranks that split the experts among them: the same pp and tp coordinates, numbers
+        ``b * ep .. b * ep + ep - 1`` in dp x cp (``cp * dp_degree + dp``). Each is ordered by rank, as a process
+        group orders its members, and a rank's place in it is its ep coordinate (which experts it holds)."""
+        def rank(number: int, p: int, t: int) -> int:
+            cp, dp = divmod(number, self.dp)
+            return self.rank_of(pp=p, dp=dp, cp=cp, tp=t)
+
+        return [sorted(rank(b * self.ep + e, p, t) for e in range(self.ep))
+                for p in range(self.pp) for b in range(self.dp * self.cp // self.ep) for t in range(self.tp)]
 
     def expert_replica_groups(self) -> list[list[int]]:
-        """The ranks holding the same experts (the same pp and tp coordinates, the same ``dp % ep``; every cp and
-        ``dp // ep``): they sum their experts' gradients, as ``data_groups`` do for every other parameter."""
-        return [[self.rank_of(pp=p, dp=b * self.ep + e, cp=c, tp=t) for b in range(self.dp // self.ep)
-                 for c in range(self.cp)] for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+        """The ranks holding the same experts (the same pp and tp coordinates and ep coordinate): they sum their
+        experts' gradients, as ``data_groups`` do for every other parameter."""
+        by_pp_tp: dict[tuple[int, int], list[list[int]]] = {}
+        for group in self.expert_groups():
+            first = self.coords(group[0])
+            by_pp_tp.setdefault((first["pp"], first["tp"]), []).append(group)
+        return [[group[e] for group in groups] for groups in by_pp_tp.values() for e in range(self.ep)]
+
+    def expert_group_of(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s ep group, ordered by their ep coordinate."""
+        return next(group for group in self.expert_groups() if rank in group)
 
     def group_of(self, axis: str, rank: int) -> list[int]:
         """The ranks of ``rank``'s group along ``axis``, ordered by their ``axis`` coordinate."""

@@ -70,14 +70,22 @@ def test_an_ep_degree_that_does_not_divide_the_experts_is_refused_with_those_tha
         plan_expert_parallel(captured.gm, 3)
 
 
-def test_ep_is_carved_from_dp():
-    with pytest.raises(ValueError, match=r"ep=4 does not divide dp=2.*use ep in \[1, 2\]"):
+def test_ep_is_carved_from_dp_then_cp():
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp x cp = 2 x 1.*use ep in \[1, 2\]"):
         autoshard.Mesh(dp=2, ep=4)
     mesh = autoshard.Mesh(dp=4, tp=2, ep=2)
     assert mesh.world_size == 8 and str(mesh) == "Mesh(dp=4, tp=2, pp=1, cp=1, ep=2)"
     assert mesh.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # consecutive dp coordinates, one tp rank
     assert mesh.expert_replica_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts
     assert autoshard.Mesh.parse("dp=2,ep=2") == autoshard.Mesh(dp=2, ep=2)
+    mesh = autoshard.Mesh(dp=2, cp=2, ep=2)  # ep divides dp: the cp ranks hold the same experts
+    assert mesh.expert_groups() == [[0, 2], [1, 3]] and mesh.expert_replica_groups() == [[0, 1], [2, 3]]
+    mesh = autoshard.Mesh(dp=2, cp=2, ep=4)  # ep takes the cp ranks too; each group is ordered as its process group
+    assert mesh.expert_groups() == [[0, 1, 2, 3]]
+    assert [mesh.expert_coord(mesh.coords(r)) for r in range(4)] == [0, 1, 2, 3]
+    assert autoshard.Mesh(cp=2, ep=2).expert_groups() == [[0, 1]]
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp x cp = 1 x 2.*use ep in \[1, 2\]"):
+        autoshard.Mesh(cp=2, ep=4)
 
 
 def test_a_rank_program_routes_its_tokens_and_holds_half_of_every_stack():
@@ -130,8 +138,16 @@ def test_experts_summed_over_the_ranks_that_hold_them_alike(pools):
     assert found.status == "exact", found.text()
 
 
-def test_ep_with_context_parallelism(pools):
-    found = cells.outcome(pools.get(4).run(cells.run_cell, "qwen3_moe", {"dp": 2, "ep": 2, "cp": 2}))
+EP_WITH_CP = [("qwen3_moe", {"dp": 2, "ep": 2, "cp": 2}), ("mixtral", {"cp": 2, "ep": 2}),
+              ("mixtral", {"dp": 2, "cp": 2, "ep": 4})]
+
+
+@pytest.mark.parametrize("name,mesh", EP_WITH_CP, ids=["dp2xcp2xep2", "cp2xep2", "dp2xcp2xep4"])
+def test_ep_with_context_parallelism(pools, name, mesh):
+    """ep within dp (the cp ranks hold the same experts), and ep carved from cp (the sequence's parts send their
+    tokens to each other's experts)."""
+    world = mesh.get("dp", 1) * mesh.get("cp", 1)
+    found = cells.outcome(pools.get(world).run(cells.run_cell, name, mesh))
     assert found.status == "exact", found.text()
 
 

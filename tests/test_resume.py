@@ -157,6 +157,8 @@ EP_PAIRS = [
     ("ep2-to-ep4", {"dp": 2, "ep": 2}, {"dp": 4, "ep": 4}),
     ("ep2-to-tp2", {"dp": 2, "ep": 2}, {"tp": 2}),
     ("tp2-to-ep2xtp2", {"tp": 2}, {"dp": 2, "ep": 2, "tp": 2}),
+    ("cp2xep2-to-ep2", {"cp": 2, "ep": 2}, {"dp": 2, "ep": 2}),
+    ("dp2xcp2xep4-to-tp2", {"dp": 2, "cp": 2, "ep": 4}, {"tp": 2}),
 ]
 
 

@@ -74,7 +74,8 @@ FULL_ONLY = {
     **{f"tests/test_expert_parallel.py::{test}": "the ep2 goldens (the same programs) and the axis's own goldens"
        for test in ("test_a_router_loss_is_exact_where_the_batch_stays_whole[tp2]",
                     "test_a_router_loss_is_exact_where_the_batch_stays_whole[cp2]",
-                    "test_bf16_autocast_over_experts_split_by_ep", "test_ep_with_context_parallelism",
+                    "test_bf16_autocast_over_experts_split_by_ep", "test_ep_with_context_parallelism[dp2xcp2xep2]",
+                    "test_ep_with_context_parallelism[dp2xcp2xep4]",
                     "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2xtp2]")},
     "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
         "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
@@ -83,7 +84,10 @@ FULL_ONLY = {
     "tests/test_expert_parallel.py::test_a_router_loss_computed_on_each_part_with_local_batch_statistics[dp2-m2]":
         "the ep2 cell (the same option; dp's and microbatches' loss averaging is the plain dp golden's)",
     **{f"tests/test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/gpt_oss-{pair}]":
-       "the same moves of Mixtral's experts" for pair in ("ep2-to-ep4", "ep2-to-tp2", "tp2-to-ep2xtp2")},
+       "the same moves of Mixtral's experts" for pair in ("ep2-to-ep4", "ep2-to-tp2", "tp2-to-ep2xtp2",
+                                                          "cp2xep2-to-ep2", "dp2xcp2xep4-to-tp2")},
+    "tests/test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/mixtral-dp2xcp2xep4-to-tp2]":
+        "the cp2xep2-to-ep2 cell (experts carved from cp, written by their ep coordinate)",
     "tests/test_pretrained.py::test_save_pretrained_loads_exactly_with_from_pretrained[gpt_oss-dp2xep2xpp2]":
         "Mixtral's experts gathered from ep2 x tp2 (the same assembly, over tp as well)",
     "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[500]":

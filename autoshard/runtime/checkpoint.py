@@ -500,10 +500,8 @@ def _ep_tp_mesh(pm):
     """A DeviceMesh (ep, tp) of the ranks that split this rank's experts and their tp shards (ep alone at tp=1)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    c = pm.groups.coords
-    first = c["dp"] - c["dp"] % pm.mesh.ep
-    rows = [[pm.mesh.rank_of(pp=c["pp"], dp=first + e, cp=c["cp"], tp=t) for t in range(pm.mesh.tp)]
-            for e in range(pm.mesh.ep)]
+    rows = [[pm.mesh.rank_of(**{**pm.mesh.coords(peer), "tp": t}) for t in range(pm.mesh.tp)]
+            for peer in pm.mesh.expert_group_of(pm.groups.rank)]
     if pm.mesh.tp == 1:
         return DeviceMesh.from_group(pm.groups.group("ep"), pm.device.type)
     groups = [pm.groups.group("ep"), pm.groups.group("tp")]

@@ -67,7 +67,7 @@ class ParallelModel(nn.Module):
         self.sync = gradient_sync(self.replica, data_parallel=options.data_parallel, ranks=mesh.dp * mesh.cp,
                                   group=groups.group("data") if groups is not None and mesh.dp * mesh.cp > 1 else None,
                                   pipeline=self.pipeline, device_type=self.device.type)
-        if groups is not None and mesh.ep > 1 and mesh.dp // mesh.ep * mesh.cp > 1:
+        if groups is not None and mesh.ep > 1 and mesh.expert_replicas > 1:
             self.sync.experts_group = groups.group("ep_replicas")
         self._check_batch(example_inputs)
         if target is not None:

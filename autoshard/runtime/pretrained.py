@@ -111,7 +111,7 @@ def load_pretrained(pm, directory: str) -> int:
         for key, target, param, placement in plan:
             if target in pm.experts:  # this ep rank's experts (rows of dim 0), then their tp part
                 per = pm.full_shape(target)[0] // pm.mesh.ep
-                first = pm.coord("dp") % pm.mesh.ep * per
+                first = pm.mesh.expert_coord(pm.groups.coords) * per
                 local = _local_experts(sliced(key), first, per, placement, tp_rank, tp)
             else:
                 local = _read_part(sliced(key), placement, tp_rank, tp)
@@ -291,12 +291,8 @@ def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tenso
     plan = pm.plan
     placement = plan.params[target].placement if plan is not None and target in plan.params else None
     placement = placement if isinstance(placement, Shard) else None
-    if target in pm.experts:  # ep rank e holds experts [e * per, (e + 1) * per): rows of the whole, from its tp group
-        ep, coords = pm.mesh.ep, pm.mesh.coords(holders[target])
-        first = coords["dp"] - coords["dp"] % ep
-        holders_e = [pm.mesh.rank_of(**{**coords, "dp": first + e}) for e in range(ep)]
-    else:
-        holders_e = [holders[target]]
+    # ep rank e holds experts [e * per, (e + 1) * per): rows of the whole, from its tp group
+    holders_e = pm.mesh.expert_group_of(holders[target]) if target in pm.experts else [holders[target]]
     groups = [pm.mesh.group_of("tp", h) if placement is not None else [h] for h in holders_e]
     if rank != 0:
         if any(rank in senders for senders in groups):

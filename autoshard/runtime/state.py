@@ -317,7 +317,7 @@ def rank_part(pm, target: str, full: torch.Tensor, placement: Shard | None) -> t
     """This rank's part of parameter ``target``'s full tensor (or of a tensor laid out as it): its tp shard, then,
     for a stack of experts split over ep, its ep rank's experts."""
     local = _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
-    return expert_part(local, pm.coord("dp") % pm.mesh.ep, pm.mesh.ep) if target in pm.experts else local
+    return expert_part(local, pm.mesh.expert_coord(pm.groups.coords), pm.mesh.ep) if target in pm.experts else local
 
 
 def fsdp_part(like, tp_local: torch.Tensor) -> torch.Tensor:
