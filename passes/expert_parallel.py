@@ -131,9 +131,12 @@ def _layer(gm: fx.GraphModule, offsets: fx.Node, matmuls: list[fx.Node]) -> tupl
         return None, "a grouped matmul's weight is not a stack of expert matrices held as one parameter"
     if any(_shape(s)[0] != experts for s in stacks):
         return None, "a stack's experts differ in number from the offsets' entries"
-    sorts = {a for a in _ancestors(offsets) if a.target in _SORTS}
+    # The routing's sort: of the ids the offsets count (transformers), or of the rows' order (torchtitan sorts the
+    # rows by expert and counts the ids apart, with histc)
+    routed = _ancestors(offsets).union(*(_ancestors(m.args[0]) for m in matmuls))
+    sorts = {a for a in routed if a.target in _SORTS}
     if not sorts:
-        return None, "the offsets do not come from a sort of the routed expert ids"
+        return None, "neither the offsets nor the rows come from a sort of the routed expert ids"
     segment = _segment(matmuls)
     rows = _shape(matmuls[0].args[0])[0]
     why = _row_local(segment, matmuls, offsets, rows, sorts)

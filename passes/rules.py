@@ -356,6 +356,22 @@ def _index_add(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p, {v: p for v in (x, source) if ctx.of(v) != p})
 
 
+@rule(aten.scatter_add.default)
+def _scatter_add(node: fx.Node, ctx: Context) -> Decision:
+    """``x.scatter_add(dim, index, source)`` (torchtitan's experts' outputs added back at their tokens' rows, onto the
+    shared expert's): ``x`` plus ``source`` placed by ``index``, linear in ``(x, source)`` together. Pending sums of
+    both stay one pending sum, reduced once after (each rank's ``x`` and ``source`` a summand); a pending ``source``
+    added into zeros stays pending too. Any other pending sum is reduced first; a split replicates."""
+    x, index, source = node.args[0], node.args[2], node.args[3]
+    px, ps = ctx.of(x), ctx.of(source)
+    if ctx.axis.pending_sums and isinstance(ps, Partial) and ctx.of(index) == R and (
+            isinstance(px, Partial) or (isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1)):
+        return Decision(Partial())
+    if any(isinstance(ctx.of(v), Shard) for v in (x, index, source) if isinstance(v, fx.Node)):
+        return replicate_all(node, ctx)
+    return Decision(R, {v: R for v in (x, source) if isinstance(v, fx.Node) and isinstance(ctx.of(v), Partial)})
+
+
 def is_table_lookup(node: fx.Node) -> bool:
     """``table[ids]`` of a 2-D parameter by one tensor of integer ids: an embedding lookup (Whisper's positions)."""
     if node.target is not aten.index.Tensor:

@@ -1,19 +1,27 @@
 """Per-rank checks of expert parallelism driven as a training loop drives a mixture of experts.
 
 Each function runs on every rank of a worker pool (``launcher.py``) and returns plain data. The model is a corpus
-architecture (transformers' own MoE, built tiny); the reference is the same model trained in one process.
+architecture (transformers' own MoE, built tiny) or ``zoo/moe`` (the zoo's torchtitan-style one, whose forward
+takes the ids alone: its padded rows are ignored by the targets only); the reference is the same model trained in
+one process.
 """
 
 from __future__ import annotations
 
 import torch
-from corpus import build
+from corpus import build as build_corpus
 
 import autoshard
 
+import models
 from golden import groups_for
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def build(name: str, *, seed: int = 0):
+    zoo = name.removeprefix("zoo/")
+    return models.build(zoo, seed=seed) if zoo != name else build_corpus(name, seed=seed)
 # AdamW divides each gradient by the root of its running square: an element whose gradient is rounding-sized (an
 # expert that few tokens reached) moves by up to lr either way, whatever its size. Parameters after AdamW steps are
 # compared within 2% of lr per step (tp=2 alone, without ep, differs by 1.3e-5 after 3 steps at lr 1e-3); the
@@ -52,9 +60,10 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
     parameter after ``steps`` optimizer steps, against the model trained in one process."""
     case, reference = build(name), build(name).model
     ids, mask, target = _padded(case)
+    masked = not name.startswith("zoo/")
     mesh = autoshard.Mesh(**mesh_kwargs)
-    pm = autoshard.parallelize(case.model, mesh, example_inputs=(ids, mask), loss_fn=case.loss_fn, target=target,
-                               groups=groups_for(mesh), **options)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=(ids, mask)[:1 + masked], loss_fn=case.loss_fn,
+                               target=target, groups=groups_for(mesh), **options)
     opt = torch.optim.AdamW(_groups(pm.named_parameters()), lr=LR)
     ref_opt = torch.optim.AdamW(_groups(reference.named_parameters()), lr=LR)
     gen = torch.Generator().manual_seed(5)
@@ -64,7 +73,7 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
         ref_opt.zero_grad()
         for _ in range(accumulate):
             shuffled = torch.randperm(ids.shape[0], generator=gen)
-            batch = (ids[shuffled], mask[shuffled])
+            batch = (ids[shuffled], mask[shuffled])[:1 + masked]
             loss = pm.step(*batch, target=target[shuffled], loss_scale=1 / accumulate)
             ref = case.loss_fn(reference(*batch), target[shuffled]) / accumulate
             ref.backward()

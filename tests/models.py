@@ -11,6 +11,11 @@ eagerly, so the zoo covers the patterns a parallelizing compiler has to get righ
   untied LM head.
 - ``bert``: BERT-style encoder. Positions and token types sliced from registered buffers, post-LayerNorm
   blocks, bidirectional attention written out as matmul -> scale -> softmax -> matmul, MLM head.
+- ``moe``: torchtitan-style mixture of experts in a Llama decoder. A router (softmax, top-2 of 8 experts),
+  tokens sorted by expert with ``argsort`` and counted with ``histc``, the scores applied before the experts,
+  three stacks of expert matrices (experts, out, in) read transposed through a grouped matmul (an op of
+  ``torch._grouped_mm``'s signature that runs in any dtype, as torchtitan falls back to on CPU), a shared
+  expert, and the rows summed back with ``scatter_add``.
 - ``mlp``: three linears on (batch, features), MSE loss.
 - ``hf_gpt2``, ``hf_llama``: HuggingFace transformers models from tiny configs (no downloads). GPT-2's
   Conv1D stores weights (in, out) and ties its LM head; Llama uses GQA repeated by expand + reshape.
@@ -27,6 +32,8 @@ head dim              12
 hidden                48  = heads * head dim
 vocab                 80  divisible by 2, 4 and 8 (vocab-parallel)
 ffn                  128  also the MLP's first hidden width
+experts                8  each expert's hidden width 40, the shared expert's 56 (multiples of 4: grouped
+                          matmuls want rows of 16 bytes); top-2
 max positions         32  size of position tables and buffers, longer than the sequence
 =================  =====  ===========================================================
 
@@ -53,8 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ZOO_NAMES = ("gpt", "llama", "bert", "mlp", "hf_gpt2", "hf_llama")
-DECODERS = ("gpt", "llama", "hf_gpt2", "hf_llama")
+ZOO_NAMES = ("gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama")
+DECODERS = ("gpt", "llama", "moe", "hf_gpt2", "hf_llama")
 
 # The pairwise-distinct sizes documented above.
 BATCH = 8
@@ -69,6 +76,10 @@ MAX_POS = 32
 N_LAYER = 2
 MLP_IN = 20
 MLP_OUT = 24
+EXPERTS = 8
+TOP_K = 2
+EXPERT_FFN = 40
+SHARED_FFN = 56
 
 IGNORE_INDEX = -100
 
@@ -328,6 +339,115 @@ class LlamaStyle(nn.Module):
         return self.lm_head(self.norm(x))  # (B, T, vocab)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Mixture of experts, torchtitan-style
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k: each token's k best experts, their softmax scores, and each expert's token count."""
+
+    def __init__(self, dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = F.softmax(self.gate(x).float(), dim=1)  # (tokens, experts)
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=1)  # (tokens, k)
+        counts = torch.histc(selected.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+        return top_scores, selected, counts
+
+
+@torch.library.custom_op("zoo::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=offsets)`` for any dtype on CPU (torch's own wants bf16 to be captured there),
+    as torchtitan's experts fall back to a loop: rows ``offsets[e-1]:offsets[e]`` of ``x`` times ``w[e]``."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[e].to(x.dtype)
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):
+    x, w, offsets = ctx.saved_tensors
+    grad_w = torch.zeros_like(w)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        grad_w[e] = (x[start:end].t() @ grad[start:end]).to(w.dtype)
+        start = end
+    return grouped_mm(grad.contiguous(), w.transpose(1, 2), offsets), grad_w, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward,
+                             setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class GroupedExperts(nn.Module):
+    """Every expert's SwiGLU at once: stacks (experts, out, in) read transposed by grouped matmuls over rows sorted
+    by expert, ``offsets`` the cumulative rows per expert."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offsets))
+        h = h * grouped_mm(x, self.w3.transpose(-2, -1), offsets)
+        return grouped_mm(h, self.w2.transpose(-2, -1), offsets)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int = HIDDEN, hidden: int = EXPERT_FFN, experts: int = EXPERTS, top_k: int = TOP_K,
+                 shared: int = SHARED_FFN) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = TopKRouter(dim, experts, top_k)
+        self.experts = GroupedExperts(dim, hidden, experts)
+        self.shared_expert = SwiGLU(LlamaStyleConfig(n_embd=dim, ffn=shared))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)  # (tokens, dim)
+        top_scores, selected, counts = self.router(x)
+        order = torch.argsort(selected.view(-1), stable=True)  # the (token, choice) pairs grouped by expert
+        scores = top_scores.view(-1)[order]
+        token = order // self.top_k
+        routed = (x[token].float() * scores.reshape(-1, 1)).to(x.dtype)  # the scores before the experts
+        routed = self.experts(routed, counts)
+        out = self.shared_expert(x).scatter_add(0, token.reshape(-1, 1).expand(-1, dim), routed)
+        return out.view(bs, slen, dim)
+
+
+class MoEBlock(LlamaStyleBlock):
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__(cfg)
+        self.mlp = MoE(cfg.n_embd)
+
+
+class MoEStyle(LlamaStyle):
+    """The Llama decoder with a mixture of experts in place of every MLP."""
+
+    def __init__(self, cfg: LlamaStyleConfig) -> None:
+        super().__init__(cfg)
+        self.layers = nn.ModuleList([MoEBlock(cfg) for _ in range(cfg.n_layer)])
+        for module in self.layers.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
 def build_llama_model(
     n_layer: int = N_LAYER,
     n_embd: int = HIDDEN,
@@ -550,6 +670,7 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> Zo
     constructors: dict[str, Callable[[], nn.Module]] = {
         "gpt": lambda: GPT(GPTConfig()),
         "llama": lambda: LlamaStyle(LlamaStyleConfig()),
+        "moe": lambda: MoEStyle(LlamaStyleConfig()),
         "bert": lambda: Bert(BertConfig()),
         "mlp": MLP,
         "hf_gpt2": _hf_gpt2,

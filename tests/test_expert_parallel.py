@@ -20,6 +20,9 @@ from autoshard.compile import compile_global_batch
 from autoshard.options import CompileOptions
 from autoshard.passes.expert_parallel import ExpertParallelError, plan_expert_parallel
 
+import golden
+import models
+
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "gpt_oss", "jetmoe")
 MESHES = ("ep2", "ep2xtp2", "dp2xep2xpp2")
 
@@ -130,6 +133,29 @@ def test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process(pools, 
                                                                         steps=2, **options)):
         assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+
+
+ZOO_MESHES = [({"dp": 2, "ep": 2}, 1), ({"dp": 2, "ep": 2, "tp": 2}, 1), ({"dp": 2, "ep": 2, "pp": 2}, 2),
+              ({"dp": 4, "ep": 4}, 1), ({"cp": 2, "ep": 2}, 1)]
+
+
+@pytest.mark.parametrize("mesh,microbatches", ZOO_MESHES, ids=["ep2", "ep2xtp2", "dp2xep2xpp2", "ep4", "cp2xep2"])
+def test_the_zoos_torchtitan_style_experts_split_over_ep_train_exactly(pools, mesh, microbatches):
+    """The zoo's mixture, written as torchtitan writes it (tokens sorted by expert with argsort, counted with histc,
+    the scores applied before the experts, a shared expert, the rows summed back by scatter_add): every layer found,
+    every rank holding 1/ep of each stack, loss, gradients and parameters after SGD steps exact."""
+    world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1) * mesh.get("cp", 1)
+    golden.check(pools.get(world).run(golden.golden, "moe", mesh, microbatches=microbatches), mesh)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
+def test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them(pools, mesh):
+    world = mesh["dp"] * mesh.get("tp", 1)
+    for rank, result in enumerate(pools.get(world).run(golden_moe.training_loop, "zoo/moe", mesh, steps=2)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert all(shape[0] == models.EXPERTS // mesh["ep"] for shape in result["experts"].values()), result["experts"]
+        assert "2 layer(s) of experts split" in result["explain"]
 
 
 def test_experts_summed_over_the_ranks_that_hold_them_alike(pools):

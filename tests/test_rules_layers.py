@@ -397,6 +397,29 @@ def test_experts_row_products_are_summed_once_after_their_combine():
     assert decide(nodes[aten.mul.Tensor], Context(tensor_axis(2), placements)).out == R
 
 
+def test_experts_row_products_scattered_onto_a_pending_shared_expert_are_summed_once():
+    """torchtitan's combine: the experts' rows (a pending sum under tp) scatter-added onto the shared expert's output
+    (a pending sum too, or zeros) stay one pending sum, reduced once after; onto a whole tensor, the rows are summed
+    first; a split operand replicates; only tp leaves sums pending."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.passes.rules import Context, decide
+
+    def combine(shared, rows, index):
+        return aten.scatter_add.default(shared, 0, index, rows), aten.scatter_add.default(
+            aten.zeros.default([4, 6], dtype=torch.float32), 0, index, rows)
+    index = torch.tensor([0, 1, 1, 3, 0]).reshape(-1, 1).expand(-1, 6)
+    gm = make_fx(combine, pre_dispatch=True)(rand(4, 6), rand(5, 6, seed=1), index)
+    onto, into_zeros = [n for n in gm.graph.nodes if n.target is aten.scatter_add.default]
+    shared, rows, idx = onto.args[0], onto.args[3], onto.args[2]
+    assert decide(onto, Context(tensor_axis(2), {shared: P, rows: P})).out == P
+    assert decide(into_zeros, Context(tensor_axis(2), {rows: P})).out == P
+    whole = decide(onto, Context(tensor_axis(2), {rows: P}))
+    assert whole.out == R and whole.want == {rows: R}
+    assert decide(onto, Context(tensor_axis(2), {shared: Shard(1), rows: Shard(1), idx: Shard(1)})).out == R
+    assert decide(onto, Context(Axis("cp", 2), {shared: P, rows: P})).out != P
+
+
 # ------------------------------------------------------------------------- attention over a split sequence
 
 TQ = 8  # the sequence: 2 ranks x 2 chunks of 2 under load balance

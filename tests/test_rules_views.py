@@ -184,6 +184,11 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.index_add.default, (rand(5, 4), 0, torch.tensor([3, 0, 3]), rand(3, 4, seed=1)), {}, {0: Shard(1)},
      Shard(1)),
     (aten.index_add.default, (rand(4, 6), 1, torch.tensor([3, 0, 3]), rand(4, 3, seed=1)), {}, {2: Shard(1)}, R),
+    # torchtitan's combine: a split operand replicates (a pending sum of both stays pending: test_rules_layers.py)
+    (aten.scatter_add.default, (rand(5, 4), 0, torch.tensor([[3], [0], [3]]).expand(-1, 4), rand(3, 4, seed=1)), {},
+     {2: Shard(1)}, R),
+    (aten.scatter_add.default, (rand(5, 4), 0, torch.tensor([[3], [0], [3]]).expand(-1, 4), rand(3, 4, seed=1)), {},
+     {0: Shard(1)}, R),
     (aten.index_select.default, (rand(4, 6, 5), 2, torch.tensor([0, 3, 1])), {}, {0: Shard(1)}, Shard(1)),
     (aten.index_select.default, (rand(4, 6, 5), -1, torch.tensor([0, 3, 1])), {}, {0: Shard(2)}, R),
 ]

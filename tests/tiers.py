@@ -77,6 +77,11 @@ FULL_ONLY = {
                     "test_bf16_autocast_over_experts_split_by_ep", "test_ep_with_context_parallelism[dp2xcp2xep2]",
                     "test_ep_with_context_parallelism[dp2xcp2xep4]",
                     "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2xtp2]")},
+    **{f"tests/test_expert_parallel.py::test_the_zoos_torchtitan_style_experts_split_over_ep_train_exactly[{mesh}]":
+       "the zoo MoE's ep2 golden (the same routes; more ranks and cp only change the groups, as Mixtral's ep4 and "
+       "cp2xep2 cells show)" for mesh in ("ep4", "cp2xep2")},
+    "tests/test_expert_parallel.py::test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them[ep2xtp2]":
+        "the zoo MoE's SGD golden at ep2 x tp2 and its AdamW loop at ep2",
     "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
         "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
     "tests/test_resume.py::test_experts_under_fsdp_resume_under_another_split[ep2-to-fsdp-dp4xep2]":
