@@ -343,18 +343,20 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions, n
     gm = codegen.prepare(captured, None)
     if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
         return
+    parts = [f"dp={mesh.dp}" if mesh.dp > 1 else "", f"microbatches={options.microbatches}"
+             if options.microbatches > 1 else ""]
     batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
-    if not batch or batch < 2:
-        return  # a batch of one sample per part cannot show it
+    if not batch or batch < 2:  # a part of one sample: its rows cannot be told from the rest, every token mean splits
+        _check_token_means(gm, None, options, parts, notes)
+        return
     seeds = {n.target: Shard(0) for n in gm.graph.nodes
              if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
              and meta.val(n).shape[0] == batch}
     prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
     whole = [r for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
     if not whole:
+        _check_token_means(gm, prop, options, parts, notes)
         return
-    parts = [f"dp={mesh.dp}" if mesh.dp > 1 else "", f"microbatches={options.microbatches}"
-             if options.microbatches > 1 else ""]
     where = meta.source_line(whole[0].value) or whole[0].value.name
     if options.batch_statistics == "local":
         if notes is not None:
@@ -362,6 +364,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions, n
                          f"batch_statistics='local' {' and '.join(filter(None, parts))} compute it from each part's "
                          "own samples and average the parts' losses, as DDP and gradient accumulation do, which "
                          "differs from the model run on the whole batch")
+        _check_token_means(gm, prop, options, parts, notes)
         return
     raise ValueError(
         "the loss is not a sum over the batch's samples (it holds a term computed from the whole batch at once, such "
@@ -370,6 +373,37 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions, n
         "would not be the model's loss. Keep the batch whole (dp=1, one microbatch: tp, cp and pp with one microbatch "
         "are exact), pass batch_statistics='local' to compute it on each part as DDP and gradient accumulation do, "
         "or leave that term out of the loss (for transformers' mixtures of experts, output_router_logits=False)")
+
+
+def _check_token_means(gm: fx.GraphModule, prop, options: CompileOptions, parts: list[str],
+                       notes: list[str] | None) -> None:
+    """A cross-entropy averaged over its counted tokens inside a larger loss (``ce + 0.01 * z_loss``), its tokens split
+    over the parts of the batch: each part would divide by its own count, and the average of the parts' means is not
+    the whole batch's mean where ignored targets fall unevenly between the parts. (The loss returned as such a mean,
+    or that mean scaled by a number, is divided by the whole batch's count: ``passes.loss``.)"""
+    from autoshard.passes.loss import is_token_mean
+
+    split = [n for n in gm.graph.nodes if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
+    if not split:
+        return
+    where = meta.source_line(split[0]) or split[0].name
+    if "autoshard" in where and "capture.py" in where:  # the loss_fn's own lines are not in the trace
+        where = f"{split[0].name} in the loss_fn given to parallelize"
+    over = " and ".join(filter(None, parts))
+    if options.batch_statistics == "local":
+        if notes is not None:
+            notes.append(f"the loss averages a cross-entropy over its counted tokens inside a larger loss (here at "
+                         f"{where}); with batch_statistics='local' {over} average it over each part's own counted "
+                         "tokens and average the parts' losses, as DDP and gradient accumulation do, which differs "
+                         "from the whole batch's mean where ignored targets fall unevenly between the parts")
+        return
+    raise ValueError(
+        f"the loss averages a cross-entropy over its counted tokens inside a larger loss (here at {where}): {over} "
+        "would divide each part's sum by that part's own count of tokens whose target is not ignored, and where the "
+        "ignored targets fall unevenly between the parts the average of those means is not the whole batch's mean. "
+        "Return the cross-entropy alone (scaled by a number or not: it is then divided by the whole batch's count), "
+        "keep the batch whole (dp=1 and one microbatch: tp, cp and pp with one microbatch are exact), or pass "
+        "batch_statistics='local' to average each part's mean as DDP and gradient accumulation do")
 
 
 def check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:

@@ -39,11 +39,45 @@ class TokenLoss:
     ignore_index: int
 
 
+# ops that scale a loss by a number (``2.0 * loss``, ``loss / accumulation_steps``, a cast): the loss stays a token
+# loss, its sum scaled alike
+_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_KEEPS = {aten.neg.default, aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default}
+
+
+def _unscaled(node: fx.Node) -> fx.Node:
+    """The loss ``node`` scales by numbers (itself where it scales nothing): each step read by it alone."""
+    while isinstance(node, fx.Node):
+        by_number = node.target in _SCALES and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[1], (int, float))
+        if node.target in _KEEPS or by_number:
+            inner = node.args[0]
+        elif node.target in (aten.mul.Tensor, aten.mul.Scalar) and isinstance(node.args[0], (int, float)) \
+                and isinstance(node.args[1], fx.Node):
+            inner = node.args[1]
+        else:
+            return node
+        if not isinstance(inner, fx.Node) or len(inner.users) != 1:
+            return node
+        node = inner
+    return node
+
+
+def is_token_mean(node: fx.Node) -> bool:
+    """A cross-entropy or NLL averaged over its counted tokens (mean reduction): its divisor depends on the targets."""
+    if node.op != "call_function" or node.target not in _TOKEN_LOSSES:
+        return False
+    positions = _TOKEN_LOSSES[node.target]
+    return _arg(node, positions[0], _MEAN) == _MEAN
+
+
 def find_token_loss(gm: fx.GraphModule) -> TokenLoss | None:
-    """The token loss whose value the graph returns, when it is a mean-reduced cross-entropy or NLL."""
+    """The token loss whose value the graph returns (scaled by numbers or not), when it is a mean-reduced
+    cross-entropy or NLL."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = fx.node.map_arg(output.args[0], lambda n: n)
     node = returned[0] if isinstance(returned, (tuple, list)) and len(returned) == 1 else returned
+    node = _unscaled(node) if isinstance(node, fx.Node) else node
     if not isinstance(node, fx.Node) or node.target not in _TOKEN_LOSSES:
         return None
     positions = _TOKEN_LOSSES[node.target]

@@ -260,7 +260,7 @@ def _pointwise(node: fx.Node, ctx: Context) -> Decision:
             shards.add(p.at(p.dim + out_ndim - len(ctx.shape(n))))
     if len(shards) > 1:
         return replicate_all(node, ctx)
-    if not shards and _scales_a_sum(node, ctx):
+    if not shards and (_scales_a_sum(node, ctx) or _scales_the_loss(node, ctx)):
         return Decision(Partial())
     if not shards:
         return Decision(R, {n: R for n in inputs if isinstance(ctx.of(n), Partial)})
@@ -313,6 +313,30 @@ def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
     sums = [a for a in operands if isinstance(ctx.of(a), Partial)]
     return (len(sums) == 1 and all(ctx.of(a) == R for a in operands if a is not sums[0])
             and (node.target is aten.mul.Tensor or sums[0] is node.args[0]) and sum_reaches_zeros(node))
+
+
+_LOSS_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.to.dtype,
+                aten._to_copy.default, aten.clone.default, aten.alias.default}
+
+
+def _scales_the_loss(node: fx.Node, ctx: Context) -> bool:
+    """``2.0 * loss``, ``loss / steps``, ``-loss`` or a cast of a pending scalar sum (a token loss's sum over split
+    tokens) on its way to the graph's output: linear, so the sum may stay pending to the output, which says where it
+    is reduced."""
+    tensors = tensor_inputs(node)
+    if node.target not in _LOSS_SCALES or len(tensors) != 1 or not isinstance(ctx.of(tensors[0]), Partial) \
+            or ctx.shape(node) != ():
+        return False
+    if node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]:
+        return False  # a number divided by a sum is no sum
+    return _reaches_output(node)
+
+
+def _reaches_output(node: fx.Node, depth: int = 6) -> bool:
+    """Whether every reader of ``node`` is the graph's output, or another scale on its way there."""
+    return depth > 0 and bool(node.users) and all(
+        user.op == "output" or (user.target in _LOSS_SCALES and _reaches_output(user, depth - 1))
+        for user in node.users)
 
 
 for _name in _POINTWISE:

@@ -105,8 +105,35 @@ def _ignoring(index: int):
     return variant
 
 
-# name -> target -> (loss_fn, target): the cross-entropy arguments a vocab-parallel loss must keep.
+def _scaled(scale: float, divide: bool = False):
+    """The token loss scaled by a number, as a loop scales it for accumulation (``loss / steps``) or a weight."""
+
+    def variant(target: torch.Tensor):
+        def loss_fn(output, t):
+            ce = _cross_entropy()(output, t)
+            return ce / scale if divide else scale * ce
+
+        return loss_fn, target
+
+    return variant
+
+
+def with_z_loss(target: torch.Tensor):
+    """A cross-entropy mean inside a larger loss: plus a z-loss over every position's logits (PaLM's)."""
+
+    def loss_fn(output, t):
+        logits = _logits(output)
+        return _cross_entropy()(output, t) + 1e-3 * logits.float().logsumexp(-1).pow(2).mean()
+
+    return loss_fn, target
+
+
+# name -> target -> (loss_fn, target): the cross-entropy arguments a vocab-parallel loss must keep, and the token
+# loss scaled by numbers.
 LOSSES = {
+    "scaled": _scaled(2.0),
+    "z_loss": with_z_loss,
+    "accumulated": _scaled(4.0, divide=True),
     "ignore_minus_one": _ignoring(-1),
     "ignore_zero": _ignoring(0),
     "label_smoothing": lambda target: (_cross_entropy(label_smoothing=0.1), target),

@@ -46,6 +46,48 @@ def test_inference_under_dp_computes_each_ranks_slice_of_the_batch(pools, name):
             assert result["batches"] == [4], "the inference graph was captured at the local batch only"
 
 
+SCALED = [("scaled", {"dp": 4}, 1), ("accumulated", {"dp": 2, "pp": 2}, 4), ("scaled", {"dp": 2, "cp": 2}, 1),
+          ("accumulated", {"cp": 4}, 1), ("scaled", {"tp": 2, "dp": 2}, 2)]
+
+
+@pytest.mark.parametrize("loss,mesh,microbatches", SCALED, ids=["dp4", "dp2xpp2-m4", "dp2xcp2", "cp4", "dp2xtp2-m2"])
+def test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count(pools, loss, mesh, microbatches):
+    """``2.0 * cross_entropy(...)`` and ``cross_entropy(...) / 4``: still the mean over the whole batch's counted
+    tokens (scaled), where the parts (dp ranks of 2 rows, microbatches of 1) hold unequal counts of ignored targets;
+    before, the parts' own means were averaged (7e-3 off in the gradients at dp=4)."""
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss=loss, microbatches=microbatches), mesh)
+
+
+@pytest.mark.parametrize("mesh,microbatches", [({"dp": 4}, 1), ({"dp": 2}, 4), ({}, 2)], ids=["dp4", "dp2-m4", "m2"])
+def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_batch_is_split(mesh, microbatches):
+    """``ce + 1e-3 * z_loss``: each part would average the cross-entropy over its own counted tokens. Refused
+    before any collective, naming the line and what works; with batch_statistics='local' it is said instead."""
+    import autoshard
+    from autoshard.compile import compile_global_batch
+    from autoshard.options import CompileOptions
+
+    from models import build
+
+    case = build("gpt")
+    loss_fn, target = golden.with_z_loss(case.target)
+    with pytest.raises(ValueError, match=r"averages a cross-entropy over its counted tokens inside a larger loss.*"
+                                         r"cross_entropy_loss in the loss_fn.*batch_statistics='local'"):
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(**mesh), 0,
+                             CompileOptions(microbatches=microbatches), target=target, loss_fn=loss_fn)
+    build_ = compile_global_batch(case.model, case.inputs, autoshard.Mesh(**mesh), 0,
+                                  CompileOptions(microbatches=microbatches, batch_statistics="local"), target=target,
+                                  loss_fn=loss_fn)
+    assert any("batch_statistics='local'" in note and "counted tokens" in note for note in build_.plan.notes)
+
+
+def test_a_token_mean_inside_a_larger_loss_is_exact_where_the_batch_stays_whole(pools):
+    """cp splits the sequence, not the batch: the cross-entropy's mean is taken over the whole batch's tokens."""
+    golden.check(pools.get(2).run(golden.golden, "gpt", {"cp": 2}, loss="z_loss"), {"cp": 2})
+
+
 COMPOSED = [({"dp": 2, "tp": 2}, 4, {}), ({"dp": 2, "pp": 2}, 4, {"microbatches": 2}), ({"dp": 2, "cp": 2}, 4, {}),
             ({"dp": 4}, 4, {})]
 
