@@ -52,6 +52,9 @@ class Captured:
     training: bool = True  # the model's mode during the capture: dropout and batch norm ops depend on it
     token_loss: object = None  # a training capture's token loss (``passes.loss.TokenLoss``), rewritten to a sum
     count_gm: fx.GraphModule | None = None  # with a token loss: counts the tokens it averaged over
+    # a training capture: the same capture at ``factor`` times the batch (sizes the capture bakes in at the batch are
+    # told apart from the model's own by comparing the two; ``passes.batch_statistics``)
+    recapture: Callable[[int], Captured] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple:

@@ -23,6 +23,7 @@ from autoshard import meta
 from autoshard.capture import Captured
 from autoshard.passes.axis import Outputs
 from autoshard.passes.batch_norm import batch_norm_pass
+from autoshard.passes.batch_statistics import batch_statistics_pass
 from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass, insert_splits
 from autoshard.passes.expert_parallel import ExpertParallelPlan, expert_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
@@ -92,6 +93,8 @@ class Sharding:
     cp_group: object = None
     sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
     batch_norm: tuple[int, int, object] | None = None  # (size, rank, group) of the dp ranks a BatchNorm syncs over
+    # (size, rank, group, local batch, sizes of the batch by node): the loss's whole-batch statistics over dp
+    batch_sums: tuple[int, int, object, int, dict] | None = None
     ep_plan: ExpertParallelPlan | None = None
     ep_rank: int = 0
     ep_group: object = None
@@ -214,6 +217,9 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
 
 
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
+    if sharding.batch_sums is not None:  # first: it finds the statistics on the graph as the job plan did
+        size, rank, group, batch, sizes = sharding.batch_sums
+        batch_statistics_pass(gm, batch=batch, size=size, rank=rank, group=group, sizes=sizes)
     if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
         tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group,
                              mark_entries=sharding.sp_plan is not None)

@@ -195,11 +195,24 @@ def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, 
     """The training capture (model and loss in one graph), its loss rewritten to a sum when it is a token mean."""
     captured = capture(model, inputs, loss_fn=loss_fn, example_target=target, training=training)
     _check_loss_trains(captured, model)
+
+    def recapture(factor: int) -> Captured:
+        batch = target.shape[0] if target.dim() else None
+        grown = tuple(torch.cat([v] * factor) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch
+                      else v for v in (*inputs, target))
+        return capture(model, grown[:-1], loss_fn=loss_fn, example_target=grown[-1], training=training)
+
+    captured.recapture = recapture
     captured.token_loss = find_token_loss(captured.gm)
     if captured.token_loss is not None:
         captured.count_gm = token_count_graph(captured.gm, captured.token_loss)
         sum_loss_pass(captured.gm, captured.token_loss)
     return captured
+
+
+def _local_batch(captured: Captured) -> int:
+    """The batch size this capture holds (its first input's first dim)."""
+    return next(s[0] for s in captured.input_shapes if isinstance(s, tuple) and s)
 
 
 def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, groups: MeshGroups | None = None,
@@ -215,6 +228,8 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
         training=captured.with_loss,
         batch_norm=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None)
         if plan.batch_norm_sync else None,
+        batch_sums=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None,
+                    _local_batch(captured), plan.batch_sizes) if plan.batch_sums else None,
         ep_plan=plan.ep_plan, ep_rank=mesh.expert_coord(coords),
         ep_group=groups.group("ep") if groups is not None and mesh.ep > 1 else None,
     )

@@ -56,6 +56,8 @@ class JobPlan:
     cut_after: tuple[str, ...] | None = None  # under pp: the last activation of every stage but the last
     spread: tuple[str, ...] = ()  # weights stored in rows over the pp ranks, gathered for each step
     batch_norm_sync: bool = False  # BatchNorm in training mode sums its statistics over the dp ranks
+    batch_sums: bool = False  # the loss's whole-batch statistics are summed over the dp ranks (passes.batch_statistics)
+    batch_sizes: dict[str, list] = field(default_factory=dict)  # numbers that are sizes of the batch, by node
     notes: list[str] = field(default_factory=list)
     partition: Partition | None = field(default=None, compare=False, repr=False)  # the cuts' costs (not in JSON)
 
@@ -77,7 +79,9 @@ class JobPlan:
             "sp_plan": dataclasses.asdict(self.sp_plan) if self.sp_plan is not None else None,
             "ep_plan": dataclasses.asdict(self.ep_plan) if self.ep_plan is not None else None,
             "cut_after": list(self.cut_after) if self.cut_after is not None else None,
-            "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "notes": self.notes,
+            "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "batch_sums": self.batch_sums,
+            "batch_sizes": self.batch_sizes,
+            "notes": self.notes,
         }, indent=1)
 
     @classmethod
@@ -97,7 +101,10 @@ class JobPlan:
         return cls(Mesh(**data["mesh"]), CompileOptions(**options), tp_plan=tp_plan, cp_plan=cp(data["cp_plan"]),
                    sp_plan=cp(data["sp_plan"]), ep_plan=ep_plan,
                    cut_after=tuple(data["cut_after"]) if data["cut_after"] is not None else None,
-                   spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"], notes=list(data["notes"]))
+                   spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"],
+                   batch_sums=data.get("batch_sums", False),
+                   batch_sizes={k: [tuple(e) for e in v] for k, v in data.get("batch_sizes", {}).items()},
+                   notes=list(data["notes"]))
 
     def __str__(self) -> str:
         lines = [f"job plan for {self.mesh}:"]
@@ -117,6 +124,8 @@ class JobPlan:
             lines.append(f"  spread over pp: {', '.join(self.spread)}")
         if self.batch_norm_sync:
             lines.append("  BatchNorm statistics summed over dp")
+        if self.batch_sums:
+            lines.append("  the loss's whole-batch statistics summed over dp")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -129,7 +138,9 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     notes: list[str] = []
     plan = JobPlan(mesh, options, batch_norm_sync=check_batch_norm(captured, mesh, options, notes))
     if earlier is None:
-        check_batch_split(captured, mesh, options, notes)
+        plan.batch_sums, plan.batch_sizes = check_batch_split(captured, mesh, options, notes)
+    elif earlier.batch_sums:  # a later capture (another shape): its own sizes of the batch
+        plan.batch_sums, plan.batch_sizes = check_batch_split(captured, mesh, options, None)
     plan.tp_plan = earlier.tp_plan if earlier is not None else _tp_plan(captured, mesh, options, notes)
     plan.cp_plan = _cp_plan(captured, mesh, options, earlier.cp_plan if earlier is not None else None)
     if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
@@ -323,87 +334,89 @@ _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, a
                 aten._native_batch_norm_legit_functional.default: 5}  # op -> position of ``training``
 
 
-def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str] | None = None) -> None:
-    """Refuse, before any collective, to split the batch (dp, microbatches) of a loss that is no sum over samples.
+def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
+                      notes: list[str] | None = None) -> tuple[bool, dict[str, list]]:
+    """Whether the loss, its batch split (dp, microbatches), needs statistics of the whole batch; refused, before any
+    collective, where they cannot be had. Returns whether each dp rank's program takes them over the dp ranks, and
+    the numbers of the graph that are sizes of the batch (``passes.batch_statistics.batch_sizes``).
 
     dp and microbatches run the graph on parts of the batch and add up the parts' losses (a token mean rewritten to
     a sum, or a mean over samples). A loss term computed from means over the whole batch at once (a router's
-    load-balancing loss: the fraction of tokens each expert got times its mean probability) is not such a sum: each
-    part would compute it from its own tokens, and the training would differ from the model run whole. The batch
-    dim is split in a propagation of the training graph: where a sum over it (pending over the parts) is needed whole
-    before the loss, the loss is no such sum. With ``batch_statistics="local"`` each part computes it from its own
-    samples (DDP's and gradient accumulation's loss), said in ``notes``. (BatchNorm is ``check_batch_norm``'s; cp
-    and tp keep the batch whole.)"""
+    load-balancing loss: the fraction of tokens each expert got times its mean probability), or a cross-entropy
+    averaged over its counted tokens inside a larger loss, is not such a sum: each part would compute it from its
+    own tokens, and the training would differ from the model run whole. The batch dim is split in a propagation of
+    the training graph: where a sum over it (pending over the parts) is needed whole before the loss, the loss is no
+    such sum. Under dp alone (one microbatch, no pp or cp) every rank's program sums those over the dp ranks first
+    (``passes.batch_statistics``): exact. Elsewhere it is refused; with ``batch_statistics="local"`` each part
+    computes it from its own samples (DDP's and gradient accumulation's loss), said in ``notes``. (BatchNorm is
+    ``check_batch_norm``'s; cp and tp keep the batch whole.)"""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
-        return
+        return False, {}
+    from autoshard.passes import batch_statistics
     from autoshard.passes.axis import Axis, Outputs
+    from autoshard.passes.loss import is_token_mean
     from autoshard.passes.placements import Partial, R
     from autoshard.passes.propagate import propagate, redistributions
 
     gm = codegen.prepare(captured, None)
     if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
-        return
-    parts = [f"dp={mesh.dp}" if mesh.dp > 1 else "", f"microbatches={options.microbatches}"
-             if options.microbatches > 1 else ""]
+        return False, {}
+    over = " and ".join(filter(None, [f"dp={mesh.dp}" if mesh.dp > 1 else "",
+                                      f"microbatches={options.microbatches}" if options.microbatches > 1 else ""]))
     batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
-    if not batch or batch < 2:  # a part of one sample: its rows cannot be told from the rest, every token mean splits
-        _check_token_means(gm, None, options, parts, notes)
-        return
-    seeds = {n.target: Shard(0) for n in gm.graph.nodes
-             if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
-             and meta.val(n).shape[0] == batch}
-    prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
-    whole = [r for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
-    if not whole:
-        _check_token_means(gm, prop, options, parts, notes)
-        return
-    where = meta.source_line(whole[0].value) or whole[0].value.name
-    if options.batch_statistics == "local":
-        if notes is not None:
-            notes.append(f"the loss holds a term computed from the whole batch at once (here at {where}); with "
-                         f"batch_statistics='local' {' and '.join(filter(None, parts))} compute it from each part's "
-                         "own samples and average the parts' losses, as DDP and gradient accumulation do, which "
-                         "differs from the model run on the whole batch")
-        _check_token_means(gm, prop, options, parts, notes)
-        return
-    raise ValueError(
-        "the loss is not a sum over the batch's samples (it holds a term computed from the whole batch at once, such "
-        f"as a router's load-balancing loss from the fraction of tokens each expert got; here at {where}): "
-        f"{' and '.join(filter(None, parts))} would compute it on each part of the batch alone, and the sum of those "
-        "would not be the model's loss. Keep the batch whole (dp=1, one microbatch: tp, cp and pp with one microbatch "
-        "are exact), pass batch_statistics='local' to compute it on each part as DDP and gradient accumulation do, "
-        "or leave that term out of the loss (for transformers' mixtures of experts, output_router_logits=False)")
-
-
-def _check_token_means(gm: fx.GraphModule, prop, options: CompileOptions, parts: list[str],
-                       notes: list[str] | None) -> None:
-    """A cross-entropy averaged over its counted tokens inside a larger loss (``ce + 0.01 * z_loss``), its tokens split
-    over the parts of the batch: each part would divide by its own count, and the average of the parts' means is not
-    the whole batch's mean where ignored targets fall unevenly between the parts. (The loss returned as such a mean,
-    or that mean scaled by a number, is divided by the whole batch's count: ``passes.loss``.)"""
-    from autoshard.passes.loss import is_token_mean
-
+    prop, whole = None, []
+    if batch and batch >= 2:  # a part of one sample: its rows cannot be told from the rest, every token mean splits
+        seeds = {n.target: Shard(0) for n in gm.graph.nodes
+                 if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
+                 and meta.val(n).shape[0] == batch}
+        prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
+        whole = [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
     split = [n for n in gm.graph.nodes if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
-    if not split:
-        return
-    where = meta.source_line(split[0]) or split[0].name
-    if "autoshard" in where and "capture.py" in where:  # the loss_fn's own lines are not in the trace
-        where = f"{split[0].name} in the loss_fn given to parallelize"
-    over = " and ".join(filter(None, parts))
+    if not whole and not split:
+        return False, {}
+    where = _where(whole[0] if whole else split[0])
+    what = (["a term computed from the whole batch at once (such as a router's load-balancing loss from the fraction "
+             "of tokens each expert got)"] if whole else []) + \
+        (["a cross-entropy averaged over its counted tokens inside a larger loss (such as ce + 0.01 * z_loss)"]
+         if split else [])
+    what = " and ".join(what)
     if options.batch_statistics == "local":
         if notes is not None:
-            notes.append(f"the loss averages a cross-entropy over its counted tokens inside a larger loss (here at "
-                         f"{where}); with batch_statistics='local' {over} average it over each part's own counted "
-                         "tokens and average the parts' losses, as DDP and gradient accumulation do, which differs "
-                         "from the whole batch's mean where ignored targets fall unevenly between the parts")
-        return
+            notes.append(f"the loss holds {what} (here at {where}); with batch_statistics='local' {over} compute it "
+                         "from each part's own samples and average the parts' losses, as DDP and gradient "
+                         "accumulation do, which differs from the model run on the whole batch")
+        return False, {}
+    if mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1 and prop is not None:
+        try:
+            if captured.recapture is None:
+                raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
+            sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
+        except batch_statistics.BatchStatisticsError as e:
+            reason = str(e)
+        else:
+            reason = batch_statistics.refusal(gm, batch, mesh.dp, sizes)
+        if reason is not None:
+            raise ValueError(f"the loss holds {what} (here at {where}), and dp={mesh.dp} cannot take it over the "
+                             f"whole batch: {reason}")
+        if notes is not None:
+            notes.append(f"the loss holds {what} (here at {where}): every dp rank sums its part of each such statistic "
+                         f"over the {mesh.dp} dp ranks before reading it, so the loss is the whole batch's")
+        return True, sizes
     raise ValueError(
-        f"the loss averages a cross-entropy over its counted tokens inside a larger loss (here at {where}): {over} "
-        "would divide each part's sum by that part's own count of tokens whose target is not ignored, and where the "
-        "ignored targets fall unevenly between the parts the average of those means is not the whole batch's mean. "
-        "Return the cross-entropy alone (scaled by a number or not: it is then divided by the whole batch's count), "
-        "keep the batch whole (dp=1 and one microbatch: tp, cp and pp with one microbatch are exact), or pass "
-        "batch_statistics='local' to average each part's mean as DDP and gradient accumulation do")
+        f"the loss is not a sum over the batch's samples (it holds {what}; here at {where}): {over} would compute it "
+        "on each part of the batch alone, and the sum of those would not be the model's loss; a statistic of the "
+        "whole batch cannot be taken before every part of it has run. Use dp alone with one microbatch (no pp or cp: "
+        "each statistic is then summed over the dp ranks, exact), keep the batch whole (dp=1, one microbatch: tp, cp "
+        "and pp with one microbatch are exact), pass batch_statistics='local' to compute it on each part as DDP and "
+        "gradient accumulation do, or leave that term out of the loss (for transformers' mixtures of experts, "
+        "output_router_logits=False; for a cross-entropy, return it alone, scaled by a number or not)")
+
+
+def _where(node: fx.Node) -> str:
+    where = meta.source_line(node) or node.name
+    if "autoshard" in where and "capture.py" in where:  # the loss_fn's own lines are not in the trace
+        return f"{node.name} in the loss_fn given to parallelize"
+    return where
 
 
 def check_batch_norm(captured: Captured, mesh: Mesh, options: CompileOptions, notes: list[str]) -> bool:

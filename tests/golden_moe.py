@@ -54,11 +54,16 @@ def _differing_gradients(pm, reference) -> dict[str, float]:
             if not torch.allclose(grads[n], p.grad, **TOL)}
 
 
-def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: int = 2, **options) -> dict:
+def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: int = 2, router_loss: bool = False,
+                  **options) -> dict:
     """AdamW with weight-decay groups built from ``named_parameters()``, ``accumulate`` ``step()`` calls per optimizer
     step over padded batches with their ``attention_mask``, global-norm clipping: every call's loss and every
-    parameter after ``steps`` optimizer steps, against the model trained in one process."""
+    parameter after ``steps`` optimizer steps, against the model trained in one process. ``router_loss``: the loss
+    holds the router's load-balancing term (``with_router_loss``), over the whole batch as the model computes it."""
     case, reference = build(name), build(name).model
+    if router_loss:
+        case, case.loss_fn = with_router_loss(name)
+        reference.config.output_router_logits = True
     ids, mask, target = _padded(case)
     masked = not name.startswith("zoo/")
     mesh = autoshard.Mesh(**mesh_kwargs)

@@ -61,10 +61,10 @@ def test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count(po
     golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss=loss, microbatches=microbatches), mesh)
 
 
-@pytest.mark.parametrize("mesh,microbatches", [({"dp": 4}, 1), ({"dp": 2}, 4), ({}, 2)], ids=["dp4", "dp2-m4", "m2"])
-def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_batch_is_split(mesh, microbatches):
-    """``ce + 1e-3 * z_loss``: each part would average the cross-entropy over its own counted tokens. Refused
-    before any collective, naming the line and what works; with batch_statistics='local' it is said instead."""
+@pytest.mark.parametrize("mesh,microbatches", [({"dp": 2}, 4), ({}, 2)], ids=["dp2-m4", "m2"])
+def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_parts_run_apart(mesh, microbatches):
+    """``ce + 1e-3 * z_loss`` over microbatches: each part would average the cross-entropy over its own counted tokens.
+    Refused before any collective, naming the line and what works; with batch_statistics='local' it is said."""
     import autoshard
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
@@ -73,8 +73,8 @@ def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_batch_is_split(m
 
     case = build("gpt")
     loss_fn, target = golden.with_z_loss(case.target)
-    with pytest.raises(ValueError, match=r"averages a cross-entropy over its counted tokens inside a larger loss.*"
-                                         r"cross_entropy_loss in the loss_fn.*batch_statistics='local'"):
+    with pytest.raises(ValueError, match=r"a cross-entropy averaged over its counted tokens inside a larger loss.*"
+                                         r"cross_entropy_loss in the loss_fn.*dp alone.*batch_statistics='local'"):
         compile_global_batch(case.model, case.inputs, autoshard.Mesh(**mesh), 0,
                              CompileOptions(microbatches=microbatches), target=target, loss_fn=loss_fn)
     build_ = compile_global_batch(case.model, case.inputs, autoshard.Mesh(**mesh), 0,
@@ -83,9 +83,34 @@ def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_batch_is_split(m
     assert any("batch_statistics='local'" in note and "counted tokens" in note for note in build_.plan.notes)
 
 
-def test_a_token_mean_inside_a_larger_loss_is_exact_where_the_batch_stays_whole(pools):
-    """cp splits the sequence, not the batch: the cross-entropy's mean is taken over the whole batch's tokens."""
-    golden.check(pools.get(2).run(golden.golden, "gpt", {"cp": 2}, loss="z_loss"), {"cp": 2})
+@pytest.mark.parametrize("mesh", [{"dp": 4}, {"cp": 2}, {"dp": 2, "tp": 2}], ids=["dp4", "cp2", "dp2xtp2"])
+def test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp(pools, mesh):
+    """``ce + 1e-3 * z_loss``: under dp each rank's cross-entropy sum, its count of counted tokens and its z-loss's
+    sum are summed over the dp ranks before the loss reads them (the parts hold unequal counts of ignored targets);
+    cp splits the sequence and takes the mean over the whole batch's tokens itself."""
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss="z_loss"), mesh)
+
+
+def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_refused_under_dp():
+    """``ce + logits.amax()``: the largest logit of the whole batch is no sum of the ranks' parts. Refused before any
+    collective, naming the op."""
+    import autoshard
+    from autoshard.compile import compile_global_batch
+    from autoshard.options import CompileOptions
+
+    from models import build
+
+    case = build("gpt")
+
+    def loss_fn(output, target):
+        return golden._cross_entropy()(output, target) + 1e-3 * output.amax()
+
+    with pytest.raises(ValueError, match=r"amax.*reads values of the whole batch in a loss term, and it is no sum"):
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(), target=case.target,
+                             loss_fn=loss_fn)
 
 
 COMPOSED = [({"dp": 2, "tp": 2}, 4, {}), ({"dp": 2, "pp": 2}, 4, {"microbatches": 2}), ({"dp": 2, "cp": 2}, 4, {}),

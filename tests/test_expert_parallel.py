@@ -234,15 +234,45 @@ def test_compiled_programs_over_experts_split_by_ep(pools):
         assert result["recompiled"] <= 2, (rank, result["recompiled"])
 
 
-@pytest.mark.parametrize("mesh,options", [({"dp": 2, "ep": 2}, {}), ({"dp": 2}, {}), ({}, {"microbatches": 2})],
-                         ids=["ep2", "dp2", "m2"])
-def test_a_router_loss_over_the_whole_batch_is_refused_where_the_batch_is_split(mesh, options):
-    """The load-balancing loss multiplies two means over the batch's tokens: each part of a split batch would compute
-    it alone (2.5e-3 off at dp=2 before this refusal). Refused before any collective, naming the model's line."""
+@pytest.mark.parametrize("mesh,options", [({}, {"microbatches": 2}), ({"dp": 2, "ep": 2}, {"microbatches": 2}),
+                                          ({"dp": 2, "pp": 2}, {"microbatches": 2}), ({"dp": 2, "cp": 2}, {})],
+                         ids=["m2", "ep2-m2", "dp2xpp2", "dp2xcp2"])
+def test_a_router_loss_over_the_whole_batch_is_refused_where_its_parts_run_apart(mesh, options):
+    """The load-balancing loss multiplies two statistics of the batch's tokens: microbatches (and pipelines) run the
+    parts of the batch one after another, so no part can read the whole batch's. Refused before any collective,
+    naming the model's line and what works (dp alone takes them over its ranks)."""
     case, loss_fn = golden_moe.with_router_loss("mixtral")
-    with pytest.raises(ValueError, match=r"not a sum over the batch's samples.*load_balancing_loss_func"):
+    with pytest.raises(ValueError, match=r"not a sum over the batch's samples.*load_balancing_loss_func.*dp alone"):
         compile_global_batch(case.model, case.inputs, autoshard.Mesh(**mesh), 0, CompileOptions(**options),
                              target=case.target, loss_fn=loss_fn)
+
+
+ROUTER_LOSS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "jetmoe")  # DeepSeek-V3 has none
+
+
+@pytest.mark.parametrize("name", ROUTER_LOSS)
+def test_a_router_loss_over_the_whole_batch_is_exact_under_ep(pools, name):
+    """Each dp rank's counts of tokens per expert (histc), its sums of router probabilities and of the cross-entropy
+    and its count of counted tokens are summed over the dp ranks before the loss reads them, and the rows the capture
+    counted at the local batch (transformers' ``total_rows``) are the whole batch's: the loss, every gradient and the
+    parameters after SGD steps are the unsharded model's (2.5e-3 off at dp=2 computed per rank)."""
+    for result in pools.get(2).run(golden_moe.router_loss, name, {"dp": 2, "ep": 2}):
+        assert result["ok"], result["report"]
+
+
+@pytest.mark.parametrize("name,mesh", [("mixtral", {"dp": 2, "ep": 2}), ("qwen3_moe", {"dp": 2, "ep": 2, "tp": 2}),
+                                       ("mixtral", {"dp": 4, "ep": 2})], ids=["mixtral-ep2", "qwen3_moe-ep2xtp2",
+                                                                              "mixtral-dp4xep2"])
+def test_a_router_loss_over_the_whole_batch_in_an_ordinary_training_loop(pools, name, mesh):
+    """Padded rows with their attention_mask (transformers then counts the rows as a sum of the mask, and scatters the
+    tokens per expert into zeros), two step() calls per AdamW step, clipping: exact against the model in one
+    process."""
+    world = mesh["dp"] * mesh.get("tp", 1)
+    for rank, result in enumerate(pools.get(world).run(golden_moe.training_loop, name, mesh, steps=2,
+                                                       router_loss=True)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert "sums its part of each such statistic over the" in result["explain"]
 
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2, "ep": 2}, {}), ({"dp": 2}, {"microbatches": 2})],

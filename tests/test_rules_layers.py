@@ -397,6 +397,22 @@ def test_experts_row_products_are_summed_once_after_their_combine():
     assert decide(nodes[aten.mul.Tensor], Context(tensor_axis(2), placements)).out == R
 
 
+def test_topk_keeps_each_rows_k_where_the_batch_is_split():
+    """dp's propagation (the loss's statistics of the batch): a router's top-k over the experts of each token keeps
+    the tokens split; over the split dim, or on another axis, it is gathered."""
+    from rules_sim import _build
+
+    from autoshard.passes.batch_statistics import _topk_rule
+    from autoshard.passes.rules import Context, decide
+
+    _, _, node = _build(aten.topk.default, (rand(6, 4), 2), {})
+    dp = Axis("dp", 2, pending_sums=True)
+    assert decide(node, Context(dp, {node.args[0]: Shard(0)})).out == (Shard(0), Shard(0))
+    assert _topk_rule(node, Context(tensor_axis(2), {node.args[0]: Shard(0)})).out != (Shard(0), Shard(0))
+    _, _, over = _build(aten.topk.default, (rand(6, 4), 2, 0), {})
+    assert decide(over, Context(dp, {over.args[0]: Shard(0)})).out != (Shard(0), Shard(0))
+
+
 def test_experts_row_products_scattered_onto_a_pending_shared_expert_are_summed_once():
     """torchtitan's combine: the experts' rows (a pending sum under tp) scatter-added onto the shared expert's output
     (a pending sum too, or zeros) stay one pending sum, reduced once after; onto a whole tensor, the rows are summed

@@ -369,7 +369,8 @@ def _covered() -> set:
                   layers.MATMUL_CASES):
         ops |= {case.values[0] for case in table}
     ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default,
-            aten._assert_tensor_metadata.default}  # test_a_metadata_check_passes_any_placement
+            aten._assert_tensor_metadata.default,  # test_a_metadata_check_passes_any_placement
+            aten.topk.default}  # dp's only: test_topk_keeps_each_rows_k_where_the_batch_is_split
     from autoshard.passes.context_parallel import split_sequence
 
     assert loss.CE_CASES and layers.ATTENTION_CASES

@@ -82,6 +82,14 @@ FULL_ONLY = {
        "cp2xep2 cells show)" for mesh in ("ep4", "cp2xep2")},
     "tests/test_expert_parallel.py::test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them[ep2xtp2]":
         "the zoo MoE's SGD golden at ep2 x tp2 and its AdamW loop at ep2",
+    **{f"tests/test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_is_exact_under_ep[{name}]":
+       "the Mixtral and gpt-oss cells (the same load_balancing_loss_func, copied into each family)"
+       for name in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "jetmoe")},
+    **{f"tests/test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_in_an_ordinary_training_loop[{c}]":
+       "the mixtral-ep2 loop (the same sums; tp and more dp ranks change no statistic)"
+       for c in ("qwen3_moe-ep2xtp2", "mixtral-dp4xep2")},
+    "tests/test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp[dp2xtp2]":
+        "the dp4 cell (the same sums) and the tp goldens",
     "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
         "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
     "tests/test_resume.py::test_experts_under_fsdp_resume_under_another_split[ep2-to-fsdp-dp4xep2]":
