@@ -193,7 +193,8 @@ def measured_mesh(model: nn.Module, example_inputs: tuple, options: CompileOptio
 def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOptions, *, loss_fn, target,
                     world_size: int | None = None, announce: bool = False) -> tuple[Mesh, CompileOptions, list]:
     """What ``mesh="auto"`` takes with ``planner_profile``: every dp x tp x pp x cp mesh of the world size whose dp x
-    microbatches divides the batch, compiled here and costed from the profile (the same on every rank: the same
+    microbatches divides the batch (and for a mixture of experts, each with the experts split over every ep that
+    divides dp x cp and the experts), compiled here and costed from the profile (the same on every rank: the same
     files and the same compilation), the fastest. Where the options leave them at their defaults, a pipeline also
     tries 2, 4 and 8 microbatches, and cp ring (load-balanced) and all-to-all attention. Returns the mesh, the
     options it runs with and the ranking (predictions, fastest first)."""
@@ -223,7 +224,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
     default = CompileOptions()
     compiler = Compiler(model, example_inputs, target, loss_fn)
     found = []
-    for mesh in _meshes_of(world_size):
+    experts = compiler.experts()
+    for mesh in _with_ep(_meshes_of(world_size), experts):
         counts = [options.microbatches]
         if mesh.pp > 1 and options.microbatches == default.microbatches:
             counts = [m for m in (2, 4, 8) if m >= mesh.pp]
@@ -244,6 +246,19 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from "
               f"{profile_source(options)}", flush=True)
     return best.mesh, dataclasses.replace(chosen, planner_profile=options.planner_profile), ranking
+
+
+def _with_ep(meshes: list[Mesh], experts: int) -> list[Mesh]:
+    """``meshes``, and for a model with ``experts`` experts per mixture each mesh with the experts split over every
+    ep that divides both dp x cp and the experts."""
+    import dataclasses
+
+    out = []
+    for mesh in meshes:
+        out.append(mesh)
+        out += [dataclasses.replace(mesh, ep=e) for e in range(2, mesh.dp * mesh.cp + 1)
+                if experts and (mesh.dp * mesh.cp) % e == 0 and experts % e == 0]
+    return out
 
 
 def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> list[dict]:

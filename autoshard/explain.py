@@ -154,8 +154,10 @@ def _experts(build) -> list[str]:
         return []
     ep_rank = build.mesh.expert_coord(build.coords)
     carved = f"dp x cp = {build.mesh.dp} x {build.mesh.cp}" if build.mesh.cp > 1 else f"dp={build.mesh.dp}"
+    capacity = (f"; capacity {plan.capacity} of an even share of each rank's rows per expert (rows beyond it "
+                "dropped)" if plan.capacity is not None else "; dropless")
     lines = [f"expert-parallel plan over ep={plan.size} (carved from {carved}): {len(plan.layers)} "
-             f"layer(s) of experts split; rank {build.rank} is ep rank {ep_rank}"]
+             f"layer(s) of experts split; rank {build.rank} is ep rank {ep_rank}{capacity}"]
     for layer in plan.layers:
         per = layer.experts // plan.size
         stacks = ", ".join(build.captured.names.get(w, [w])[0] for w in layer.weights)
@@ -167,9 +169,13 @@ def _experts(build) -> list[str]:
             continue
         load = route.last.float()
         by_rank = load.view(plan.size, -1).sum(1)
+        dropped = ""
+        if route.dropped is not None:
+            lost, rows = route.dropped.tolist()
+            dropped = f"; {lost} of this rank's {rows} rows dropped beyond the capacity ({lost / max(rows, 1):.1%})"
         lines.append(f"  layer {i}, last step: rows per expert {load.long().tolist()}; imbalance "
                      f"{(load.max() / load.mean().clamp(min=1e-9)).item():.2f} by expert, "
-                     f"{(by_rank.max() / by_rank.mean().clamp(min=1e-9)).item():.2f} by ep rank")
+                     f"{(by_rank.max() / by_rank.mean().clamp(min=1e-9)).item():.2f} by ep rank{dropped}")
     lines += [f"  note: {note}" for note in plan.notes]
     return lines
 

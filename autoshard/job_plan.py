@@ -96,7 +96,8 @@ class JobPlan:
 
         ep = data.get("ep_plan")
         ep_plan = ExpertParallelPlan(ep["size"], [ExpertLayer(**dict(layer, weights=tuple(layer["weights"])))
-                                                  for layer in ep["layers"]], list(ep["notes"])) if ep else None
+                                                  for layer in ep["layers"]], list(ep["notes"]),
+                                     ep.get("capacity")) if ep else None
 
         return cls(Mesh(**data["mesh"]), CompileOptions(**options), tp_plan=tp_plan, cp_plan=cp(data["cp_plan"]),
                    sp_plan=cp(data["sp_plan"]), ep_plan=ep_plan,
@@ -148,6 +149,7 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     plan.sp_plan = _sp_plan(captured, plan, notes)
     if mesh.ep > 1:
         plan.ep_plan = _ep_plan(captured, mesh, earlier.ep_plan if earlier is not None else None)
+        plan.ep_plan.capacity = options.expert_capacity
         notes.extend(plan.ep_plan.notes)
     if mesh.pp > 1:
         _pipeline(captured, plan, earlier)

@@ -39,9 +39,9 @@ _MEANINGS = {
                   "ranks as SyncBatchNorm does, refused where a microbatch or a cp or sp rank sees part of it) or "
                   "'local' (each rank's and each microbatch's own statistics, as DDP keeps them)",
     "batch_statistics": "'unsharded' (a loss term computed from the whole batch at once, such as a router's "
-                        "load-balancing loss, refused where dp or microbatches split the batch) or 'local' (each "
-                        "rank's and each microbatch's part computes it from its own samples, as DDP and gradient "
-                        "accumulation do)",
+                        "load-balancing loss: summed over the dp ranks, refused where microbatches split the batch) "
+                        "or 'local' (each rank's and each microbatch's part computes it from its own samples, as DDP "
+                        "and gradient accumulation do)",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
@@ -98,11 +98,16 @@ class CompileOptions:
         before every microbatch of the step has reached it); ``"local"`` keeps each rank's and each microbatch's
         own statistics (DDP's behaviour), said once.
     batch_statistics: what a loss term computed from the whole batch at once sees (a router's load-balancing loss:
-        the fraction of tokens each expert got times its mean probability) where dp or microbatches split the batch:
-        ``"unsharded"`` (the default) refuses such a loss there, naming the model's line, since each part would
-        compute the term from its own samples; ``"local"`` lets each rank's and each microbatch's part do so and
-        averages the parts' losses (what DDP and gradient accumulation compute, and Megatron's default for the
-        load-balancing loss), said once.
+        the fraction of tokens each expert got times its mean probability; a cross-entropy's mean inside a larger
+        loss) where dp or microbatches split the batch: ``"unsharded"`` (the default) takes the whole batch's under
+        dp (each statistic summed over the dp ranks, ``passes.batch_statistics``) and refuses such a loss where
+        microbatches, pp or cp split the batch, naming the model's line; ``"local"`` lets each rank's and each
+        microbatch's part compute it from its own samples and averages the parts' losses (what DDP and gradient
+        accumulation compute, and Megatron's default for the load-balancing loss), said once.
+    expert_capacity: under ep, each rank sends each expert at most ``ceil(expert_capacity x rows / experts)`` of its
+        rows (rows: its tokens x top-k), the first ones in the routed order, as Megatron's capacity factor with its
+        position policy; a row beyond it is dropped (the experts add nothing to its token, whose residual passes
+        it on), and ``explain()`` counts the rows dropped at the last step. ``None`` (the default): dropless.
     planner_profile: the JSON profile ``autoshard calibrate`` wrote on this machine: ``mesh="auto"`` then compiles
         the model for every mesh of the world size (in this process, without process groups) and takes the one
         whose step, predicted node by node from the profile, is fastest (``autoshard.planner.predict``). Without
@@ -136,6 +141,7 @@ class CompileOptions:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     batch_norm: str = "unsharded"
     batch_statistics: str = "unsharded"
+    expert_capacity: float | None = None  # ep: rows each rank sends each expert, as a factor of an even share
     planner_profile: str | None = None  # a profile ``autoshard calibrate`` wrote: mesh="auto" predicts from it
     calibrate: bool = False  # mesh="auto" measures this job's ranks first and predicts from that
     compile: bool = False
@@ -176,12 +182,21 @@ class CompileOptions:
         if self.compile and self.detect_anomaly:
             raise ValueError("detect_anomaly=True looks at every value a program computes, op by op, which it cannot "
                              "do inside a compiled graph: pass compile=False while looking for a NaN")
+        capacity = self.expert_capacity
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
+                                     or not capacity > 0):
+            raise ValueError(f"expert_capacity={capacity!r} is not valid: pass a factor > 0 of an even share of the "
+                             "rows per expert (1.0 to 2.0 is usual), or None for dropless experts")
         if self.tp_plan is not None and not hasattr(self.tp_plan, "params"):
             raise ValueError(f"tp_plan is a {type(self.tp_plan).__name__}: pass a TensorParallelPlan (pm.plan, or "
                              "TensorParallelPlan.from_json(...))")
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Refuse the options that do not fit ``mesh``."""
+        if self.expert_capacity is not None and mesh.ep == 1:
+            raise ValueError(f"expert_capacity={self.expert_capacity} drops the rows beyond each expert's capacity "
+                             f"where they are sent to the experts' ranks, and {mesh} splits no experts over ep: use a "
+                             "mesh with ep > 1, or leave expert_capacity=None")
         if self.tp_plan is not None and self.tp_plan.size != mesh.tp:
             raise ValueError(f"the tp plan was made for tp={self.tp_plan.size}, the mesh has tp={mesh.tp}: make "
                              f"the plan at tp={mesh.tp} or use a mesh of tp={self.tp_plan.size}")

@@ -67,6 +67,7 @@ class ExpertParallelPlan:
     size: int
     layers: list[ExpertLayer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # layers left whole, and why
+    capacity: float | None = None  # rows each rank sends each expert, as a factor of an even share (None: all)
 
     def params(self) -> dict[str, int]:
         """Every expert-split parameter -> its number of experts (the dim-0 size, split in ep equal blocks)."""
@@ -261,6 +262,8 @@ class Route:
     recv: list[int]
     order: torch.Tensor  # grouped row i is received row order[i]
     counts: torch.Tensor  # (ep, experts per rank): rows received from each rank for each local expert
+    keep: torch.Tensor | None = None  # under a capacity: the rows (of this rank's, in the sorted order) it sends
+    rows: int = 0  # this rank's rows in the sorted order (set by the dispatch)
 
 
 def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -270,13 +273,19 @@ def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits
 
 
 def _dispatch(x: torch.Tensor, route: Route, group) -> torch.Tensor:
+    route.rows = x.shape[0]
+    if route.keep is not None:  # the rows within each expert's capacity; the others are dropped
+        x = x.index_select(0, route.keep)
     received = _all_to_all(x, sum(route.recv), route.recv, route.send, group)
     return received.index_select(0, route.order)
 
 
 def _combine(y: torch.Tensor, route: Route, group) -> torch.Tensor:
     received = torch.empty_like(y).index_copy_(0, route.order, y)
-    return _all_to_all(received, sum(route.send), route.send, route.recv, group)
+    back = _all_to_all(received, sum(route.send), route.send, route.recv, group)
+    if route.keep is None:
+        return back
+    return back.new_zeros((route.rows, *back.shape[1:])).index_copy_(0, route.keep, back)  # a dropped row: zeros
 
 
 class _Dispatch(torch.autograd.Function):
@@ -309,18 +318,26 @@ class ExpertRoute(_ParallelOp):
     kind, backward_kind = "all_gather", "identity"
     calls = (1, 0)
 
-    def __init__(self, *, experts: int, group, size: int, rank: int) -> None:
+    def __init__(self, *, experts: int, group, size: int, rank: int, capacity: float | None = None) -> None:
         super().__init__(group=group, size=size, rank=rank)
-        self.experts = experts
+        self.experts, self.capacity = experts, capacity
         self.last: torch.Tensor | None = None  # the last step's rows per local expert (load, for explain())
+        self.dropped: torch.Tensor | None = None  # under a capacity: (rows dropped, rows) at the last step
 
     def extra_repr(self) -> str:
-        return f"experts={self.experts}, size={self.size}"
+        return f"experts={self.experts}, size={self.size}" + (f", capacity={self.capacity}" if self.capacity else "")
 
     def forward(self, offsets: torch.Tensor) -> tuple[torch.Tensor, Route]:
         group = self._run_group()
         per = self.experts // self.size
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # this rank's rows per expert
+        first_rows = None
+        if self.capacity is not None:  # each expert's first rows up to its capacity, in the sorted order
+            limit = torch.ceil(offsets[-1].double() * self.capacity / self.experts).long()
+            kept = torch.minimum(counts, limit)
+            first_rows = torch.cumsum(counts, 0) - counts
+            self.dropped = torch.stack([counts.sum() - kept.sum(), counts.sum()]).detach()
+            counts = kept
         every = counts.new_empty(self.size * self.experts)
         dist.all_gather_into_tensor(every, counts, group=group)
         every = every.view(self.size, self.experts)  # (source rank, expert): every rank's rows per expert
@@ -330,15 +347,20 @@ class ExpertRoute(_ParallelOp):
         flat = recv.reshape(-1)
         starts = (torch.cumsum(flat, 0) - flat).view(self.size, per).t().reshape(-1)  # by local expert, then rank
         lengths = recv.t().reshape(-1)
-        total = int(sum(splits[1]))
-        first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
-        order = first + torch.arange(total, device=offsets.device)
+        order = _runs(starts, lengths, int(sum(splits[1])))
+        keep = _runs(first_rows, counts, int(sum(splits[0]))) if first_rows is not None else None
         local = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
         self.last = every.sum(0).detach()  # the layer's rows per expert over the ep group (load, for explain())
-        return local, Route(splits[0], splits[1], order, recv)
+        return local, Route(splits[0], splits[1], order, recv, keep)
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         return self.experts * 8 * self.size, 0
+
+
+def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every run ``i``, one run after another."""
+    first = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
+    return first + torch.arange(total, device=starts.device)
 
 
 class _Rows(_ParallelOp):
@@ -396,7 +418,7 @@ def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: 
         if again is None or again.weights != layer.weights:
             raise ExpertParallelError(f"the experts at {layer.where} no longer match their plan on this rank's "
                                       f"graph ({why or 'other stacks'}): run with ep=1")
-        _rewrite(gm, offsets, matmuls, layer, rank, group, plan.size)
+        _rewrite(gm, offsets, matmuls, layer, rank, group, plan.size, plan.capacity)
         rewritten.update(matmuls)
     split = plan.params()
     for node in gm.graph.nodes:  # a stack sliced under a matmul that routes nothing would read other experts
@@ -412,7 +434,8 @@ def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: 
     return gm
 
 
-def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, rank: int, group, size: int) -> None:
+def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, rank: int, group, size: int,
+             capacity: float | None = None) -> None:
     graph = gm.graph
     segment = _segment(matmuls)
     inside = set(segment)
@@ -423,7 +446,8 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
         gm.add_submodule(f"{name}_{index}", module)
         return f"{name}_{index}"
 
-    route_mod = add("expert_route", ExpertRoute(experts=layer.experts, group=group, size=size, rank=rank))
+    route_mod = add("expert_route", ExpertRoute(experts=layer.experts, group=group, size=size, rank=rank,
+                                                capacity=capacity))
     dispatch_mod = add("expert_dispatch", ExpertDispatch(group=group, size=size, rank=rank))
     combine_mod = add("expert_combine", ExpertCombine(group=group, size=size, rank=rank))
     with graph.inserting_after(offsets):

@@ -97,6 +97,42 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
             "worst": max(worst.values()), "held": held, "experts": experts, "explain": pm.explain()}
 
 
+def capacity(mesh_kwargs: dict, factor: float, *, steps: int = 2) -> dict:
+    """The zoo's mixture at ``mesh_kwargs`` with ``expert_capacity=factor``, SGD steps: every loss, gradient and the
+    parameters after the steps against the model in one process whose experts drop, on each dp rank's part of the
+    batch alone, the rows beyond the same capacity (the reference: each part's cross-entropy sum over the whole
+    batch's counted tokens, as the parallel loss is normalised)."""
+    import torch.nn.functional as F
+
+    case, reference = models.build("moe"), models.build("moe").model
+    for module in reference.modules():
+        if isinstance(module, models.GroupedExperts):
+            module.capacity = factor
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), expert_capacity=factor)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ids, target = case.inputs[0], case.target
+    worst_loss, bad_grads = 0.0, {}
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(ids, target=target)
+        sums = [F.cross_entropy(reference(i).flatten(0, 1), t.flatten(), reduction="sum")
+                for i, t in zip(ids.chunk(mesh.dp), target.chunk(mesh.dp), strict=True)]
+        ref = sum(sums) / (target != -100).sum()
+        ref.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
+        bad_grads.update(_differing_gradients(pm, reference))
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    bad = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+           if not torch.allclose(full[n], p.detach(), **TOL)}
+    return {"loss": worst_loss, "bad_grads": bad_grads, "bad": bad, "explain": pm.explain()}
+
+
 def router_loss_local(name: str, mesh_kwargs: dict, *, steps: int = 2, **options) -> dict:
     """The router's load-balancing loss with ``batch_statistics="local"``, driven as a loop drives it: a padded batch
     with its ``attention_mask``, weight-decay groups from ``named_parameters()``, SGD steps. The reference is the model

@@ -396,6 +396,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int) -> None:
         super().__init__()
+        self.capacity: float | None = None  # a reference for ep's capacity: rows per expert beyond it are dropped
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
@@ -406,7 +407,14 @@ class GroupedExperts(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offsets))
         h = h * grouped_mm(x, self.w3.transpose(-2, -1), offsets)
-        return grouped_mm(h, self.w2.transpose(-2, -1), offsets)
+        out = grouped_mm(h, self.w2.transpose(-2, -1), offsets)
+        if self.capacity is not None:  # each expert keeps its first ceil(capacity x rows / experts) rows
+            limit = math.ceil(self.capacity * x.shape[0] / counts.numel())
+            starts = torch.cumsum(counts, 0) - counts
+            expert = torch.repeat_interleave(torch.arange(counts.numel()), counts.long(), output_size=x.shape[0])
+            position = torch.arange(x.shape[0]) - starts.long()[expert]
+            out = out * (position < limit).unsqueeze(-1).to(out.dtype)
+        return out
 
 
 class MoE(nn.Module):

@@ -8,6 +8,7 @@ rank holding ``1/ep`` of every stack; a layer that mixes rows between the expert
 from __future__ import annotations
 
 import operator
+import re
 
 import golden_moe
 import pytest
@@ -156,6 +157,27 @@ def test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them(pools, mesh):
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
         assert all(shape[0] == models.EXPERTS // mesh["ep"] for shape in result["experts"].values()), result["experts"]
         assert "2 layer(s) of experts split" in result["explain"]
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
+def test_a_capacity_drops_the_rows_beyond_it_as_the_model_would(pools, mesh):
+    """``expert_capacity=1.0``: each rank sends each expert at most an even share of its rows (16 of 128 at top-2 of
+    8), the first ones; the rows beyond are dropped (their experts add nothing). Loss, gradients and parameters
+    after SGD steps equal the zoo model's whose experts drop the same rows of each rank's part of the batch, and
+    ``explain()`` counts the rows dropped."""
+    world = mesh["dp"] * mesh.get("tp", 1)
+    for rank, result in enumerate(pools.get(world).run(golden_moe.capacity, mesh, 1.0)):
+        assert result["loss"] < 1e-5 and not result["bad_grads"] and not result["bad"], (rank, result)
+        dropped = [int(d) for d in re.findall(r"(\d+) of this rank's \d+ rows dropped", result["explain"])]
+        assert len(dropped) == 2 and sum(dropped) > 0, result["explain"]
+        assert "capacity 1.0 of an even share" in result["explain"]
+
+
+def test_a_capacity_is_refused_without_ep_or_below_zero():
+    with pytest.raises(ValueError, match=r"expert_capacity=0 is not valid: pass a factor > 0"):
+        CompileOptions(expert_capacity=0)
+    with pytest.raises(ValueError, match=r"splits no experts over ep: use a mesh with ep > 1"):
+        CompileOptions(expert_capacity=1.25).check_mesh(autoshard.Mesh(dp=2))
 
 
 def test_experts_summed_over_the_ranks_that_hold_them_alike(pools):

@@ -171,6 +171,29 @@ def test_the_ranking_and_why_the_winner_wins_are_explained(gpt, tmp_path):
     assert len(lines) == 7 and lines[-1].startswith("  why: ") and "ms more" in lines[-1]
 
 
+def test_mesh_auto_searches_ep_for_a_mixture_of_experts():
+    """The zoo's mixture (8 experts) at 2 ranks: every mesh, and each with the experts split over every ep that
+    divides dp x cp and the experts, is compiled and costed (the all-to-alls of its rows against the experts'
+    gradients left out of DDP's); a model without experts gets no ep candidate."""
+    from autoshard.api import measured_choice
+
+    profile = str(DATA / "profile_cpu_2.json")
+    case = build("moe")
+    _, _, ranking = measured_choice(case.model, case.inputs, CompileOptions(planner_profile=profile),
+                                   loss_fn=case.loss_fn, target=case.target, world_size=2)
+    eps = {(p.mesh.dp, p.mesh.cp, p.mesh.ep) for p in ranking if p.mesh.ep > 1 and p.error is None}
+    assert eps == {(2, 1, 2), (1, 2, 2)}, eps
+    split = next(p for p in ranking if p.mesh == autoshard.Mesh(dp=2, ep=2))
+    whole = next(p for p in ranking if p.mesh == autoshard.Mesh(dp=2) and not p.options)
+    # the experts' gradients leave DDP's all-reduce (each held once); their tokens cross in all-to-alls instead
+    assert split.parts["gradient sync"] < whole.parts["gradient sync"]
+    assert split.parts["collectives"] > whole.parts["collectives"]
+    case = build("llama")
+    _, _, ranking = measured_choice(case.model, case.inputs, CompileOptions(planner_profile=profile),
+                                   loss_fn=case.loss_fn, target=case.target, world_size=2)
+    assert all(p.mesh.ep == 1 for p in ranking)
+
+
 def _auto_from_a_profile(path: str) -> dict:
     from autoshard.verify import compare
 

@@ -142,21 +142,34 @@ class Compiler:
         self.model, self.inputs, self.target, self.loss_fn = model, inputs, target, loss_fn
         self._captures: dict = {}
 
+    def experts(self) -> int:
+        """The fewest experts of the model's mixtures that ep can split (0 without one), from the whole batch's
+        capture."""
+        from autoshard.passes.expert_parallel import plan_expert_parallel
+
+        captured = self._capture(self.inputs, self.target)
+        return min((layer.experts for layer in plan_expert_parallel(captured.gm, 1).layers), default=0)
+
+    def _capture(self, inputs: tuple, target: torch.Tensor):
+        from autoshard.compile import capture_for_training
+
+        key = tuple(tuple(v.shape) for v in (*inputs, target) if isinstance(v, torch.Tensor))
+        if key not in self._captures:
+            self._captures[key] = capture_for_training(self.model, inputs, target, self.loss_fn,
+                                                       training=self.model.training)
+        return self._captures[key]
+
     def builds(self, mesh: Mesh, options: CompileOptions) -> list[list]:
         """Per pipeline coordinate, one build per cp coordinate (causal attention gives cp ranks unequal work); dp,
         tp and ep coordinate 0, whose programs are alike."""
-        from autoshard.compile import capture_for_training, compile_rank
+        from autoshard.compile import compile_rank
         from autoshard.job_plan import plan_job
 
         options.check_mesh(mesh)
         batch = batching.batch_size(self.inputs)
         batching.check(batch, microbatches=options.microbatches, dp=mesh.dp, local=False)
         values = batching.split((*self.inputs, self.target), mesh.dp * options.microbatches)[0]
-        key = tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
-        if key not in self._captures:
-            self._captures[key] = capture_for_training(self.model, values[:-1], values[-1], self.loss_fn,
-                                                       training=self.model.training)
-        captured = self._captures[key]
+        captured = self._capture(values[:-1], values[-1])
         plan = plan_job(captured, mesh, options)
         first = {axis: 0 for axis in ("dp", "tp") if mesh.degree(axis) > 1}
         return [[compile_rank(captured, plan, mesh.coords(mesh.rank_of(**first, **({"pp": r} if mesh.pp > 1 else {}),
