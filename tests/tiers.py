@@ -90,6 +90,11 @@ FULL_ONLY = {
        for c in ("qwen3_moe-ep2xtp2", "mixtral-dp4xep2")},
     "tests/test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp[dp2xtp2]":
         "the dp4 cell (the same sums) and the tp goldens",
+    **{f"tests/test_data_parallel.py::test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count[{c}]":
+       "the dp4 and dp2xpp2-m4 cells (the same token loss) and the cp and tp goldens of the plain token loss"
+       for c in ("dp2xcp2", "cp4", "dp2xtp2-m2")},
+    "tests/test_expert_parallel.py::test_a_capacity_drops_the_rows_beyond_it_as_the_model_would[ep2xtp2]":
+        "the ep2 capacity cell (the same route) and the zoo mixture's ep2 x tp2 golden",
     "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
         "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
     "tests/test_resume.py::test_experts_under_fsdp_resume_under_another_split[ep2-to-fsdp-dp4xep2]":
