@@ -263,7 +263,7 @@ class Route:
     order: torch.Tensor  # grouped row i is received row order[i]
     counts: torch.Tensor  # (ep, experts per rank): rows received from each rank for each local expert
     keep: torch.Tensor | None = None  # under a capacity: the rows (of this rank's, in the sorted order) it sends
-    rows: int = 0  # this rank's rows in the sorted order (set by the dispatch)
+    rows: int = 0  # under a capacity: this rank's rows in the sorted order
 
 
 def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -273,7 +273,6 @@ def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits
 
 
 def _dispatch(x: torch.Tensor, route: Route, group) -> torch.Tensor:
-    route.rows = x.shape[0]
     if route.keep is not None:  # the rows within each expert's capacity; the others are dropped
         x = x.index_select(0, route.keep)
     received = _all_to_all(x, sum(route.recv), route.recv, route.send, group)
@@ -331,12 +330,13 @@ class ExpertRoute(_ParallelOp):
         group = self._run_group()
         per = self.experts // self.size
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # this rank's rows per expert
-        first_rows = None
+        first_rows, rows = None, 0
         if self.capacity is not None:  # each expert's first rows up to its capacity, in the sorted order
             limit = torch.ceil(offsets[-1].double() * self.capacity / self.experts).long()
             kept = torch.minimum(counts, limit)
             first_rows = torch.cumsum(counts, 0) - counts
             self.dropped = torch.stack([counts.sum() - kept.sum(), counts.sum()]).detach()
+            rows = int(self.dropped[1])  # a second read back, under a capacity only
             counts = kept
         every = counts.new_empty(self.size * self.experts)
         dist.all_gather_into_tensor(every, counts, group=group)
@@ -348,10 +348,11 @@ class ExpertRoute(_ParallelOp):
         starts = (torch.cumsum(flat, 0) - flat).view(self.size, per).t().reshape(-1)  # by local expert, then rank
         lengths = recv.t().reshape(-1)
         order = _runs(starts, lengths, int(sum(splits[1])))
-        keep = _runs(first_rows, counts, int(sum(splits[0]))) if first_rows is not None else None
         local = torch.cumsum(recv.sum(0), 0).to(offsets.dtype)
         self.last = every.sum(0).detach()  # the layer's rows per expert over the ep group (load, for explain())
-        return local, Route(splits[0], splits[1], order, recv, keep)
+        if first_rows is None:
+            return local, Route(splits[0], splits[1], order, recv)
+        return local, Route(splits[0], splits[1], order, recv, _runs(first_rows, counts, int(sum(splits[0]))), rows)
 
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         return self.experts * 8 * self.size, 0
