@@ -111,17 +111,26 @@ def capacity(mesh_kwargs: dict, factor: float, *, steps: int = 2) -> dict:
     mesh = autoshard.Mesh(**mesh_kwargs)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), expert_capacity=factor)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     ids, target = case.inputs[0], case.target
+
+    def reference_loss():
+        sums = [F.cross_entropy(reference(i).flatten(0, 1), t.flatten(), reduction="sum")
+                for i, t in zip(ids.chunk(mesh.dp), target.chunk(mesh.dp), strict=True)]
+        return sum(sums) / (target != -100).sum()
+
+    return _sgd_steps(pm, reference, lambda: pm.step(ids, target=target), reference_loss, steps,
+                      torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1))
+
+
+def _sgd_steps(pm, reference, step, reference_loss, steps: int, opt, ref_opt) -> dict:
+    """``steps`` optimizer steps of ``pm`` (``step()``) and of ``reference`` (``reference_loss()``): the worst loss
+    difference, the gradients beyond the tolerance, and the parameters after the steps beyond it."""
     worst_loss, bad_grads = 0.0, {}
     for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
-        loss = pm.step(ids, target=target)
-        sums = [F.cross_entropy(reference(i).flatten(0, 1), t.flatten(), reduction="sum")
-                for i, t in zip(ids.chunk(mesh.dp), target.chunk(mesh.dp), strict=True)]
-        ref = sum(sums) / (target != -100).sum()
+        loss = step()
+        ref = reference_loss()
         ref.backward()
         worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
         bad_grads.update(_differing_gradients(pm, reference))
@@ -144,25 +153,15 @@ def router_loss_local(name: str, mesh_kwargs: dict, *, steps: int = 2, **options
     mesh = autoshard.Mesh(**mesh_kwargs)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=(ids, mask), loss_fn=loss_fn, target=target,
                                groups=groups_for(mesh), batch_statistics="local", **options)
-    opt = torch.optim.SGD(_groups(pm.named_parameters()), lr=0.1)
-    ref_opt = torch.optim.SGD(_groups(reference.named_parameters()), lr=0.1)
     parts = mesh.dp * options.get("microbatches", 1)
-    worst_loss, bad_grads = 0.0, {}
-    for _ in range(steps):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss = pm.step(ids, mask, target=target)
-        ref = sum(loss_fn(reference(i, m), t) for i, m, t in zip(ids.chunk(parts), mask.chunk(parts),
-                                                                  target.chunk(parts), strict=True)) / parts
-        ref.backward()
-        worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
-        bad_grads.update(_differing_gradients(pm, reference))
-        opt.step()
-        ref_opt.step()
-    full = pm.full_parameters()
-    bad = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
-           if not torch.allclose(full[n], p.detach(), **TOL)}
-    return {"loss": worst_loss, "bad_grads": bad_grads, "bad": bad, "explain": pm.explain()}
+
+    def reference_loss():
+        return sum(loss_fn(reference(i, m), t) for i, m, t in zip(ids.chunk(parts), mask.chunk(parts),
+                                                                   target.chunk(parts), strict=True)) / parts
+
+    return _sgd_steps(pm, reference, lambda: pm.step(ids, mask, target=target), reference_loss, steps,
+                      torch.optim.SGD(_groups(pm.named_parameters()), lr=0.1),
+                      torch.optim.SGD(_groups(reference.named_parameters()), lr=0.1))
 
 
 def inference(name: str, mesh_kwargs: dict, **options) -> dict:
