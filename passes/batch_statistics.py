@@ -134,10 +134,24 @@ def batch_sizes(small: fx.GraphModule, large: fx.GraphModule, factor: int) -> di
                                    "op chosen by the batch's size): its sizes of the batch cannot be told apart")
     found: dict[str, list] = {}
     for x, y in zip(a, b, strict=True):
-        for position, (u, v) in enumerate(zip(x.args, y.args, strict=False)):
+        pairs = [*enumerate(zip(x.args, y.args, strict=False)),
+                 *((k, (v, y.kwargs.get(k))) for k, v in x.kwargs.items())]
+        for position, (u, v) in pairs:
             if isinstance(u, (int, float)) and not isinstance(u, bool) and isinstance(v, (int, float)) and u != v:
                 found.setdefault(x.name, []).append((position, u if v == u * factor else None))
+        if x.op == "get_attr" and not isinstance(_attr(small, x.target), nn.Parameter):
+            u, v = _attr(small, x.target), _attr(large, y.target)
+            if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) and (u.shape != v.shape or
+                                                                                not torch.equal(u, v)):
+                found.setdefault(x.name, []).append((None, None))  # a tensor the capture made of the batch's size
     return found
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
 
 
 def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: int, group=None,
@@ -300,17 +314,20 @@ def _take_whole_sizes(gm: fx.GraphModule, region: set[fx.Node], sizes: dict[str,
                       plan: BatchStatisticsPlan) -> None:
     """The numbers of the statistics that are sizes of this rank's batch -> the whole batch's (``size`` times)."""
     for node in gm.graph.nodes:
-        if node not in region or node.name not in sizes or node.target is operator.getitem:
+        read = node.op == "get_attr" and any(user in region for user in node.users)  # a constant the loss reads
+        if not (node in region or read) or node.name not in sizes or node.target is operator.getitem:
             continue
-        args = list(node.args)
+        args, kwargs = list(node.args), dict(node.kwargs)
         for position, value in sizes[node.name]:
             if value is None:
-                raise BatchStatisticsError(f"{node.name} at {_where(node)} reads a number that changes with the "
-                                           "batch's size, not in proportion to it: its whole batch's value is "
-                                           "unknown; keep the batch whole (dp=1) or pass batch_statistics='local'")
-            args[position] = type(args[position])(value * size)
-            plan.sizes[node.name] = args[position]
-        node.args = tuple(args)
+                raise BatchStatisticsError(f"{node.name} at {_where(node)} reads a value that changes with the "
+                                           "batch's size, not in proportion to it or held as a tensor: its whole "
+                                           "batch's value is unknown; keep the batch whole (dp=1) or pass "
+                                           "batch_statistics='local'")
+            held = kwargs if isinstance(position, str) else args
+            held[position] = type(held[position])(value * size)
+            plan.sizes[node.name] = held[position]
+        node.args, node.kwargs = tuple(args), kwargs
 
 
 def refusal(gm: fx.GraphModule, batch: int, size: int, sizes: dict[str, list] | None) -> str | None:

@@ -43,6 +43,7 @@ class TokenLoss:
 # loss, its sum scaled alike
 _SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _KEEPS = {aten.neg.default, aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default}
+LOSS_SCALES = frozenset(_SCALES | _KEEPS)  # what a loss's sum may pass through and stay a sum (``rules``)
 
 
 def _unscaled(node: fx.Node) -> fx.Node:

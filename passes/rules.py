@@ -25,6 +25,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.axis import Axis
+from autoshard.passes.loss import LOSS_SCALES
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 
 aten = torch.ops.aten
@@ -315,16 +316,12 @@ def _scales_a_sum(node: fx.Node, ctx: Context) -> bool:
             and (node.target is aten.mul.Tensor or sums[0] is node.args[0]) and sum_reaches_zeros(node))
 
 
-_LOSS_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.to.dtype,
-                aten._to_copy.default, aten.clone.default, aten.alias.default}
-
-
 def _scales_the_loss(node: fx.Node, ctx: Context) -> bool:
     """``2.0 * loss``, ``loss / steps``, ``-loss`` or a cast of a pending scalar sum (a token loss's sum over split
     tokens) on its way to the graph's output: linear, so the sum may stay pending to the output, which says where it
     is reduced."""
     tensors = tensor_inputs(node)
-    if node.target not in _LOSS_SCALES or len(tensors) != 1 or not isinstance(ctx.of(tensors[0]), Partial) \
+    if node.target not in LOSS_SCALES or len(tensors) != 1 or not isinstance(ctx.of(tensors[0]), Partial) \
             or ctx.shape(node) != ():
         return False
     if node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not tensors[0]:
@@ -335,7 +332,7 @@ def _scales_the_loss(node: fx.Node, ctx: Context) -> bool:
 def _reaches_output(node: fx.Node, depth: int = 6) -> bool:
     """Whether every reader of ``node`` is the graph's output, or another scale on its way there."""
     return depth > 0 and bool(node.users) and all(
-        user.op == "output" or (user.target in _LOSS_SCALES and _reaches_output(user, depth - 1))
+        user.op == "output" or (user.target in LOSS_SCALES and _reaches_output(user, depth - 1))
         for user in node.users)
 
 

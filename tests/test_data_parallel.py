@@ -113,6 +113,29 @@ def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_refused_under_dp():
                              loss_fn=loss_fn)
 
 
+def test_a_batch_sum_divided_by_the_batchs_size_held_as_a_tensor_is_refused_under_dp():
+    """``x.sum((0, 1)) / torch.tensor(float(B * T))``: the capture holds the local batch's size as a tensor constant,
+    whose whole batch's value is not known (a number is: it doubles with the batch). Refused, not divided by the
+    local size."""
+    import torch
+
+    import autoshard
+    from autoshard.compile import compile_global_batch
+    from autoshard.options import CompileOptions
+
+    from models import build
+
+    case = build("gpt")
+
+    def loss_fn(output, target):
+        pooled = output.float().sum(dim=(0, 1)) / torch.tensor(float(output.shape[0] * output.shape[1]))
+        return golden._cross_entropy()(output, target) + 1e-3 * pooled.pow(2).sum()
+
+    with pytest.raises(ValueError, match=r"reads a value that changes with the batch's size.*held as a tensor"):
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(), target=case.target,
+                             loss_fn=loss_fn)
+
+
 COMPOSED = [({"dp": 2, "tp": 2}, 4, {}), ({"dp": 2, "pp": 2}, 4, {"microbatches": 2}), ({"dp": 2, "cp": 2}, 4, {}),
             ({"dp": 4}, 4, {})]
 
