@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from autoshard import meta
 from autoshard.passes.causal_mask import causal_attention_pass
+from autoshard.passes.grouped_experts import grouped_experts_pass
 
 MODEL_PREFIX = "model."
 
@@ -119,6 +120,7 @@ def capture(
     _canonical_parameter_names(gm)
     _inline_no_grad(gm)
     causal_attention_pass(gm)
+    grouped_experts_pass(gm)
     seconds = time.perf_counter() - start
     return Captured(
         gm=gm,

@@ -134,20 +134,35 @@ def _layer(gm: fx.GraphModule, offsets: fx.Node, matmuls: list[fx.Node]) -> tupl
         return None, "a stack's experts differ in number from the offsets' entries"
     # The routing's sort: of the ids the offsets count (transformers), or of the rows' order (torchtitan sorts the
     # rows by expert and counts the ids apart, with histc)
-    routed = _ancestors(offsets).union(*(_ancestors(m.args[0]) for m in matmuls))
-    sorts = {a for a in routed if a.target in _SORTS}
+    sorts = _sorts(offsets, matmuls)
     if not sorts:
         return None, "neither the offsets nor the rows come from a sort of the routed expert ids"
-    segment = _segment(matmuls)
-    rows = _shape(matmuls[0].args[0])[0]
-    why = _row_local(segment, matmuls, offsets, rows, sorts)
-    if why:
+    groups, why = _groups(offsets, matmuls, sorts)
+    if not groups:
         return None, why
     names = tuple(dict.fromkeys(s.target for s in stacks))
     readers = {u for s in stacks for u in _weight_users(s)}
     if any(r not in matmuls for r in readers):
         return None, "a stack of expert matrices is read outside the grouped matmuls (it must stay whole)"
     return ExpertLayer(offsets.name, experts, names, _where(matmuls[0])), ""
+
+
+def _sorts(offsets: fx.Node, matmuls: list[fx.Node]) -> set[fx.Node]:
+    routed = _ancestors(offsets).union(*(_ancestors(m.args[0]) for m in matmuls))
+    return {a for a in routed if a.target in _SORTS}
+
+
+def _groups(offsets: fx.Node, matmuls: list[fx.Node], sorts: set[fx.Node]) -> tuple[list[list[fx.Node]], str]:
+    """The matmuls in groups that each run between one dispatch and one combine (all together where the path
+    between them keeps rows apart, as an MLP's activation does; else each alone, as with attention between two
+    experts' projections that share a routing), and why not where neither works."""
+    rows = _shape(matmuls[0].args[0])[0]
+    why = _row_local(_segment(matmuls), matmuls, offsets, rows, sorts)
+    if not why:
+        return [matmuls], ""
+    if len(matmuls) > 1 and not any(_row_local(_segment([m]), [m], offsets, rows, sorts) for m in matmuls):
+        return [[m] for m in matmuls], ""
+    return [], why
 
 
 def _weight_users(param: fx.Node) -> set[fx.Node]:
@@ -419,7 +434,8 @@ def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: 
         if again is None or again.weights != layer.weights:
             raise ExpertParallelError(f"the experts at {layer.where} no longer match their plan on this rank's "
                                       f"graph ({why or 'other stacks'}): run with ep=1")
-        _rewrite(gm, offsets, matmuls, layer, rank, group, plan.size, plan.capacity)
+        groups, _ = _groups(offsets, matmuls, _sorts(offsets, matmuls))
+        _rewrite(gm, offsets, groups, layer, rank, group, plan.size, plan.capacity)
         rewritten.update(matmuls)
     split = plan.params()
     for node in gm.graph.nodes:  # a stack sliced under a matmul that routes nothing would read other experts
@@ -435,12 +451,10 @@ def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: 
     return gm
 
 
-def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, rank: int, group, size: int,
+def _rewrite(gm, offsets: fx.Node, groups: list[list[fx.Node]], layer: ExpertLayer, rank: int, group, size: int,
              capacity: float | None = None) -> None:
+    """One route from the offsets; each group of matmuls between a dispatch and a combine of its own."""
     graph = gm.graph
-    segment = _segment(matmuls)
-    inside = set(segment)
-    rows = _shape(matmuls[0].args[0])[0]
     index = len([n for n in gm.named_children() if n[0].startswith("expert_route")])
 
     def add(name: str, module) -> str:
@@ -458,8 +472,18 @@ def _rewrite(gm, offsets: fx.Node, matmuls: list[fx.Node], layer: ExpertLayer, r
         local_offsets = graph.call_function(operator.getitem, (routed, 0))
     with graph.inserting_after(local_offsets):
         route = graph.call_function(operator.getitem, (routed, 1))
-    for m in matmuls:
-        m.replace_input_with(offsets, local_offsets)
+    for matmuls in groups:
+        for m in matmuls:
+            m.replace_input_with(offsets, local_offsets)
+        _between(graph, matmuls, local_offsets, route, dispatch_mod, combine_mod)
+
+
+def _between(graph: fx.Graph, matmuls: list[fx.Node], local_offsets: fx.Node, route: fx.Node, dispatch_mod: str,
+             combine_mod: str) -> None:
+    """A dispatch of every routed value entering the matmuls' segment, a combine of every value leaving it."""
+    segment = _segment(matmuls)
+    inside = set(segment)
+    rows = _shape(matmuls[0].args[0])[0]
     dispatched: dict[fx.Node, fx.Node] = {}
     for node in segment:
         for value in node.all_input_nodes:

@@ -417,6 +417,27 @@ class GroupedExperts(nn.Module):
         return out
 
 
+class LoopedExperts(nn.Module):
+    """Experts looped over pieces of rows split by counts read back (JetMoE's form): ``linear(x_e, w[e])`` per expert,
+    joined by ``cat``, added back at the tokens' rows. ``reads_counts``: the model reads a count itself too;
+    ``swapped``: two pieces meet each other's expert."""
+
+    def __init__(self, *, reads_counts: bool = False, swapped: bool = False) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.w = nn.Parameter(torch.randn(4, 6, 8))
+        self.reads_counts, self.swapped = reads_counts, swapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.gate(x).argmax(-1)
+        order = ids.argsort()
+        sizes = F.one_hot(ids, 4).sum(0).tolist()
+        experts = [1, 0, 2, 3] if self.swapped else range(4)
+        y = torch.cat([F.linear(piece, self.w[e]) for piece, e in zip(x[order].split(sizes), experts, strict=True)])
+        out = torch.zeros(x.shape[0], 6).index_add(0, order, y)
+        return out * sizes[0] if self.reads_counts else out
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int = HIDDEN, hidden: int = EXPERT_FFN, experts: int = EXPERTS, top_k: int = TOP_K,
                  shared: int = SHARED_FFN) -> None:

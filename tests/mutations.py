@@ -425,8 +425,8 @@ MUTANTS = (
            "            return stack, _LINEARS[node.target][2]",
            "linear(x, W[i]) over a stack of experts is seeded on the experts' dim: the stack's experts are split "
            "instead of each expert's features",
-           ("tests/test_tensor_parallel_plan.py::test_attention_and_experts_of_current_architectures_are_sharded"
-            "[jetmoe]", "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[jetmoe-tp2]")),
+           ("tests/test_tensor_parallel_plan.py::"
+            "test_experts_looped_over_a_stack_that_stays_a_loop_split_each_experts_features",)),
     Mutant("partition-forgets-earlier-stages", "passes/partition.py",
            "                layer_best[j] = max(best[i], score[i, j])", "                layer_best[j] = score[i, j]",
            "the cut search scores k stages by their last stage alone: an earlier stage may hold far more than its "
@@ -499,7 +499,9 @@ MUTANTS = (
            "            and sum_reaches_zeros(node)):",
            "            and False):",
            "experts' pending sums are all-reduced one by one before their join: top_k times the bytes, a call each",
-           ("tests/test_tensor_parallel_plan.py::test_experts_joined_by_cat_are_all_reduced_once_per_layer",)),
+           ("tests/test_tensor_parallel_plan.py::test_experts_joined_by_cat_are_all_reduced_once_per_layer",
+            "tests/test_tensor_parallel_plan.py::"
+            "test_experts_looped_over_a_stack_that_stays_a_loop_split_each_experts_features")),
     Mutant("no-grad-entry-unmarked", "passes/tensor_parallel.py",
            "copy_without_grad=mark_entries,", "copy_without_grad=False,",
            "a tp region run under torch.no_grad() gets no f, so sequence parallelism keeps its sequence split there",

@@ -58,7 +58,7 @@ CELLS = [(name, "tp2") for name in SAMPLE] + [
     ("vision/vit", "cp2"),  # the split starts at the patches; 16 patches and a class token split 9 and 8
     ("deepseek_v3", "cp2ring"),  # values narrower than keys: ring pieces off the fused kernel
     ("llama", "cp2alltoall"),
-    ("jetmoe", "tp2"),  # experts as W[i] of a stack, sizes known at run time; attention experts
+    ("jetmoe", "tp2"),  # experts looped over W[i] of a stack, captured as grouped matmuls; attention experts
     ("mixtral", "tp4"),  # experts split four ways
     ("qwen2_moe", "tp4"),
     ("gpt_oss", "tp4"),

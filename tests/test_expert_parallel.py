@@ -47,8 +47,73 @@ def test_every_layer_of_experts_is_found_with_its_stacks(name):
     assert not plan.notes
 
 
-def test_experts_looped_over_one_at_a_time_stay_whole_and_say_so():
-    _, captured = _captured("jetmoe")  # linear(x, W[i]) per expert: no grouped matmul to route
+def test_experts_looped_over_a_stack_become_grouped_matmuls_and_split_over_ep():
+    """JetMoE runs its experts one at a time (rows split by counts read back, ``linear(x_i, W[i])``, ``cat``): the
+    capture holds one grouped matmul per loop instead, no read-back of the counts, and the same loss. Its MLP
+    experts are one layer (a dispatch before the two matmuls, a combine after); its attention experts share a
+    routing with attention between their two projections, so each projection runs between a dispatch and a
+    combine of its own, from one route."""
+    case, captured = _captured("jetmoe")
+    gm = captured.gm
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.autoshard.grouped_mm.default) == 8
+    assert torch.ops.aten.item.default not in targets and torch.ops.aten._assert_scalar.default not in targets
+    assert not any(n.target is torch.ops.aten.select.int and n.args[0].op == "get_attr" for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(*case.inputs, case.target), case.loss_fn(case.model(*case.inputs), case.target),
+                               rtol=0, atol=1e-6)
+    plan = plan_expert_parallel(gm, 2)
+    assert len(plan.layers) == 4 and not plan.notes
+    assert {w for layer in plan.layers for w in layer.weights} == {n for n, p in gm.named_parameters() if p.dim() == 3}
+    program = compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2, ep=2), 1, CompileOptions(),
+                                   target=case.target, loss_fn=case.loss_fn).program
+    assert program.code.count("= self.expert_route_") == 4
+    assert program.code.count("= self.expert_dispatch_") == 6 and program.code.count("= self.expert_combine_") == 6
+
+
+@pytest.mark.parametrize("kwargs,rewritten", [({}, True), ({"reads_counts": True}, False), ({"swapped": True}, False)],
+                         ids=["loop", "counts-read-elsewhere", "experts-out-of-order"])
+def test_a_loop_of_experts_is_rewritten_only_where_it_is_one_grouped_matmul(kwargs, rewritten):
+    """Where the sizes are read by anything else, or the pieces meet other experts than their own, the loop is
+    left as export gave it (each expert a linear: exact, its experts whole under ep)."""
+    torch.manual_seed(0)
+    model, x = models.LoopedExperts(**kwargs), torch.randn(12, 8)
+    captured = capture(model, (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=torch.zeros(12, 6))
+    grouped = [n for n in captured.gm.graph.nodes if n.target is torch.ops.autoshard.grouped_mm.default]
+    assert len(grouped) == (1 if rewritten else 0)
+    torch.testing.assert_close(captured.gm(x, torch.zeros(12, 6)), model(x).pow(2).mean(), rtol=0, atol=1e-6)
+
+
+def test_the_grouped_matmul_is_each_experts_product_forward_and_backward():
+    """autoshard's grouped matmul (any dtype, any device): rows per expert times the expert's matrix, empty experts
+    included; its gradients are the per-expert products' (float64, against a loop of linears)."""
+    x = torch.randn(10, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 7, 5, dtype=torch.float64, requires_grad=True)  # (experts, out, in), as linear reads it
+    sizes = [3, 0, 6, 1]
+    offsets = torch.tensor(sizes).cumsum(0)
+    got = torch.ops.autoshard.grouped_mm(x, w.transpose(1, 2), offsets)
+    want = torch.cat([torch.nn.functional.linear(p, w[e]) for e, p in enumerate(x.split(sizes))])
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, (x, w), grad), torch.autograd.grad(want, (x, w), grad))
+    torch.library.opcheck(torch.ops.autoshard.grouped_mm.default, (x, w.transpose(1, 2), offsets))
+
+
+def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
+    """Every expert of a ModuleList run on every token, weighted by the router (no rows routed): nothing for ep to
+    send, and the plan says so."""
+
+    class Dense(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 4, bias=False)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            weights = torch.softmax(self.gate(x), -1)
+            return sum(weights[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+    x = torch.randn(12, 8)
+    captured = capture(Dense(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
     plan = plan_expert_parallel(captured.gm, 2)
     assert not plan.layers and "no mixture of experts found" in plan.notes[0]
 

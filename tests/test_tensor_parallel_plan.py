@@ -283,9 +283,9 @@ class _DataDependentRows(nn.Module):
 
 
 def test_a_size_that_depends_on_the_data_keeps_the_other_dims_splittable():
-    """The rows are known only when the graph runs, the features are not: the MLP is split by its features (exact
-    on JetMoE's experts in tests/test_corpus.py). A rule that reads such a size itself (the rows' count) refuses,
-    and its op stays replicated: here the boolean mask's pick."""
+    """The rows are known only when the graph runs, the features are not: the MLP is split by its features. A rule
+    that reads such a size itself (the rows' count) refuses, and its op stays replicated: here the boolean mask's
+    pick."""
     x = torch.randn(6, 16)
     captured = capture(_DataDependentRows(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x[0])
     plan = plan_tensor_parallel(captured.gm, 2)
@@ -352,7 +352,7 @@ SHARDED_NOW = {
     "falcon": "x @ W.T linears round a fused q/k/v of 4 query and 2 kv heads (each a row alone)",
     "mamba": "a state-space mixer: x_proj a row inside the block, dt_proj as W @ x, the decay per channel sliced",
     "deepseek_v32": "a sparse-attention indexer computed under torch.no_grad()",
-    "jetmoe": "experts as linear(x, W[i]) over a stack, tokens per expert known only at run time; attention experts "
+    "jetmoe": "experts looped as linear(x, W[i]) over a stack (captured as grouped matmuls); attention experts "
               "whose keys are tiled per routed slot (repeat), their rows put back by index_add",
 }
 
@@ -437,9 +437,9 @@ def test_a_mamba2_mixer_is_split_by_heads_and_groups():
 
 
 def test_experts_joined_by_cat_are_all_reduced_once_per_layer():
-    """JetMoE's experts (``F.linear(x_i, weight[i])`` per expert, joined by ``cat``, scaled by the routing weights,
-    added into zeros at the tokens' rows): one all-reduce per mixture, of the tokens' rows, not one per expert of
-    the tokens x top-k rows."""
+    """JetMoE's experts (``F.linear(x_i, weight[i])`` per expert joined by ``cat``, captured as grouped matmuls,
+    scaled by the routing weights, added into zeros at the tokens' rows): one all-reduce per mixture, of the tokens'
+    rows, not one per expert of the tokens x top-k rows."""
     from corpus.architectures import build as build_corpus
 
     from autoshard.passes.collectives import ReduceFromParallel
@@ -454,6 +454,27 @@ def test_experts_joined_by_cat_are_all_reduced_once_per_layer():
     assert len(mixtures) == 4, mixtures  # two layers, each with a mixture of attention heads and of MLPs
     combines = [a for a in reduced if a.target is torch.ops.aten.index_add.default]
     assert len(combines) == 4 and len(reduced) == 5, reduced  # and the vocab-parallel embedding's
+
+
+def test_experts_looped_over_a_stack_that_stays_a_loop_split_each_experts_features():
+    """``linear(x_e, W[e])`` per expert, left a loop (the model reads its counts too, so it is no grouped matmul):
+    the stack (experts, out, in) is split on each expert's features (a row alone here: its input features, dim 2),
+    never on the experts, and the experts' pending sums are all-reduced once, after their join."""
+    from autoshard.passes.collectives import ReduceFromParallel
+    from autoshard.passes.placements import Shard
+
+    from models import LoopedExperts
+
+    x = torch.randn(12, 8)
+    captured = capture(LoopedExperts(reads_counts=True), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                       example_target=torch.zeros(12, 6))
+    assert not any("grouped_mm" in str(n.target) for n in captured.gm.graph.nodes)
+    plan = plan_tensor_parallel(captured.gm, 2)
+    assert (plan.params["model.w"].role, plan.params["model.w"].placement) == ("row", Shard(2)), plan.params["model.w"]
+    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0)).gm  # the experts' pending sums joined
+    reduced = [node.args[0] for node in gm.graph.nodes  # by cat and added at the tokens' rows: one all-reduce
+               if node.op == "call_module" and isinstance(gm.get_submodule(node.target), ReduceFromParallel)]
+    assert [a.target for a in reduced] == [torch.ops.aten.index_add.default], reduced
 
 
 def test_einsum_attention_is_split_by_heads():
