@@ -20,7 +20,9 @@ depend on the routing are read once per layer and step (the splits an all-to-all
 The expert matrices are sliced on dim 0; their gradients come whole from every rank's tokens through the
 all-to-alls, so they are summed only over the ranks that hold the same experts (``ep_replicas``), not over dp.
 
-A layer whose segment holds an op that is not row-local, or whose stacks are read elsewhere, keeps its experts
+A layer whose segment holds an op that is not row-local (attention between two projections that share a routing,
+as JetMoE's attention experts have) runs each matmul between a dispatch and a combine of its own, from the one
+route. A layer whose matmuls' inputs are not the routed rows, or whose stacks are read elsewhere, keeps its experts
 whole on every ep rank (data parallel, as without ep), and the plan says why.
 """
 

@@ -118,9 +118,12 @@ def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
     assert not plan.layers and "no mixture of experts found" in plan.notes[0]
 
 
-def test_a_layer_that_mixes_rows_between_its_matmuls_keeps_its_experts_whole():
-    """A cumulative sum over the routed rows between the two projections reads other experts' rows: the layer is
-    left whole (data parallel), named, and the other layer is still split."""
+def test_a_layer_that_mixes_rows_between_its_matmuls_runs_each_between_its_own_dispatch_and_combine():
+    """A cumulative sum over the routed rows between the two projections reads other experts' rows: it runs on the
+    rows combined back (as the model run whole computes it), and each projection between a dispatch and a combine
+    of its own; both layers are still split."""
+    from autoshard.passes.expert_parallel import _by_offsets, _groups, _sorts
+
     _, captured = _captured("mixtral")
     gm = captured.gm
     first = next(n for n in gm.graph.nodes if "grouped_mm" in str(n.target))
@@ -130,7 +133,29 @@ def test_a_layer_that_mixes_rows_between_its_matmuls_keeps_its_experts_whole():
     mixed.meta["val"] = first.meta["val"]
     user.replace_input_with(first, mixed)
     plan = plan_expert_parallel(gm, 2)
-    assert len(plan.layers) == 1 and "stay whole" in plan.notes[0] and "cumsum" in plan.notes[0]
+    assert len(plan.layers) == 2 and not plan.notes
+    offsets, matmuls = next((o, m) for o, m in _by_offsets(gm).items() if first in m)
+    assert _groups(offsets, matmuls, _sorts(offsets, matmuls))[0] == [[m] for m in matmuls]
+
+
+def test_a_stack_of_experts_read_outside_its_matmuls_keeps_them_whole_and_says_so():
+    """A stack also read by another op (its norm added to the loss) must stay whole on every rank: that layer is left
+    data parallel, named, and the other layer is still split."""
+    _, captured = _captured("mixtral")
+    gm = captured.gm
+    first = next(n for n in gm.graph.nodes if "grouped_mm" in str(n.target))
+    stack = first.args[1]
+    while stack.op != "get_attr":
+        stack = stack.args[0]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = output.args[0][0]
+    with gm.graph.inserting_before(output):
+        norm = gm.graph.call_function(torch.ops.aten.sum.default, (stack,))
+        total = gm.graph.call_function(torch.ops.aten.add.Tensor, (loss, norm))
+    norm.meta["val"], total.meta["val"] = loss.meta["val"], loss.meta["val"]
+    output.replace_input_with(loss, total)
+    plan = plan_expert_parallel(gm, 2)
+    assert len(plan.layers) == 1 and "stay whole" in plan.notes[0] and "read outside" in plan.notes[0]
 
 
 def test_an_ep_degree_that_does_not_divide_the_experts_is_refused_with_those_that_do():
