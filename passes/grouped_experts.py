@@ -66,6 +66,26 @@ def _backward(ctx, grad: torch.Tensor):
 
 grouped_mm.register_autograd(_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
 
+_LIBRARY = torch.library.Library("autoshard", "FRAGMENT")  # keeps the autocast kernels registered
+
+
+def _autocast_kernel(device: str):
+    """Under autocast, ``x`` and the stack are cast to autocast's dtype first, as autocast casts a linear's inputs
+    (whatever dtype it runs in: bf16 or fp16), so the grouped matmul runs in the dtype the loop of linears ran in."""
+    key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device)))
+
+    def kernel(_keys, x, w, offsets):
+        dtype = torch.get_autocast_dtype(device)
+        with torch._C._ExcludeDispatchKeyGuard(key):
+            return grouped_mm(x.to(dtype), w.to(dtype), offsets)
+
+    return kernel
+
+
+for _device in ("cpu", "cuda"):
+    _LIBRARY.impl("grouped_mm", _autocast_kernel(_device), "Autocast" + torch._C._dispatch_key_for_device(_device),
+                  with_keyset=True)
+
 
 def grouped_experts_pass(gm: fx.GraphModule) -> int:
     """Rewrite every loop of experts over a stack into a grouped matmul; returns how many were rewritten (0: the

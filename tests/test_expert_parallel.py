@@ -96,6 +96,12 @@ def test_the_grouped_matmul_is_each_experts_product_forward_and_backward():
     grad = torch.randn_like(got)
     torch.testing.assert_close(torch.autograd.grad(got, (x, w), grad), torch.autograd.grad(want, (x, w), grad))
     torch.library.opcheck(torch.ops.autoshard.grouped_mm.default, (x, w.transpose(1, 2), offsets))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # cast as autocast casts the linears it stands for
+        x32, w32 = x.float(), w.float()
+        got = torch.ops.autoshard.grouped_mm(x32, w32.transpose(1, 2), offsets)
+        want = torch.cat([torch.nn.functional.linear(p, w32[e]) for e, p in enumerate(x32.split(sizes))])
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
