@@ -49,6 +49,11 @@ def parallelize(
             "for one input write example_inputs=(tokens,)"
         )
     options = _one_set_of_options(options, option_fields)
+    if options.autotune and not (mesh == "auto" and (options.planner_profile is not None or options.calibrate)):
+        missing = " without planner_profile or calibrate" if mesh == "auto" else ""
+        raise ValueError(f"autotune={options.autotune} measures the fastest meshes mesh='auto' predicts from a "
+                         f"profile, and this call has mesh={mesh!r}{missing}: pass mesh='auto' with calibrate=True (or "
+                         "planner_profile=...), or leave autotune=0")
     ranking = None
     if mesh == "auto" and (options.planner_profile is not None or options.calibrate):
         mesh, options, ranking = measured_choice(model, example_inputs, options, loss_fn=loss_fn, target=target,
@@ -241,11 +246,53 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
     if not found or found[0][0].error is not None:
         why = "; ".join(str(p) for p in ranking[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
         raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
+    if options.autotune:
+        trials = [pair for pair in found if pair[0].error is None][:options.autotune]
+        for prediction, candidate in trials:
+            prediction.measured = _trial(model, example_inputs, candidate, prediction.mesh, loss_fn, target)
+        found.sort(key=lambda pair: (pair[0].measured is None, pair[0].measured or 0.0, pair[0].step))
+        ranking = [p for p, _ in found]
     best, chosen = found[0]
     if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {best} from "
               f"{profile_source(options)}", flush=True)
     return best.mesh, dataclasses.replace(chosen, planner_profile=options.planner_profile), ranking
+
+
+def _trial(model: nn.Module, example_inputs: tuple, options: CompileOptions, mesh: Mesh, loss_fn, target, *,
+           warmup: int = 1, steps: int = 3) -> float:
+    """``mesh``'s training step measured on this job's ranks: a copy of the model compiled for it, trained
+    ``warmup + steps`` times on the example batch (gradients dropped, no optimizer step); the slowest rank's median
+    step, the same on every rank."""
+    import copy
+    import statistics
+    import time
+
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("autotune trains the candidates, and this model is on the meta device (no values to train): "
+                         "pass a model with its weights, or leave autotune=0")
+    groups = _groups_for(mesh, options.timeout, _device_of(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the lint speaks once, for the mesh taken
+        from autoshard.runtime.parallel_model import ParallelModel
+
+        pm = ParallelModel(copy.deepcopy(model), mesh, groups, options, example_inputs=example_inputs,
+                           loss_fn=loss_fn, target=target)
+    times = []
+    for _ in range(warmup + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        pm.step(*example_inputs, target=target)
+        for p in pm.parameters():
+            p.grad = None
+        if pm.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
 
 
 def _with_ep(meshes: list[Mesh], experts: int) -> list[Mesh]:

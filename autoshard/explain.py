@@ -63,6 +63,13 @@ def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5)
     lines = [f"mesh='auto' from {profile_source(options)}: the {min(top, len(ranking))} fastest of "
              f"{len(ranking)} predicted steps"]
     lines += [f"  {i}. {prediction}" for i, prediction in enumerate(ranking[:top], 1)]
+    measured = [p for p in ranking if p.measured is not None]
+    if options.autotune and measured:
+        best = measured[0]
+        lines.append(f"  measured: the {len(measured)} fastest predicted trained on this job's ranks (autotune="
+                     f"{options.autotune}); {best.label()} ran fastest, {best.measured * 1e3:.1f} ms"
+                     + (f", {measured[1].label()} {measured[1].measured * 1e3:.1f} ms" if len(measured) > 1 else ""))
+        return lines
     if len(ranking) > 1 and ranking[1].error is None:
         best, next_ = ranking[0], ranking[1]
         diffs = sorted(((next_.parts.get(k, 0.0) - best.parts.get(k, 0.0), k) for k in {*best.parts, *next_.parts}),

@@ -115,6 +115,11 @@ class CompileOptions:
     calibrate: with ``mesh="auto"``, measure the job's own ranks first (``autoshard.planner.profile.calibrate``,
         about 8 s on 2 CPU ranks: every rank at once, rank 0's numbers broadcast) and choose from that profile as
         from ``planner_profile``.
+    autotune: with ``mesh="auto"`` and a profile (``planner_profile`` or ``calibrate``), the predicted fastest
+        ``autotune`` candidates are then each compiled and trained for a few steps on this job's ranks (on a copy of
+        the model, its gradients dropped, no optimizer step), and the fastest measured is taken (the slowest rank's
+        median step, so every rank agrees). The prediction ranks every candidate; the measurement decides between the
+        closest. ``0`` (the default): the prediction alone.
     detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
         NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
         ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
@@ -144,6 +149,7 @@ class CompileOptions:
     expert_capacity: float | None = None  # ep: rows each rank sends each expert, as a factor of an even share
     planner_profile: str | None = None  # a profile ``autoshard calibrate`` wrote: mesh="auto" predicts from it
     calibrate: bool = False  # mesh="auto" measures this job's ranks first and predicts from that
+    autotune: int = 0  # mesh="auto" with a profile: train the predicted fastest N candidates, take the fastest measured
     compile: bool = False
     detect_anomaly: bool = False
 
@@ -182,6 +188,9 @@ class CompileOptions:
         if self.compile and self.detect_anomaly:
             raise ValueError("detect_anomaly=True looks at every value a program computes, op by op, which it cannot "
                              "do inside a compiled graph: pass compile=False while looking for a NaN")
+        if not isinstance(self.autotune, int) or isinstance(self.autotune, bool) or self.autotune < 0:
+            raise ValueError(f"autotune={self.autotune!r} is not valid: pass how many of the predicted fastest meshes "
+                             "to measure (an integer >= 0; 3 is usual), with mesh='auto' and a profile")
         capacity = self.expert_capacity
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
                                      or not capacity > 0):

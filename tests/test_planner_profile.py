@@ -136,9 +136,9 @@ def test_calibrate_writes_a_profile_of_this_machine(tmp_path):
 
 def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
     """``tests/data/profile_cpu_2.json`` is the profile ``bench/planner_check.py`` calibrated on this machine at 2
-    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) it measured dp2 fastest (170.1 ms, against 206.2
-    for cp2 with ring attention, 209.2 for pp2, 222.7 for cp2 and 226.7 for tp2: ``bench/results_planner_2.md``).
-    ``mesh="auto"`` with that profile takes dp2."""
+    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) dp2 measured fastest in that run (170.1 ms, against
+    206.2 for cp2 with ring attention, 209.2 for pp2, 222.7 for cp2 and 226.7 for tp2) and in the next
+    (``bench/results_planner_2.md``). ``mesh="auto"`` with that profile takes dp2."""
     import transformers
 
     torch.manual_seed(0)
@@ -214,6 +214,42 @@ def test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose(pools, tmp
         assert result["ok"], (rank, result["report"])
         assert result["mesh"] == autoshard.Mesh(pp=2), result["mesh"]
         assert "mesh='auto' from the profile" in result["explain"]
+
+
+def _auto_tuned(path: str) -> dict:
+    from autoshard.verify import compare
+
+    case, reference = build("gpt"), build("gpt").model
+    pm = autoshard.parallelize(case.model, "auto", example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, planner_profile=path, autotune=2)
+    report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
+    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "ranking": pm.ranking, "explain": pm.explain()}
+
+
+def test_autotune_trains_the_predicted_fastest_and_takes_the_fastest_measured(pools, tmp_path):
+    """``autotune=2``: the two fastest predictions are compiled and trained on the job's ranks; the mesh taken is the
+    faster measured (the slower rank's median, so both ranks agree), and it trains exactly."""
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    results = pools.get(2).run(_auto_tuned, str(path), timeout=300)
+    assert results[0]["mesh"] == results[1]["mesh"]
+    for rank, result in enumerate(results):
+        assert result["ok"], (rank, result["report"])
+        measured = [p for p in result["ranking"] if p.measured is not None]
+        assert len(measured) == 2 and all(p.measured > 0 for p in measured), result["ranking"]
+        assert result["mesh"] == min(measured, key=lambda p: p.measured).mesh == result["ranking"][0].mesh
+        assert "measured: the 2 fastest predicted trained on this job's ranks (autotune=2)" in result["explain"]
+    assert [p.measured for p in results[0]["ranking"][:2]] == [p.measured for p in results[1]["ranking"][:2]]
+
+
+def test_autotune_is_refused_without_mesh_auto_and_a_profile():
+    case = build("gpt")
+    for mesh, options in ((autoshard.Mesh(), {}), ("auto", {})):
+        with pytest.raises(ValueError, match="autotune=2 measures the fastest meshes mesh='auto' predicts"):
+            autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                  target=case.target, autotune=2, **options)
+    with pytest.raises(ValueError, match="autotune=-1 is not valid"):
+        CompileOptions(autotune=-1)
 
 
 def _auto_calibrated() -> dict:

@@ -49,6 +49,7 @@ class Prediction:
     step: float
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the candidate cannot run (it does not compile for this model)
+    measured: float | None = None  # under autotune: its step measured on the job's ranks (seconds)
 
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
@@ -58,7 +59,8 @@ class Prediction:
         if self.error:
             return f"{self.label()}: refused ({self.error})"
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.parts.items() if v)
-        return f"{self.label()}: {self.step * 1e3:.1f} ms ({parts})"
+        measured = f"; measured {self.measured * 1e3:.1f} ms" if self.measured is not None else ""
+        return f"{self.label()}: {self.step * 1e3:.1f} ms ({parts}){measured}"
 
 
 def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float]:
