@@ -48,6 +48,15 @@ FULL_ONLY = {
     "tests/test_training_loop.py::test_t5_with_its_embeddings_and_head_tied_is_exact[dp2xtp2xpp2]":
         "the same test at tp2xpp2 (the cross-attention's input gradient summed over tp before it is sent back), "
         "and the dp2 x tp2 x pp2 goldens of test_composition.py",
+    **{f"tests/test_resume.py::test_resuming_under_the_same_mesh_is_bit_identical[tp2xpp2-{name}]":
+       "the tp2xpp2-adamw cell (the same save and load; every optimizer's state tensors are moved alike)"
+       for name in ("rmsprop", "adagrad")},
+    "tests/test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[titan-tp8-kv2]":
+        "titan's tp=4 cells at one and two ranks per kv head, and the 8-rank all-to-all cp cell of sdpa_gqa",
+    "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[fused]":
+        "the same test's sdpa_gqa cell (8 ranks), and fused's tp=4 cell",
+    "tests/test_composition.py::test_golden_dp2_tp2_pp2_on_eight_processes[llama]":
+        "the gpt cell (the same 8-rank mesh), and the HF Llama's dp2 x tp2 x pp2 cells of test_hf_trainer.py",
     "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[titan]":
         "the same test's sdpa_gqa cell (8 ranks, the kv heads repeated for the all-to-all), and titan's tp=4 cells",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
