@@ -103,10 +103,14 @@ class Sharding:
     stage: bool = False  # the graph is one pipeline stage
 
 
-def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None) -> RankProgram:
-    """The program of one rank: a copy of the captured graph, sharded for its tp and cp coordinates."""
+def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None,
+          autocast: torch.dtype | None = None) -> RankProgram:
+    """The program of one rank: a copy of the captured graph, sharded for its tp and cp coordinates (and, where it
+    runs under ``autocast``, its writes cast to what they write into: ``writes_take_their_dtype``)."""
     gm = prepare(captured, _splits(sharding))
     _shard(gm, sharding, store)
+    if autocast is not None:
+        writes_take_their_dtype(gm)
     return RankProgram(gm, getattr(captured.gm, "_out_spec", None))
 
 
@@ -151,6 +155,8 @@ def build_stages(
     for index in mine:
         stage = stages[index]
         _shard(stage.gm, _for_stage(sharding, whole, stage), store)
+        if autocast is not None:
+            writes_take_their_dtype(stage.gm)
         placeholders = {n.meta[meta.RECEIVED]: n for n in stage.gm.graph.nodes
                         if n.op == "placeholder" and meta.RECEIVED in n.meta}
         received = _specs([placeholders[name] for name in stage.receives], stage.receive_specs)
@@ -169,6 +175,7 @@ def autocast_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.d
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    writes_take_their_dtype(copied)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = [mode.from_tensor(meta.val(n)) for n in copied.graph.nodes if n.op == "placeholder"]
     device = next((v.device.type for v in (meta.val(n) for n in gm.graph.nodes)
@@ -176,6 +183,39 @@ def autocast_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> dict[str, torch.d
     with torch.autocast(device, dtype=dtype):
         FakeTensorProp(copied, mode).propagate(*inputs)
     return {n.name: meta.val(n).dtype for n in copied.graph.nodes if isinstance(meta.val(n), torch.Tensor)}
+
+
+# ops that write values into a tensor and want both in one dtype -> the position of the values written
+_WRITES_INTO = {aten.index_add.default: 3, aten.index_add_.default: 3, aten.index_copy.default: 3,
+                aten.index_copy_.default: 3, aten.index_put.default: 2, aten.index_put_.default: 2,
+                aten.scatter.src: 3, aten.scatter_.src: 3, aten.scatter_add.default: 3, aten.scatter_add_.default: 3,
+                aten.scatter_reduce.two: 3, aten.scatter_reduce_.two: 3, aten.masked_scatter.default: 2,
+                aten.masked_scatter_.default: 2}
+
+
+def writes_take_their_dtype(gm: fx.GraphModule) -> int:
+    """Under autocast, values written into a tensor the graph made (``index_add`` into ``zeros``, ``scatter_add``,
+    ``index_put``) are cast to that tensor's dtype as the program runs (``type_as``). The capture recorded the
+    tensor's dtype without autocast (``torch.zeros(..., dtype=x.dtype)`` with ``x`` float32 there, bfloat16 under
+    autocast), so the written values, bfloat16 from an autocast matmul, would no longer match it; the write then
+    keeps float32 where the model run under autocast would have written bfloat16 (more precise, never refused).
+    Returns how many writes were cast."""
+    cast = 0
+    for node in list(gm.graph.nodes):
+        position = _WRITES_INTO.get(node.target) if node.op == "call_function" else None
+        if position is None or len(node.args) <= position:
+            continue
+        into, values = node.args[0], node.args[position]
+        if not (isinstance(into, fx.Node) and isinstance(values, fx.Node)):
+            continue
+        with gm.graph.inserting_before(node):
+            typed = gm.graph.call_function(aten.type_as.default, (values, into))
+        typed.meta.update(meta.standing_for(values))
+        node.update_arg(position, typed)
+        cast += 1
+    if cast:
+        gm.recompile()
+    return cast
 
 
 def _with_dtypes(specs: list[TensorSpec], names: list[str], dtypes: dict[str, torch.dtype]) -> list[TensorSpec]:

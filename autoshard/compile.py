@@ -234,7 +234,7 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
         ep_group=groups.group("ep") if groups is not None and mesh.ep > 1 else None,
     )
     if mesh.pp == 1:
-        build.programs = {0: codegen.build(captured, sharding, store=store)}
+        build.programs = {0: codegen.build(captured, sharding, store=store, autocast=_autocast(build))}
     else:
         _pipeline(build, sharding, store)
     build.checks = input_checks(captured.gm)
@@ -269,9 +269,9 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.Param
                                     cut_after=plan.cut_after)
     placement = schedules.placement_of(options.schedule)
     mine = [s for s in range(build.num_stages) if schedules.rank_of(s, p, placement) == build.coords["pp"]]
+    autocast = _autocast(build)  # what crosses a cut has the dtype autocast gives it
     build.stages, build.programs, build.local_specs = codegen.build_stages(
-        build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store,
-        autocast=torch.bfloat16 if options.mixed_precision == "bf16" and build.captured.with_loss else None)
+        build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store, autocast=autocast)
     holders = holders_of(build.stages, plan)
     nbytes = spread_bytes(build.captured, plan, holders)
     build.spread = plan.spread
@@ -280,6 +280,11 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.Param
     build.tied = {name: ranks for name, ranks in sorted(holders.items()) if len(ranks) > 1 and name not in build.spread}
     build.actions = schedules.schedule(options.schedule, p, options.microbatches, v)
     schedules.validate(build.actions, p, v, placement)
+
+
+def _autocast(build: RankBuild) -> torch.dtype | None:
+    """The dtype the training programs run under autocast to, or None."""
+    return torch.bfloat16 if build.options.mixed_precision == "bf16" and build.captured.with_loss else None
 
 
 def _check_loss_trains(captured: Captured, model: nn.Module) -> None:

@@ -84,3 +84,34 @@ def test_a_pipeline_cut_carries_what_autocast_computes_at_half_the_bytes():
     whole = compile_global_batch(SmallResNet(), (pixels,), Mesh(pp=2), 0, CompileOptions(),
                                  target=target, loss_fn=F.cross_entropy)
     assert {spec.dtype for spec in whole.local_specs[0][1]} == {torch.float32}
+
+
+def test_a_write_into_a_tensor_made_in_float32_takes_what_autocast_computes():
+    """``torch.zeros(..., dtype=h.dtype)`` is float32 in the capture and bfloat16 under eager autocast (``h`` comes out
+    of a matmul); ``index_add`` of a matmul's bf16 rows into it refused the mismatch (JetMoE's experts, at every
+    mesh). Each such write now casts what it writes to the tensor it writes into; the loss is eager autocast's to
+    bf16's rounding (the sum kept in float32 where eager keeps it in bf16)."""
+    import torch
+    import torch.nn.functional as F
+
+    import autoshard
+
+    class Scatter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.up = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.proj(x)
+            rows = torch.arange(x.shape[0]).flip(0)
+            out = torch.zeros(x.shape[0], 8, dtype=h.dtype).index_add(0, rows, self.up(h))
+            return out.float().pow(2).mean(-1)
+
+    torch.manual_seed(0)
+    model, x, target = Scatter(), torch.randn(6, 8), torch.randn(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.mse_loss(model(x), target)
+    pm = autoshard.parallelize(model, None, example_inputs=(x,), loss_fn=F.mse_loss, target=target,
+                               mixed_precision="bf16")
+    got = pm.step(x, target=target)
+    assert abs(float(got) - float(want)) <= 1e-2 * abs(float(want)), (float(got), float(want))
