@@ -32,6 +32,7 @@ aten = torch.ops.aten
 
 _READS = {aten.item.default, aten._local_scalar_dense.default}
 _ASSERTS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default}
+_ON_SIZES = {operator.add, operator.ge, operator.le, operator.eq, operator.lt, operator.gt, operator.and_}  # checks
 
 
 @torch.library.custom_op("autoshard::grouped_mm", mutates_args=())
@@ -193,11 +194,9 @@ def _drop_reads(graph: fx.Graph, reads: set[fx.Node]) -> bool:
             continue
         doomed.add(node)
         for user in node.users:
-            if user.target in _ASSERTS or user.target in (operator.add, operator.ge, operator.le, operator.eq,
-                                                          operator.lt, operator.gt, operator.and_):
-                todo.append(user)
-            elif user.target is not None:
+            if user.target not in _ASSERTS and user.target not in _ON_SIZES:
                 return False
+            todo.append(user)
     for node in reversed(list(graph.nodes)):
         if node in doomed:
             graph.erase_node(node)
