@@ -77,8 +77,13 @@ def _autocast_kernel(device: str):
 
     def kernel(_keys, x, w, offsets):
         dtype = torch.get_autocast_dtype(device)
+
+        def cast(t: torch.Tensor) -> torch.Tensor:  # as autocast casts: floating, not float64, on its device
+            eligible = t.is_floating_point() and t.dtype is not torch.float64 and t.device.type == device
+            return t.to(dtype) if eligible else t
+
         with torch._C._ExcludeDispatchKeyGuard(key):
-            return grouped_mm(x.to(dtype), w.to(dtype), offsets)
+            return grouped_mm(cast(x), cast(w), offsets)
 
     return kernel
 
