@@ -57,6 +57,10 @@ FULL_ONLY = {
         "the same test's sdpa_gqa cell (8 ranks), and fused's tp=4 cell",
     "tests/test_composition.py::test_golden_dp2_tp2_pp2_on_eight_processes[llama]":
         "the gpt cell (the same 8-rank mesh), and the HF Llama's dp2 x tp2 x pp2 cells of test_hf_trainer.py",
+    "tests/test_composition.py::test_checkpoint_saved_under_one_mesh_loads_under_another[hf_llama]":
+        "the same test's gpt cell, and test_resume.py's HF Llama run resumed under another mesh",
+    "tests/test_gqa.py::test_grouped_query_attention_with_sequence_parallelism[fused]":
+        "the same test's sdpa_gqa cell, and fused's tp=4 cell",
     "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[titan]":
         "the same test's sdpa_gqa cell (8 ranks, the kv heads repeated for the all-to-all), and titan's tp=4 cells",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
