@@ -8,6 +8,7 @@ data-parallel rank takes its *local batch* (a slice along dim 0), which is cut i
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -207,7 +208,7 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
 
     from autoshard.batching import batch_size
     from autoshard.mesh import _meshes_of
-    from autoshard.planner.predict import Compiler, predict
+    from autoshard.planner.predict import Compiler
     from autoshard.planner.profile import Profile
 
     if loss_fn is None or target is None:
@@ -224,6 +225,7 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
                          f"{_device_of(model)}: pass a mesh, or mesh='auto' without calibrate to plan on the "
                          "GPU presets")
     profile = _calibrated(world_size, options) if options.calibrate else Profile.load(options.planner_profile)
+    limit = options.memory_limit or profile.memory or math.inf
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
     default = CompileOptions()
@@ -239,18 +241,26 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
                 continue
             for variant in _variants(mesh, plain, default):
                 chosen = dataclasses.replace(plain, microbatches=m, **variant)
-                found.append((predict(compiler, mesh, profile, chosen,
-                                      **_changed(chosen, plain, ("microbatches", *variant))), chosen))
-    found.sort(key=lambda pair: pair[0].step)
+                found.append(_fitting(compiler, mesh, profile, chosen, plain, default, limit,
+                                      ("microbatches", *variant)))
+    found.sort(key=lambda pair: (pair[0].error is not None, pair[0].step))
     ranking = [p for p, _ in found]
     if not found or found[0][0].error is not None:
         why = "; ".join(str(p) for p in ranking[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
+        if found and all(p.over_limit is not None for p in ranking):
+            from autoshard.cost import format_bytes
+
+            least = min(ranking, key=lambda p: p.memory.total)
+            raise ValueError(f"mesh='auto': no mesh of {world_size} ranks fits in {format_bytes(limit)} per rank "
+                             f"(memory_limit, or the profile's): the smallest, {least.label()}, needs {least.memory}. "
+                             "Raise memory_limit, use more ranks, or a smaller batch")
         raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
     if options.autotune:
         trials = [pair for pair in found if pair[0].error is None][:options.autotune]
         for prediction, candidate in trials:
             prediction.measured = _trial(model, example_inputs, candidate, prediction.mesh, loss_fn, target)
-        found.sort(key=lambda pair: (pair[0].measured is None, pair[0].measured or 0.0, pair[0].step))
+        found.sort(key=lambda pair: (pair[0].error is not None, pair[0].measured is None, pair[0].measured or 0.0,
+                                     pair[0].step))
         ranking = [p for p, _ in found]
     best, chosen = found[0]
     if announce and _rank() == 0:
@@ -317,6 +327,40 @@ def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> l
     if mesh.cp > 1 and options.cp_attention == default.cp_attention and not options.cp_load_balance:
         variants += [{"cp_attention": "ring", "cp_load_balance": True}, {"cp_attention": "alltoall"}]
     return variants
+
+
+def _fitting(compiler, mesh: Mesh, profile, chosen: CompileOptions, plain: CompileOptions,
+             default: CompileOptions, limit: float, named: tuple[str, ...]) -> tuple:
+    """``(prediction, options)`` of ``mesh`` with ``chosen``; where it holds more than ``limit`` bytes per rank, the
+    fastest of it with the options that save memory (activation checkpointing, FSDP2 where dp x cp > 1, sequence
+    parallelism where tp > 1, and their combinations) that fits, or the plain one refused for its memory."""
+    import dataclasses
+    import itertools
+
+    from autoshard.cost import format_bytes
+    from autoshard.planner.predict import predict
+
+    plain_prediction = predict(compiler, mesh, profile, chosen, **_changed(chosen, plain, named))
+    if plain_prediction.error is not None or plain_prediction.memory is None or plain_prediction.memory.total <= limit:
+        return plain_prediction, chosen
+    savers = [saver for saver, usable in (
+        ({"activation_checkpointing": True}, not chosen.activation_checkpointing),
+        ({"data_parallel": "fsdp"}, chosen.data_parallel == default.data_parallel and mesh.dp * mesh.cp > 1),
+        ({"sequence_parallel": True}, chosen.sequence_parallel == default.sequence_parallel and mesh.tp > 1),
+    ) if usable]
+    fits = []
+    for count in range(1, len(savers) + 1):
+        for combination in itertools.combinations(savers, count):
+            changes = {k: v for saver in combination for k, v in saver.items()}
+            saving = dataclasses.replace(chosen, **changes)
+            prediction = predict(compiler, mesh, profile, saving, **_changed(saving, plain, (*named, *changes)))
+            if prediction.error is None and prediction.memory.total <= limit:
+                fits.append((prediction, saving))
+    if fits:
+        return min(fits, key=lambda pair: pair[0].step)
+    plain_prediction.error = f"needs {plain_prediction.memory}, over the {format_bytes(limit)} per rank allowed"
+    plain_prediction.over_limit = limit
+    return plain_prediction, chosen  # its predicted step kept, for explain() to say what the limit costs
 
 
 def _calibrated(world_size: int, options: CompileOptions):

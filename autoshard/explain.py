@@ -76,6 +76,11 @@ def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5)
                        key=lambda d: -abs(d[0]))
         said = ", ".join(f"{k} {d * 1e3:+.2f} ms" for d, k in diffs if abs(d) >= 0.01 * best.step)
         lines.append(f"  why: {next_.label()} would take {(next_.step - best.step) * 1e3:.2f} ms more ({said})")
+    over = [p for p in ranking if p.over_limit is not None and p.step < ranking[0].step]
+    if over:
+        lines.append(f"  over the memory limit, though predicted faster: {over[0].label()} "
+                     f"({over[0].step * 1e3:.1f} ms) {over[0].error}"
+                     + (f", and {len(over) - 1} more" if len(over) > 1 else ""))
     return lines
 
 

@@ -120,6 +120,11 @@ class CompileOptions:
         the model, its gradients dropped, no optimizer step), and the fastest measured is taken (the slowest rank's
         median step, so every rank agrees). The prediction ranks every candidate; the measurement decides between the
         closest. ``0`` (the default): the prediction alone.
+    memory_limit: with ``mesh="auto"`` and a profile, the bytes each rank may hold (``"20GiB"`` or a number):
+        candidates predicted to hold more (weights, gradients, AdamW's state and the activations at the step's peak,
+        ``autoshard.planner.memory``) try activation checkpointing, FSDP2 and sequence parallelism in turn, and are
+        refused where none of them fits. ``None`` (the default): the profile's (the machine's memory over its ranks,
+        a GPU's own), no limit where the profile has none.
     detect_anomaly: look at every value each program computes, and at the gradients after the backward: the first
         NaN or infinity is named (rank, step, node, the model's source line) and every rank raises
         ``NonFiniteError`` from ``step()``, before the optimizer applies it. Slow (op by op): for finding where a
@@ -150,6 +155,7 @@ class CompileOptions:
     planner_profile: str | None = None  # a profile ``autoshard calibrate`` wrote: mesh="auto" predicts from it
     calibrate: bool = False  # mesh="auto" measures this job's ranks first and predicts from that
     autotune: int = 0  # mesh="auto" with a profile: train the predicted fastest N candidates, take the fastest measured
+    memory_limit: str | float | None = None  # mesh="auto" with a profile: bytes per rank ("20GiB"); None: the profile's
     compile: bool = False
     detect_anomaly: bool = False
 
@@ -191,6 +197,17 @@ class CompileOptions:
         if not isinstance(self.autotune, int) or isinstance(self.autotune, bool) or self.autotune < 0:
             raise ValueError(f"autotune={self.autotune!r} is not valid: pass how many of the predicted fastest meshes "
                              "to measure (an integer >= 0; 3 is usual), with mesh='auto' and a profile")
+        if self.memory_limit is not None:
+            from autoshard.planner.units import UnitError, parse
+
+            try:
+                limit = parse(self.memory_limit, "bytes")
+            except (UnitError, ValueError) as e:
+                raise ValueError(f"memory_limit={self.memory_limit!r} is not valid: {e}") from None
+            if not limit > 0:
+                raise ValueError(f"memory_limit={self.memory_limit!r} is not valid: pass the bytes each rank may hold, "
+                                 "like '20GiB', or None for the profile's")
+            object.__setattr__(self, "memory_limit", limit)
         capacity = self.expert_capacity
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
                                      or not capacity > 0):

@@ -12,11 +12,12 @@ mixture of experts from transformers, built from configs, nothing downloaded):
   ``mesh="auto"`` searches (a pipeline with the most microbatches the batch allows, up to 4), and ep for the
   mixture;
 - every rank trains each candidate in turn (``zero_grad``, ``step``, AdamW, between barriers; 2 steps of warm-up,
-  then 5 timed), and rank 0 keeps the median step.
+  then 5 timed), and rank 0 keeps the median step; one more step under saved-tensor hooks measures the bytes
+  autograd holds for the backward at their peak (each storage once, parameters excluded; the largest rank's).
 
 Reported into ``bench/results_planner_<W>.md``: predicted and measured milliseconds, the error, the rank of each
-candidate by prediction and by measurement, and whether the predicted best is the measured best (or within 3% of
-it).
+candidate by prediction and by measurement, whether the predicted best is the measured best (or within 3% of
+it), and the predicted activations per rank (``autoshard.planner.memory``) against the measured peak.
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
     return out
 
 
-def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[float]:
+def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[tuple[float, int]]:
     """Each candidate alone, one after another (a runner built, warmed up, timed and dropped: 30 candidates'
-    models and optimizer states held at once would measure the memory more than the mesh), rank 0's median."""
+    models and optimizer states held at once would measure the memory more than the mesh): rank 0's median, and
+    the saved-for-backward peak of the rank that holds most."""
+    from pp_worker import SavedBytes
+
     from models import hf_token_loss
 
     medians = []
@@ -115,7 +119,13 @@ def measure(model, tokens, target, choices, warmup: int, steps: int) -> list[flo
             dist.barrier()
             if index >= warmup:
                 times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
+        tracker = SavedBytes(pm.parameters())
+        opt.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            pm.step(tokens, target=target)
+        peak = torch.tensor([tracker.peak], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        medians.append((statistics.median(times), int(peak)))
         del pm, opt
     return medians
 
@@ -147,8 +157,8 @@ def main() -> None:
         predictions = shared[0]
         runnable = [(c, p) for c, p in zip(choices, predictions, strict=True) if p.error is None]
         measured = measure(model, tokens, target, [c for c, _ in runnable], args.warmup, args.steps)
-        rows[name] = [(p, m) for (_, p), m in zip(runnable, measured, strict=True)]
-        rows[name] += [(p, None) for p in predictions if p.error is not None]
+        rows[name] = [(p, m, saved) for (_, p), (m, saved) in zip(runnable, measured, strict=True)]
+        rows[name] += [(p, None, None) for p in predictions if p.error is not None]
     if rank == 0:
         write(rows, profile, world, time.perf_counter() - started, args)
     dist.barrier()
@@ -165,29 +175,36 @@ def write(rows: dict, profile, world: int, seconds: float, args) -> None:
              ""]
     summary = {}
     for name, found in rows.items():
+        saved = {id(p): s for p, _, s in found}
+        found = [(p, m) for p, m, _ in found]
         timed = [(p, m) for p, m in found if m is not None]
         by_prediction = sorted(timed, key=lambda pm: pm[0].step)
         by_measure = sorted(timed, key=lambda pm: pm[1])
         best = by_measure[0][1]
         chosen = by_prediction[0]
         errors = [abs(p.step - m) / m for p, m in timed]
+        memory = [p.memory.activations / saved[id(p)] for p, _ in timed if saved[id(p)]]
         hit = chosen[1] <= 1.03 * best
         tuned = min(by_prediction[:AUTOTUNE], key=lambda pm: pm[1])  # what autotune=3 takes: of the 3 fastest
         summary[name] = {"worst_error": max(errors), "chosen": chosen[0].label(), "best": by_measure[0][0].label(),
                          "chosen_over_best": chosen[1] / best, "hit": hit, "autotuned": tuned[0].label(),
-                         "autotuned_over_best": tuned[1] / best}
-        lines += [f"## {name}", "", "| mesh | predicted ms | measured ms | error | rank predicted | rank measured |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                         "autotuned_over_best": tuned[1] / best,
+                         "activations_predicted_over_measured": [min(memory), max(memory)]}
+        lines += [f"## {name}", "", "| mesh | predicted ms | measured ms | error | rank predicted | rank measured | "
+                  "activations predicted MiB | measured MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for p, m in by_measure:
             lines.append(f"| {p.label()} | {p.step * 1e3:.1f} | {m * 1e3:.1f} | {(p.step - m) / m:+.0%} | "
-                         f"{by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} |")
-        for p, _ in found:
+                         f"{by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} | "
+                         f"{p.memory.activations / 2**20:.2f} | {saved[id(p)] / 2**20:.2f} |")
+        for p, _ in found:  # noqa: B007
             if p.error is not None:
                 lines.append(f"| {p.label()} | refused: {p.error} | | | | |")
         lines += ["", f"Predicted best {chosen[0].label()} measured {chosen[1] / best:.2f}x the measured best "
                       f"({by_measure[0][0].label()}); worst error {max(errors):.0%}. With autotune={AUTOTUNE} (the "
                       f"{AUTOTUNE} fastest predicted measured, the fastest of them taken): {tuned[0].label()}, "
-                      f"{tuned[1] / best:.2f}x the measured best.", ""]
+                      f"{tuned[1] / best:.2f}x the measured best. Activations predicted {min(memory):.2f}x to "
+                      f"{max(memory):.2f}x the measured.", ""]
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"world": world, "summary": summary,
                                                     "profile": profile.__dict__}, indent=1, default=str) + "\n")

@@ -118,3 +118,30 @@ def test_plan_without_a_model_says_what_it_needs(capsys):
     assert cli.main(["plan", "--hidden", "4096", *JOB]) == 2
     err = capsys.readouterr().err
     assert "--layers, --heads, --vocab" in err and "--config" in err
+
+
+def test_plan_from_a_profile_costs_the_factorys_own_programs(capsys, tmp_path):
+    """``--profile`` and ``--factory``: the candidates mesh="auto" weighs, ranked with their bytes per rank, and the
+    call that takes the winner; under ``--memory-limit`` the faster replica is named as over it."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_planner_profile import _profile
+
+    path = tmp_path / "p.json"
+    _profile().save(path)
+    factory = f"{Path(__file__).with_name('models.py')}:build(\"gpt\")"
+    assert cli.main(["plan", "--profile", str(path), "--factory", factory, "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith("  1. Mesh(dp=2") and " per rank (weights " in out
+    assert out.splitlines()[-1] == "parallelize(model, Mesh(dp=2, tp=1, pp=1, cp=1))"
+    assert cli.main(["plan", "--profile", str(path), "--factory", factory, "--gpus", "2", "--memory-limit", "1MiB",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"] == "Mesh(dp=1, tp=1, pp=2, cp=1)" and data["options"] == {"microbatches": "2"}
+    assert all(row["bytes_per_rank"] <= 2**20 for row in data["ranking"] if row["refused"] is None)
+    assert cli.main(["plan", "--profile", str(path), "--gpus", "2"]) == 2
+    assert "--profile and --factory go together" in capsys.readouterr().err
+
+
+def test_plan_without_a_profile_needs_the_sequence_and_the_batch(capsys):
+    assert cli.main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "100", "--gpus", "2"]) == 2
+    assert "the plan needs --seq and --global-batch" in capsys.readouterr().err

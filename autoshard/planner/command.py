@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +38,9 @@ example (a 540B-parameter model on 4096 GPUs):
       --gpus 4096 --gpus-per-node 8 --gpu-memory 80GB
 example (a HuggingFace model's config.json on 64 H200s):
   autoshard plan --config Meta-Llama-3-8B/config.json --seq 8192 --global-batch 512 --gpus 64 --gpu h200
+example (a model's own compiled programs, costed from this machine's profile, as mesh="auto" costs them):
+  autoshard calibrate --nproc 4 --out profile.json
+  autoshard plan --profile profile.json --factory 'examples/model.py:build' --gpus 4 --memory-limit 8GiB
 """
 
 
@@ -51,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        ("--heads", "attention heads"), ("--vocab", "vocabulary size")):
         m.add_argument(flag, type=int, help=what)
     for flag, what in (("--seq", "sequence length in tokens"), ("--global-batch", "sequences per training step")):
-        m.add_argument(flag, type=int, required=True, help=what)
+        m.add_argument(flag, type=int, help=what + " (required but with --profile)")
     m.add_argument("--kv-heads", type=int, help="kv heads for grouped-query attention (default: --heads)")
     m.add_argument("--ffn", type=int, help="MLP hidden size, of each expert in a mixture (default: 4 * --hidden)")
     m.add_argument("--gated", action="store_true", default=None, help="SwiGLU-style MLP with three matrices")
@@ -61,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     m.add_argument("--experts-per-token", type=int, help="experts each token is routed to (default 1)")
     m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training dtype (bf16)")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    c.add_argument("--gpus", type=int, required=True, help="GPUs in the job (with --profile: its ranks)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (8)")
     c.add_argument("--gpu", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="defaults for the rest")
     for flag in ("--gpu-memory", "--intra-bandwidth", "--inter-bandwidth", "--intra-latency", "--inter-latency",
@@ -76,6 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="splits to show (5)")
     p.add_argument("--formulas", action="store_true", help="print every formula of the cost model")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    g = parser.add_argument_group("from a measured profile: the model's compiled programs costed node by node")
+    g.add_argument("--profile", metavar="JSON", help="a profile `autoshard calibrate` wrote on the machine to plan "
+                   "for; needs --factory")
+    g.add_argument("--factory", metavar="MODULE:FACTORY", help="the model, as `autoshard inspect` takes it: a "
+                   "function returning (model, example_inputs, target, loss_fn)")
+    g.add_argument("--memory-limit", metavar="QUANTITY", help="bytes each rank may hold (default: the profile's)")
     parser.set_defaults(run=run)
     return parser
 
@@ -95,6 +105,10 @@ def config_from(args: argparse.Namespace) -> TransformerConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise PlanError(f"cannot read the model's config {path}: {e}") from e
         return TransformerConfig.from_hf(hf, **given)
+    missing = [f"--{k.replace('_', '-')}" for k in ("seq", "global_batch") if given[k] is None]
+    if missing:
+        raise PlanError(f"the plan needs {' and '.join(missing)} (or --profile and --factory to plan a model's own "
+                        "programs)")
     missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if given[k] is None]
     if missing:
         raise PlanError(f"the model needs {', '.join(missing)}, or --config config.json (or --model DIR) to read "
@@ -111,6 +125,8 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; a PlanError (bad or impossible input) becomes one line on stderr and exit code 2."""
+    if args.profile or args.factory:
+        return _run_profiled(args)
     try:
         config, cluster = config_from(args), cluster_from(args)
         if args.top < 1:
@@ -124,4 +140,42 @@ def run(args: argparse.Namespace) -> int:
         return 2
     data = report.build(result, top=args.top, alternative=alternative)
     print(json.dumps(data, indent=2) if args.json else report.format_text(data, formulas=args.formulas))
+    return 0
+
+
+def _run_profiled(args: argparse.Namespace) -> int:
+    """``--profile`` and ``--factory``: the candidates ``mesh="auto"`` weighs, compiled and costed here, the fastest
+    ``--top`` printed with their bytes per rank and why the winner wins."""
+    from autoshard.api import measured_choice
+    from autoshard.explain import planner_ranking
+    from autoshard.inspect_cli import InspectError, load_case
+    from autoshard.options import CompileOptions
+
+    try:
+        if not (args.profile and args.factory):
+            raise PlanError("--profile and --factory go together: the profile costs the factory's model")
+        if args.top < 1:
+            raise PlanError(f"--top {args.top}: show at least one split (--top 1)")
+        case = load_case(args.factory, batch=args.global_batch or 8, seq=args.seq or 16)
+        if case.loss_fn is None:
+            raise PlanError(f"{args.factory} returns no loss_fn and target, and the plan costs a training step: "
+                            "return (model, example_inputs, target, loss_fn)")
+        options = CompileOptions(planner_profile=args.profile, memory_limit=args.memory_limit)
+        mesh, chosen, ranking = measured_choice(case.model, case.inputs, options, loss_fn=case.loss_fn,
+                                                target=case.target, world_size=args.gpus)
+    except (ValueError, InspectError, OSError) as e:
+        print(f"autoshard plan: error: {e}", file=sys.stderr)
+        return 2
+    changed = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(chosen)
+               if f.name not in ("planner_profile", "memory_limit")
+               and getattr(chosen, f.name) != getattr(CompileOptions(), f.name)}
+    if args.json:
+        print(json.dumps({"mesh": str(mesh), "options": {k: str(v) for k, v in changed.items()},
+                          "ranking": [{"candidate": p.label(), "step_seconds": p.step, "parts": p.parts,
+                                       "bytes_per_rank": p.memory.total if p.memory else None, "refused": p.error}
+                                      for p in ranking[:args.top]]}, indent=2))
+        return 0
+    print("\n".join(planner_ranking(ranking, options, top=args.top)))
+    said = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+    print(f"parallelize(model, {mesh}{', ' + said if said else ''})")
     return 0

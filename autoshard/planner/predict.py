@@ -12,9 +12,12 @@ pipeline coordinate. Each program is costed node by node from the profile (``pro
 
 and the step is assembled as the runtime runs it: microbatches one after another (a pipeline's schedule simulated
 with its stages' times, its sends costed from the bytes a stage hands on), then the gradients' all-reduce over dp x
-cp in DDP's buckets and the optimizer's step over the rank's parameters. A CPU computes and communicates on the
-same cores, so the parts add up; where the ranks outnumber the cores (the profile's), every rank's compute is
-slowed by their ratio, and a pipeline's step is at least its ranks' work over the cores.
+cp in DDP's buckets (FSDP2: its all-gathers of the parameters and the reduce-scatter of the gradients) and the
+optimizer's step over the rank's parameters (its share under FSDP2). Activation checkpointing runs each forward
+again, its collectives with it, in the backward. A CPU computes and communicates on the same cores, so the parts
+add up; where the ranks outnumber the cores (the profile's), every rank's compute is slowed by their ratio, and a
+pipeline's step is at least its ranks' work over the cores. Each candidate's bytes per rank come with it
+(``memory.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from autoshard import batching, cost, meta
 from autoshard.explain import spec_bytes
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
+from autoshard.planner.memory import Footprint, footprint
 from autoshard.planner.profile import Profile
 
 _MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm", "convolution",
@@ -50,6 +54,8 @@ class Prediction:
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the candidate cannot run (it does not compile for this model)
     measured: float | None = None  # under autotune: its step measured on the job's ranks (seconds)
+    memory: Footprint | None = None  # its bytes per rank at the step's peak
+    over_limit: float | None = None  # the bytes per rank it was refused for exceeding (its step still predicted)
 
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
@@ -59,17 +65,21 @@ class Prediction:
         if self.error:
             return f"{self.label()}: refused ({self.error})"
         parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.parts.items() if v)
+        memory = f"; {self.memory}" if self.memory is not None else ""
         measured = f"; measured {self.measured * 1e3:.1f} ms" if self.measured is not None else ""
-        return f"{self.label()}: {self.step * 1e3:.1f} ms ({parts}){measured}"
+        return f"{self.label()}: {self.step * 1e3:.1f} ms ({parts}){memory}{measured}"
 
 
-def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float]:
-    """(compute, communication) seconds of one forward and backward of ``gm``."""
+def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, float]:
+    """(compute, communication, the forward's share of the communication) seconds of one forward and backward of
+    ``gm``."""
     costs = cost.annotate(gm)
-    compute = communication = 0.0
+    compute = communication = forward = 0.0
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            communication += _collective_time(gm, node, profile)
+            sent = _collective_time(gm, node, profile)
+            communication += sum(sent)
+            forward += sent[0]
             compute += _attention_module_time(gm, node, profile)
             continue
         if node.op != "call_function":
@@ -91,7 +101,7 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float]:
         else:
             nbytes = spent.activation_bytes if spent is not None and isinstance(spent.activation_bytes, int) else 0
             compute += profile.op_time(nbytes)
-    return compute, communication
+    return compute, communication, forward
 
 
 def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
@@ -118,23 +128,25 @@ def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) 
     return profile.attention_time(4.0 * numel * keys)
 
 
-def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
+def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tuple[float, float]:
+    """(forward, backward) seconds of a pass's collective module."""
     module = gm.get_submodule(node.target)
     size = getattr(module, "size", 1)
     if not hasattr(module, "comm_bytes") or size <= 1:
-        return 0.0
+        return 0.0, 0.0
     arg = meta.val(node.args[0]) if node.args and hasattr(node.args[0], "meta") else None
     shape = [cost.dim_size(d) for d in arg.shape] if isinstance(arg, torch.Tensor) else []
     forward, backward = module.comm_bytes(shape, arg.element_size() if isinstance(arg, torch.Tensor) else 4)
     calls = getattr(module, "calls", (1, 1))
-    spent = 0.0
-    for kind, nbytes, count in ((module.kind, forward, calls[0]), (module.backward_kind, backward, calls[1])):
+    spent = [0.0, 0.0]
+    for i, (kind, nbytes, count) in enumerate(((module.kind, forward, calls[0]),
+                                               (module.backward_kind, backward, calls[1]))):
         if nbytes and kind in _COLLECTIVE_KIND:
             # and the copy that packs or unpacks it (a cat of gathered parts, a stack of the parts to scatter, the
             # clone an in-place all-reduce writes into): the profile times the collectives on ready buffers
-            spent += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
-            spent += profile.op_time(nbytes)
-    return spent
+            spent[i] += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
+            spent[i] += profile.op_time(nbytes)
+    return spent[0], spent[1]
 
 
 class Compiler:
@@ -192,25 +204,46 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
     m = options.microbatches
     stage_times = []  # per pp rank, its slowest cp rank's (compute, communication) of one microbatch
     for per_cp in builds:
-        spent = [[program_time(program.gm, profile) for program in build.programs.values()] for build in per_cp]
+        spent = [[_recomputed(program_time(program.gm, profile), options) for program in build.programs.values()]
+                 for build in per_cp]
         stage_times.append(max(((sum(s[0] for s in one), sum(s[1] for s in one)) for one in spent), key=sum))
     builds = [per_cp[0] for per_cp in builds]
     parts: dict[str, float] = {}
     crowd = profile.contention(mesh.world_size)
+    in_flight = None
     if mesh.pp == 1:
         compute, comm = stage_times[0]
         parts["compute"], parts["collectives"] = m * compute * crowd, m * comm
     else:
-        parts.update(_pipeline(builds, stage_times, mesh, options, profile))
+        found, in_flight = _pipeline(builds, stage_times, mesh, options, profile)
+        parts.update(found)
     held = builds[0].held_bytes
     mine = max(held) if held else sum(p.numel() * p.element_size() for p in compiler.model.parameters())
     experts = _expert_bytes(builds[0])
     replicas = mesh.dp * mesh.cp
-    parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
+    fsdp = options.data_parallel == "fsdp" and replicas > 1
+    if fsdp:  # the parameters gathered for each forward and backward (once a step under a pipeline, which keeps
+        # them), the gradients reduce-scattered once
+        gathers = 1 if mesh.pp > 1 else 2 * m
+        parts["gradient sync"] = (profile.collective_time("all_gather", replicas, gathers * (mine - experts),
+                                                          calls=gathers)
+                                  + profile.collective_time("reduce_scatter", replicas, mine - experts))
+    else:
+        parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
     if experts and replicas // mesh.ep > 1:  # the experts' gradients, summed over the ranks holding the same ones
         parts["gradient sync"] += profile.gradient_sync_time(replicas // mesh.ep, experts)
-    parts["optimizer"] = mine * profile.optimizer_byte_seconds * crowd
-    return Prediction(mesh, option_fields, sum(parts.values()), parts)
+    parts["optimizer"] = (mine / replicas if fsdp else mine) * profile.optimizer_byte_seconds * crowd
+    return Prediction(mesh, option_fields, sum(parts.values()), parts,
+                      memory=footprint(builds, mesh, options, in_flight))
+
+
+def _recomputed(spent: tuple[float, float, float], options: CompileOptions) -> tuple[float, float]:
+    """A program's (compute, communication), with its forward run again under activation checkpointing (a forward
+    is taken as a third of forward and backward, as the profile measures them together)."""
+    compute, communication, forward = spent
+    if options.activation_checkpointing:
+        return compute * 4 / 3, communication + forward
+    return compute, communication
 
 
 def _expert_bytes(build) -> float:
@@ -234,9 +267,11 @@ def _grouped_time(node: fx.Node, flops: float, profile: Profile) -> float:
     return experts * (profile.matmul_time(rows / experts, n, k) + 3 * profile.op_seconds)
 
 
-def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptions, profile: Profile) -> dict:
+def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptions,
+              profile: Profile) -> tuple[dict, dict[int, float]]:
     """A pipeline's schedule simulated with its slowest rank's microbatch time (compute and the collectives inside
-    its stages), each send costed from the bytes its stage hands on."""
+    its stages), each send costed from the bytes its stage hands on; and the microbatches each rank holds at its
+    peak."""
     from autoshard import schedules
 
     p, v, m = mesh.pp, options.chunks, options.microbatches
@@ -249,5 +284,5 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
                              send_cost=send, placement=schedules.placement_of(name))
     busy, crowd = m * slowest, profile.contention(mesh.world_size)
     if busy * crowd > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a
-        return {"compute": busy * crowd, "bubble": 0.0}  # rank idle in the bubble gives its core to the others)
-    return {"compute": busy, "bubble": sim.makespan - busy}
+        return {"compute": busy * crowd, "bubble": 0.0}, sim.peak_in_flight  # rank idle in the bubble gives its
+    return {"compute": busy, "bubble": sim.makespan - busy}, sim.peak_in_flight  # core to the others)

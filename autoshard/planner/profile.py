@@ -11,7 +11,8 @@ cores), in one short run:
   a view's cost;
 - ``optimizer``: AdamW's step and ``zero_grad`` per byte of parameters;
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
-  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once.
+  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once;
+- ``memory``: the bytes each rank may use: the machine's physical memory shared by the ranks on it (a GPU's own).
 
 Bytes are counted as ``explain()`` counts them (an all-reduce: the tensor; an all-gather: the gathered tensor; a
 reduce-scatter: its input; an all-to-all: what leaves the rank), so no ring factor is applied on top.
@@ -57,6 +58,7 @@ class Profile:
     optimizer_byte_seconds: float = 0.0  # AdamW step and zero_grad per byte of parameters
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # kind -> size -> (s, s/B)
     seconds: float = 0.0  # how long the calibration took
+    memory: float = 0.0  # bytes each rank may use (0: unknown, no limit)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -292,7 +294,7 @@ def calibrate(*, quick: bool = False) -> Profile:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     profile = Profile(world_size=world, threads=torch.get_num_threads(), device="cpu", cores=cores, matmul=matmul,
                       attention=attention, op_seconds=op_seconds, byte_seconds=byte_seconds, view_seconds=view_seconds,
-                      optimizer_byte_seconds=_optimizer(repeats))
+                      optimizer_byte_seconds=_optimizer(repeats), memory=_memory_per_rank())
     if world > 1:
         sizes = [4 << 10, 256 << 10, 2 << 20] if quick else [4 << 10, 64 << 10, 512 << 10, 4 << 20]
         for size, group in _groups_of(world).items():
@@ -305,6 +307,15 @@ def calibrate(*, quick: bool = False) -> Profile:
                                                            for k, f in shared[0]["collectives"].items()}})
     profile.seconds = time.perf_counter() - start
     return profile
+
+
+def _memory_per_rank() -> float:
+    """The physical memory of this machine over the ranks that share it (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0.0
+    return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def main(argv: list[str] | None = None) -> int:
