@@ -17,7 +17,7 @@ from autoshard.options import CompileOptions
 from autoshard.planner.predict import Compiler, predict
 from autoshard.planner.profile import Profile
 
-from models import build
+from models import N_LAYER, build
 
 DATA = Path(__file__).with_name("data")
 
@@ -62,6 +62,21 @@ def test_collectives_pay_their_latency_per_call_and_a_ring_scales_with_the_group
 def gpt():
     case = build("gpt")
     return case, Compiler(case.model, case.inputs, case.target, case.loss_fn)
+
+
+def test_the_ranks_waiting_on_each_other_cost_each_collective_and_a_share_of_the_compute(gpt):
+    """A profile that measured 1 ms per collective and a tenth of the compute between them: tp pays per collective
+    (many per microbatch), dp once per step; a pipeline's sends are simulated, not charged here."""
+    case, compiler = gpt
+    plain, waiting = _profile(), _profile(sync={"2": (1e-3, 0.1)})
+    assert waiting.sync_time(2, 3, 0.5) == pytest.approx(3e-3 + 0.05) and waiting.sync_time(1, 3, 0.5) == 0
+    tp, tp_waiting = (predict(compiler, autoshard.Mesh(tp=2), p) for p in (plain, waiting))
+    calls = (tp_waiting.parts["collectives"] - tp.parts["collectives"] - 0.1 * tp.parts["compute"]) / 1e-3
+    # an all-reduce closing each attention and MLP block forward, one opening each backward: 4 per layer at least
+    assert calls == pytest.approx(round(calls), abs=1e-6) and round(calls) >= 4 * N_LAYER, calls
+    dp, dp_waiting = (predict(compiler, autoshard.Mesh(dp=2), p) for p in (plain, waiting))
+    assert dp_waiting.parts["gradient sync"] - dp.parts["gradient sync"] == pytest.approx(
+        1e-3 + 0.1 * dp.parts["compute"])
 
 
 def test_a_prediction_splits_the_work_as_the_mesh_splits_it(gpt):

@@ -35,6 +35,22 @@ QUICK_GOLDENS = {
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {
+    "tests/test_gpu_check.py::test_the_gpu_check_runs_on_the_cpu":
+        "every golden the check runs is an axis's golden in the CI tier (dp2, tp2, tp2 with sp, pp2 1F1B and ZBV, "
+        "cp2 gathered, ring and all-to-all, the zoo at one rank) and test_compile.py's compiled programs",
+    "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[50]":
+        "the axes' goldens and test_options.py's refusals (each case the fuzz draws is one of them, composed)",
+    "tests/test_demo.py::test_the_hf_trainer_example_trains_saves_and_resumes_under_another_mesh":
+        "test_hf_trainer.py's Trainer cells and its run saved under tp resumed under pp (the same Trainer, "
+        "callback and checkpoint); the demo under torchrun stays in CI",
+    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[deepseek_v4-tp2]":
+        "deepseek_v4's spread pp2 cell in test_spread.py and the tp2 cells of the other mixtures of experts",
+    "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp4xep2]":
+        "the dp2xep2 cell (the same FSDP2 with experts left to ep) and test_resume.py's fsdp-ep2-to-ep4 at 4 ranks",
+    "tests/test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[dp2xtp2xpp2]":
+        "the same test's pp2 (quick), tp2sp and cp2 cells: the writes are kept per stage and per axis",
+    "tests/test_compile.py::test_compiled_programs_are_exact_and_compile_once[hf_llama-tp2-sequence_parallel=True]":
+        "the gpt-tp2 compiled cell (the same functional collectives) and the eager sequence-parallel goldens",
     "tests/test_demo.py::test_the_example_with_fsdp_over_a_pipeline":
         "test_composition.py's FSDP2 goldens over a pipeline; the demo under torchrun stays in CI",
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-tp2]":

@@ -75,12 +75,15 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
     ``gm``."""
     costs = cost.annotate(gm)
     compute = communication = forward = 0.0
+    widest = 0  # the largest group a collective of the program spans
     for node in gm.graph.nodes:
         if node.op == "call_module":
             sent = _collective_time(gm, node, profile)
             communication += sum(sent)
             forward += sent[0]
             compute += _attention_module_time(gm, node, profile)
+            if any(sent):
+                widest = max(widest, getattr(gm.get_submodule(node.target), "size", 1))
             continue
         if node.op != "call_function":
             continue
@@ -101,6 +104,10 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
         else:
             nbytes = spent.activation_bytes if spent is not None and isinstance(spent.activation_bytes, int) else 0
             compute += profile.op_time(nbytes)
+    if widest > 1:  # the ranks reach each collective from their own compute (as crowded as it runs), not together
+        waits = profile.sync_time(widest, 0, compute * profile.contention(profile.world_size))
+        communication += waits
+        forward += waits / 3
     return compute, communication, forward
 
 
@@ -120,10 +127,9 @@ def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) 
     if positions is None and getattr(module, "layout", None) is not None and getattr(module, "causal", False):
         positions = module.layout[module.rank]  # a ring's: the global positions of this rank's queries
     if isinstance(positions, torch.Tensor) and positions.numel() == cost.dim_size(q.shape[-2]):
-        # causal: query at position t attends t + 1 keys; the profile's causal attention of s queries is counted
-        # as 4 b h s^2 d for its s (s + 1) / 2 pairs
+        # causal: the query at position t attends t + 1 keys, 4 b h d of work each
         pairs = float((positions.double() + 1).sum())
-        return profile.attention_time(4.0 * numel / positions.numel() * 2 * pairs)
+        return profile.attention_time(4.0 * numel / positions.numel() * pairs)
     keys = cost.dim_size(k.shape[-2]) * (getattr(module, "size", 1) if hasattr(module, "comm_bytes") else 1)
     return profile.attention_time(4.0 * numel * keys)
 
@@ -145,7 +151,7 @@ def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tup
             # and the copy that packs or unpacks it (a cat of gathered parts, a stack of the parts to scatter, the
             # clone an in-place all-reduce writes into): the profile times the collectives on ready buffers
             spent[i] += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
-            spent[i] += profile.op_time(nbytes)
+            spent[i] += profile.op_time(nbytes) + profile.sync_time(size, count)
     return spent[0], spent[1]
 
 
@@ -230,6 +236,10 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
                                   + profile.collective_time("reduce_scatter", replicas, mine - experts))
     else:
         parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
+    if replicas > 1:  # the ranks reach the gradients' collectives from their own backward (where the programs have
+        # collectives of their own, their waits are counted there)
+        alone = not parts.get("collectives") and mesh.pp == 1
+        parts["gradient sync"] += profile.sync_time(replicas, 1, parts["compute"] if alone else 0.0)
     if experts and replicas // mesh.ep > 1:  # the experts' gradients, summed over the ranks holding the same ones
         parts["gradient sync"] += profile.gradient_sync_time(replicas // mesh.ep, experts)
     parts["optimizer"] = (mine / replicas if fsdp else mine) * profile.optimizer_byte_seconds * crowd

@@ -1,8 +1,9 @@
 """A machine's measured costs: what ``autoshard calibrate`` writes and the graph-costed planner reads.
 
-The planner's formulas cost a transformer on a preset GPU; a profile is measured where the job runs, by every rank
-of the world at once (so compute is measured under the contention the job will have: on a CPU, ranks sharing
-cores), in one short run:
+The planner's formulas cost a transformer on a preset GPU; a profile is measured where the job runs, in one short
+run: compute by rank 0 alone (the other ranks wait, sleeping in a barrier), then how much slower the same compute
+runs with every rank computing at once (``crowding``: on a CPU whose cores the ranks share, about the ranks over
+the cores), and the collectives with every group communicating at once:
 
 - ``matmul``: a linear's forward and backward time on a grid of shapes (rows, outputs, inputs): a product is costed
   at the nearest measured shape, scaled by its FLOPs;
@@ -12,6 +13,10 @@ cores), in one short run:
 - ``optimizer``: AdamW's step and ``zero_grad`` per byte of parameters;
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
   latency and a time per byte, fitted over a few sizes, every group of that size communicating at once;
+- ``sync``: per group size, what a blocking collective costs beyond its own latency when the ranks reach it from
+  their own compute rather than together: each rank's interruptions (the OS, another process on its core) stall
+  the others at the next collective. Fitted as a cost per collective and a share of the compute between them, from
+  a loop of matmuls with and without a small all-reduce after each;
 - ``memory``: the bytes each rank may use: the machine's physical memory shared by the ranks on it (a GPU's own).
 
 Bytes are counted as ``explain()`` counts them (an all-reduce: the tensor; an all-gather: the gathered tensor; a
@@ -59,6 +64,8 @@ class Profile:
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # kind -> size -> (s, s/B)
     seconds: float = 0.0  # how long the calibration took
     memory: float = 0.0  # bytes each rank may use (0: unknown, no limit)
+    sync: dict[str, tuple[float, float]] = field(default_factory=dict)  # size -> (s per collective, s per s computed)
+    crowding: float = 0.0  # compute with every rank at once over rank 0 alone (0: not measured)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -77,11 +84,17 @@ class Profile:
         return seconds * (m * n * k) / (pm * pn * pk)
 
     def attention_time(self, flops: float) -> float:
-        return _interpolate(self.attention, flops)
+        """Attention forward and backward doing ``flops`` of work (QK^T and PV, 4 per query, key and head
+        dimension, as ``cost`` counts them: a causal mask's skipped half not counted). The profile's points are
+        causal runs recorded at 4 b h s^2 d, twice the work they do: read at twice the work."""
+        return _interpolate(self.attention, 2 * flops)
 
     def contention(self, ranks: int) -> float:
-        """How much slower compute runs when ``ranks`` processes of ``threads`` threads compute at once on the
-        profile's cores (1 where each has its own). The micro-benchmarks measure each rank alone in turn."""
+        """How much slower compute runs when ``ranks`` processes of ``threads`` threads compute at once than one
+        alone: measured at the profile's world size (``crowding``), else the ranks' threads over the profile's
+        cores (1 where each has its own)."""
+        if ranks == self.world_size and self.crowding:
+            return max(1.0, self.crowding)
         if not self.cores:
             return 1.0
         return max(1.0, ranks * self.threads / self.cores)
@@ -101,6 +114,15 @@ class Profile:
         latency, per_byte = fits[str(nearest)]
         return calls * latency + nbytes * per_byte * _ring_scale(size, nearest)
 
+    def sync_time(self, size: int, collectives: float, compute: float = 0.0) -> float:
+        """What ``collectives`` blocking collectives over groups of ``size`` cost beyond their latency, between
+        which the ranks compute ``compute`` seconds: the ranks do not reach them together."""
+        if size <= 1 or not self.sync or not (collectives or compute):
+            return 0.0
+        nearest = min((int(s) for s in self.sync), key=lambda s: (abs(math.log(s / size)), s))
+        per_collective, per_second = self.sync[str(nearest)]
+        return collectives * per_collective + compute * per_second
+
     def gradient_sync_time(self, size: int, nbytes: float) -> float:
         """DDP's all-reduce of ``nbytes`` of gradients over ``size`` ranks, in its 25 MiB buckets."""
         return self.collective_time("all_reduce", size, nbytes, calls=max(1, math.ceil(nbytes / _DDP_BUCKET)))
@@ -116,6 +138,7 @@ class Profile:
         data["matmul"] = [tuple(p) for p in data["matmul"]]  # noqa: C416
         data["attention"] = [tuple(p) for p in data["attention"]]
         data["collectives"] = {k: {s: tuple(v) for s, v in fits.items()} for k, fits in data["collectives"].items()}
+        data["sync"] = {s: tuple(v) for s, v in data.get("sync", {}).items()}
         return cls(**data)
 
 
@@ -144,13 +167,17 @@ def _ring_scale(size: int, measured: int) -> float:
 # ------------------------------------------------------------------------------------------------- measuring
 
 
+_TOGETHER = [True]  # False while rank 0 measures alone: no barriers
+
+
 def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: bool = True) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between runs)."""
+    """Median seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between runs), or rank
+    0 alone while ``_TOGETHER`` is off."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        if sync and dist.is_initialized():
+        if sync and _TOGETHER[0] and dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
         fn()
@@ -227,6 +254,35 @@ def _optimizer(repeats: int) -> float:
     return _timed(run, repeats=repeats) / sum(p.numel() * 4 for p in params)
 
 
+def _sync_fit(group, repeats: int) -> tuple[float, float]:
+    """(seconds per collective, seconds per second of compute): a loop of ``k`` matmuls and a 4 KiB all-reduce, on
+    every rank of ``group`` at once, against the same loop without the all-reduce and the all-reduces alone; the
+    excess per all-reduce, fitted over ``k`` as a fixed part and a share of the compute before it."""
+    a, b, x = torch.randn(192, 192), torch.randn(192, 192), torch.randn(1024)
+    rounds = 24
+
+    def loop(k: int, reduce: bool) -> Callable[[], None]:
+        def run():
+            for _ in range(rounds):
+                for _ in range(k):
+                    torch.mm(a, b)
+                if reduce:
+                    dist.all_reduce(x, group=group)
+        return run
+
+    alone = _timed(loop(0, True), repeats=repeats) / rounds
+    points = []
+    for k in (1, 4, 16):
+        computed = _timed(loop(k, False), repeats=repeats) / rounds
+        synced = _timed(loop(k, True), repeats=repeats) / rounds
+        points.append((computed, max(synced - computed - alone, 0.0)))
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / max(sum((p[0] - mx) ** 2 for p in points), 1e-30)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
 def _groups_of(world: int) -> dict[int, list]:
     """For each group size that divides the world: every group of consecutive ranks of that size (created alike
     on every rank)."""
@@ -285,28 +341,67 @@ def calibrate(*, quick: bool = False) -> Profile:
     start = time.perf_counter()
     repeats = 3 if quick else 5
     world = dist.get_world_size() if dist.is_initialized() else 1
-    sizes, rows = ((128, 512), (256, 2048)) if quick else ((128, 512, 2048), (64, 256, 1024, 4096))
-    matmul = [_linear_point(m, n, k, repeats) for m in rows for n in sizes for k in sizes if 2 * m * n * k <= 2.2e9]
-    shapes = ((1, 4, 64, 32), (2, 8, 256, 64)) if quick else ((1, 4, 64, 32), (2, 8, 128, 64), (2, 8, 256, 64),
-                                                                (4, 8, 512, 64))
-    attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
-    op_seconds, byte_seconds, view_seconds = _elementwise(repeats)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-    profile = Profile(world_size=world, threads=torch.get_num_threads(), device="cpu", cores=cores, matmul=matmul,
-                      attention=attention, op_seconds=op_seconds, byte_seconds=byte_seconds, view_seconds=view_seconds,
-                      optimizer_byte_seconds=_optimizer(repeats), memory=_memory_per_rank())
+    profile = Profile(world_size=world, threads=torch.get_num_threads(), device="cpu", cores=cores,
+                      memory=_memory_per_rank())
+    if rank == 0:  # compute alone: the other ranks sleep in the barrier below
+        _TOGETHER[0] = False
+        try:
+            _measure_compute(profile, quick, repeats)
+        finally:
+            _TOGETHER[0] = True
+    if world > 1:
+        dist.barrier()
+        profile.crowding = _crowding(repeats)
     if world > 1:
         sizes = [4 << 10, 256 << 10, 2 << 20] if quick else [4 << 10, 64 << 10, 512 << 10, 4 << 20]
         for size, group in _groups_of(world).items():
             for kind in KINDS:
                 fit = _collective_fit(kind, group, size, sizes, repeats)
                 profile.collectives.setdefault(kind, {})[str(size)] = fit
+            profile.sync[str(size)] = _sync_fit(group, repeats)
         shared = [asdict(profile)]
         dist.broadcast_object_list(shared, src=0)
         profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
-                                                           for k, f in shared[0]["collectives"].items()}})
+                                                           for k, f in shared[0]["collectives"].items()},
+                             "sync": {s: tuple(v) for s, v in shared[0]["sync"].items()}})
     profile.seconds = time.perf_counter() - start
     return profile
+
+
+def _measure_compute(profile: Profile, quick: bool, repeats: int) -> None:
+    sizes, rows = ((128, 512), (256, 2048)) if quick else ((128, 512, 2048), (64, 256, 1024, 4096))
+    profile.matmul = [_linear_point(m, n, k, repeats) for m in rows for n in sizes for k in sizes
+                      if 2 * m * n * k <= 2.2e9]
+    shapes = ((1, 4, 64, 32), (2, 8, 256, 64)) if quick else ((1, 4, 64, 32), (2, 8, 128, 64), (2, 8, 256, 64),
+                                                                (4, 8, 512, 64))
+    profile.attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
+    profile.op_seconds, profile.byte_seconds, profile.view_seconds = _elementwise(repeats)
+    profile.optimizer_byte_seconds = _optimizer(repeats)
+
+
+def _crowding(repeats: int) -> float:
+    """Rank 0's time for a block of matmuls and elementwise ops with every rank running it at once, over its time
+    alone (the others sleeping in a barrier)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def block():  # about 0.2 s alone here: long enough that the ranks overlap whole, not only where they start
+        for _ in range(600):
+            c = torch.mm(a, b)
+            torch.nn.functional.silu(c).add_(c)
+
+    rank = dist.get_rank()
+    alone = 0.0
+    if rank == 0:
+        _TOGETHER[0] = False
+        try:
+            alone = _timed(block, repeats=3, warmup=1)
+        finally:
+            _TOGETHER[0] = True
+    dist.barrier()
+    together = _timed(block, repeats=3, warmup=1)
+    return together / alone if rank == 0 else 0.0
 
 
 def _memory_per_rank() -> float:
