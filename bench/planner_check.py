@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -115,13 +116,18 @@ def measure(model, tokens, target, choices, warmup: int, steps: int, passes: int
     return [(median, peak) for median, peak in found]
 
 
+_GROUPS: dict = {}
+
+
 def _one(model, tokens, target, mesh, opts, warmup: int, steps: int, saved: bool) -> tuple[float, int]:
     from pp_worker import SavedBytes
 
     from models import hf_token_loss
 
+    if str(mesh) not in _GROUPS:  # one set of groups per mesh, for both passes: a gloo group holds threads and
+        _GROUPS[str(mesh)] = mesh.create_groups()  # sockets, and hundreds of them slowed the later candidates
     pm = autoshard.parallelize(copy.deepcopy(model), mesh, example_inputs=(tokens,), loss_fn=hf_token_loss,
-                               target=target, groups=mesh.create_groups(), **opts)
+                               target=target, groups=_GROUPS[str(mesh)], **opts)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     times = []
     for index in range(warmup + steps):
@@ -141,6 +147,8 @@ def _one(model, tokens, target, mesh, opts, warmup: int, steps: int, saved: bool
             pm.step(tokens, target=target)
         peak[0] = tracker.peak
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    del pm, opt
+    gc.collect()  # the candidate's model, optimizer and graphs gone before the next is built
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.broadcast(median, src=0)  # rank 0's clock, the same on every rank
     return float(median), int(peak)

@@ -79,6 +79,21 @@ def test_the_ranks_waiting_on_each_other_cost_each_collective_and_a_share_of_the
         1e-3 + 0.1 * dp.parts["compute"])
 
 
+def test_measured_crowding_attention_and_the_optimizers_tensors_are_read_as_measured(gpt):
+    """Compute is calibrated alone and slowed by the crowding measured at the profile's world size (other sizes:
+    the ranks' threads over the cores); causal attention points, recorded at 4 b h s^2 d, are read at the work a
+    causal run does (half); AdamW pays per parameter tensor as well as per byte."""
+    crowded = _profile(world_size=4, cores=2, crowding=1.7)
+    assert crowded.contention(4) == 1.7 and crowded.contention(8) == 4.0 and _profile().contention(2) == 1.0
+    point_flops, point_seconds = _profile().attention[0]
+    assert _profile().attention_time(point_flops / 2) == pytest.approx(point_seconds)
+    case, compiler = gpt
+    plain = predict(compiler, autoshard.Mesh(), _profile())
+    per_tensor = predict(compiler, autoshard.Mesh(), _profile(optimizer_param_seconds=1e-3))
+    tensors = len(list(case.model.parameters()))
+    assert per_tensor.parts["optimizer"] - plain.parts["optimizer"] == pytest.approx(tensors * 1e-3)
+
+
 def test_a_prediction_splits_the_work_as_the_mesh_splits_it(gpt):
     case, compiler = gpt
     profile = _profile()

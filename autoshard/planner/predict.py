@@ -22,6 +22,7 @@ pipeline's step is at least its ranks' work over the cores. Each candidate's byt
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -103,12 +104,19 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
             compute += profile.view_seconds  # no data moves; dispatch and autograd only
         else:
             nbytes = spent.activation_bytes if spent is not None and isinstance(spent.activation_bytes, int) else 0
+            if name in cost._PER_INPUT_ELEMENT:  # a reduction or a loss: what it reads, not its small output
+                nbytes = max(nbytes, *(_bytes(a) for a in node.all_input_nodes), 0)
             compute += profile.op_time(nbytes)
     if widest > 1:  # the ranks reach each collective from their own compute (as crowded as it runs), not together
         waits = profile.sync_time(widest, 0, compute * profile.contention(profile.world_size))
         communication += waits
         forward += waits / 3
     return compute, communication, forward
+
+
+def _bytes(node: fx.Node) -> int:
+    value = meta.val(node)
+    return cost.dim_size(value.numel()) * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
@@ -242,7 +250,9 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
         parts["gradient sync"] += profile.sync_time(replicas, 1, parts["compute"] if alone else 0.0)
     if experts and replicas // mesh.ep > 1:  # the experts' gradients, summed over the ranks holding the same ones
         parts["gradient sync"] += profile.gradient_sync_time(replicas // mesh.ep, experts)
-    parts["optimizer"] = (mine / replicas if fsdp else mine) * profile.optimizer_byte_seconds * crowd
+    tensors = max(_parameter_count(build) for build in builds)
+    parts["optimizer"] = ((mine / replicas if fsdp else mine) * profile.optimizer_byte_seconds
+                          + tensors * profile.optimizer_param_seconds) * crowd
     return Prediction(mesh, option_fields, sum(parts.values()), parts,
                       memory=footprint(builds, mesh, options, in_flight))
 
@@ -254,6 +264,17 @@ def _recomputed(spent: tuple[float, float, float], options: CompileOptions) -> t
     if options.activation_checkpointing:
         return compute * 4 / 3, communication + forward
     return compute, communication
+
+
+def _parameter_count(build) -> int:
+    """The parameter tensors this rank's programs read (the optimizer steps each)."""
+    found = set()
+    for program in build.programs.values():
+        for node in program.gm.graph.nodes:
+            if node.op == "get_attr":
+                with contextlib.suppress(AttributeError):  # a buffer or a constant
+                    found.add(id(program.gm.get_parameter(node.target)))
+    return len(found)
 
 
 def _expert_bytes(build) -> float:
@@ -293,6 +314,7 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
     sim = schedules.simulate(actions, p, v, forward_cost=slowest / 3, backward_cost=2 * slowest / 3,
                              send_cost=send, placement=schedules.placement_of(name))
     busy, crowd = m * slowest, profile.contention(mesh.world_size)
-    if busy * crowd > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a
-        return {"compute": busy * crowd, "bubble": 0.0}, sim.peak_in_flight  # rank idle in the bubble gives its
-    return {"compute": busy, "bubble": sim.makespan - busy}, sim.peak_in_flight  # core to the others)
+    crowded = m * max(c * crowd + k for c, k in stage_times)  # compute slowed by the ranks sharing the cores
+    if crowded > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a rank
+        return {"compute": crowded, "bubble": 0.0}, sim.peak_in_flight  # idle in the bubble gives its core to
+    return {"compute": busy, "bubble": sim.makespan - busy}, sim.peak_in_flight  # the others)

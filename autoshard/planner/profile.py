@@ -10,7 +10,7 @@ the cores), and the collectives with every group communicating at once:
 - ``attention``: ``scaled_dot_product_attention``'s forward and backward by its forward FLOPs, causal;
 - ``elementwise``: an op's fixed cost (dispatch and autograd, forward and backward) and its time per byte of output;
   a view's cost;
-- ``optimizer``: AdamW's step and ``zero_grad`` per byte of parameters;
+- ``optimizer``: AdamW's step per byte of parameters and per parameter tensor;
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
   latency and a time per byte, fitted over a few sizes, every group of that size communicating at once;
 - ``sync``: per group size, what a blocking collective costs beyond its own latency when the ranks reach it from
@@ -61,6 +61,7 @@ class Profile:
     view_seconds: float = 0.0  # a view's (no data moves: dispatch and autograd)
     byte_seconds: float = 0.0  # per byte of an op's output, forward and backward
     optimizer_byte_seconds: float = 0.0  # AdamW step and zero_grad per byte of parameters
+    optimizer_param_seconds: float = 0.0  # and per parameter tensor (a step runs a few ops on each)
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # kind -> size -> (s, s/B)
     seconds: float = 0.0  # how long the calibration took
     memory: float = 0.0  # bytes each rank may use (0: unknown, no limit)
@@ -240,18 +241,22 @@ def _elementwise(repeats: int) -> tuple[float, float, float]:
     return t_small, per_byte, chain(small, _VIEW_MIX)
 
 
-def _optimizer(repeats: int) -> float:
-    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+def _optimizer(repeats: int) -> tuple[float, float]:
+    """(seconds per parameter byte, seconds per parameter tensor) of AdamW's step: four 4 MiB tensors against
+    sixty-four of 4 KiB."""
 
-    def run():
-        opt.step()
+    def seconds(count: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
         for p in params:
-            p.grad = torch.randn_like(p) if p.grad is None else p.grad
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        return _timed(opt.step, repeats=repeats)
 
-    return _timed(run, repeats=repeats) / sum(p.numel() * 4 for p in params)
+    big, small = (4, 1 << 20), (64, 1 << 10)
+    t_big, t_small = seconds(*big), seconds(*small)
+    per_byte = max(t_big - t_small * big[0] / small[0], 0.0) / (big[0] * big[1] * 4)
+    per_param = max(t_small - per_byte * small[0] * small[1] * 4, 0.0) / small[0]
+    return per_byte, per_param
 
 
 def _sync_fit(group, repeats: int) -> tuple[float, float]:
@@ -378,7 +383,7 @@ def _measure_compute(profile: Profile, quick: bool, repeats: int) -> None:
                                                                 (4, 8, 512, 64))
     profile.attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
     profile.op_seconds, profile.byte_seconds, profile.view_seconds = _elementwise(repeats)
-    profile.optimizer_byte_seconds = _optimizer(repeats)
+    profile.optimizer_byte_seconds, profile.optimizer_param_seconds = _optimizer(repeats)
 
 
 def _crowding(repeats: int) -> float:
