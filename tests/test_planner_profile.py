@@ -244,9 +244,10 @@ def test_calibrate_writes_a_profile_of_this_machine(tmp_path):
 
 def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
     """``tests/data/profile_cpu_2.json`` is the profile ``bench/planner_check.py`` calibrated on this machine at 2
-    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) dp2 measured fastest in that run (170.1 ms, against
-    206.2 for cp2 with ring attention, 209.2 for pp2, 222.7 for cp2 and 226.7 for tp2) and in the next
-    (``bench/results_planner_2.md``). ``mesh="auto"`` with that profile takes dp2."""
+    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) dp2 measured fastest in that run (201.6 ms, against
+    211.9 for pp2, 221.0 for cp2 with all-to-all attention, 228.5 for cp2, 230.2 with ring attention and 230.5 for
+    tp2) and in every other run of the bench (``bench/results_planner_2.md``). ``mesh="auto"`` with that profile
+    takes dp2."""
     import transformers
 
     torch.manual_seed(0)

@@ -351,7 +351,7 @@ def calibrate(*, quick: bool = False) -> Profile:
     repeats = 3 if quick else 5
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    cores = _cores()
     profile = Profile(world_size=world, threads=torch.get_num_threads(), device="cpu", cores=cores,
                       memory=_memory_per_rank())
     if rank == 0:  # compute alone: the other ranks sleep in the barrier below
@@ -410,7 +410,16 @@ def _crowding(repeats: int) -> float:
             _TOGETHER[0] = True
     dist.barrier()
     together = _timed(block, repeats=3, warmup=1)
-    return together / alone if rank == 0 else 0.0
+    if rank:
+        return 0.0
+    # at most the ranks' threads over the cores (more is a slow spell of the machine, not crowding: one run here
+    # measured 2.6 for 4 ranks on 2 cores)
+    bound = dist.get_world_size() * torch.get_num_threads() / max(1, _cores())
+    return min(together / alone, max(1.0, bound))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
 def _memory_per_rank() -> float:
