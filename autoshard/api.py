@@ -220,12 +220,13 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     from autoshard.explain import profile_source
 
+    limit = _memory_limit(options.memory_limit)
     if options.calibrate and _device_of(model) != "cpu":
         raise ValueError("calibrate=True measures CPU processes (gloo, CPU kernels) and this model is on "
                          f"{_device_of(model)}: pass a mesh, or mesh='auto' without calibrate to plan on the "
                          "GPU presets")
     profile = _calibrated(world_size, options) if options.calibrate else Profile.load(options.planner_profile)
-    limit = options.memory_limit or profile.memory or math.inf
+    limit = limit or profile.memory or math.inf
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
     default = CompileOptions()
@@ -327,6 +328,22 @@ def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> l
     if mesh.cp > 1 and options.cp_attention == default.cp_attention and not options.cp_load_balance:
         variants += [{"cp_attention": "ring", "cp_load_balance": True}, {"cp_attention": "alltoall"}]
     return variants
+
+
+def _memory_limit(given) -> float | None:
+    """``memory_limit`` in bytes ("20GiB", 20e9), None where not given."""
+    if given is None:
+        return None
+    from autoshard.planner.units import UnitError, parse
+
+    try:
+        limit = parse(given, "bytes")
+    except (UnitError, ValueError) as e:
+        raise ValueError(f"memory_limit={given!r} is not valid: {e}") from None
+    if not limit > 0:
+        raise ValueError(f"memory_limit={given!r} is not valid: pass the bytes each rank may hold, like '20GiB', or "
+                         "None for the profile's")
+    return limit
 
 
 def _fitting(compiler, mesh: Mesh, profile, chosen: CompileOptions, plain: CompileOptions,

@@ -197,17 +197,11 @@ class CompileOptions:
         if not isinstance(self.autotune, int) or isinstance(self.autotune, bool) or self.autotune < 0:
             raise ValueError(f"autotune={self.autotune!r} is not valid: pass how many of the predicted fastest meshes "
                              "to measure (an integer >= 0; 3 is usual), with mesh='auto' and a profile")
-        if self.memory_limit is not None:
-            from autoshard.planner.units import UnitError, parse
-
-            try:
-                limit = parse(self.memory_limit, "bytes")
-            except (UnitError, ValueError) as e:
-                raise ValueError(f"memory_limit={self.memory_limit!r} is not valid: {e}") from None
-            if not limit > 0:
-                raise ValueError(f"memory_limit={self.memory_limit!r} is not valid: pass the bytes each rank may hold, "
-                                 "like '20GiB', or None for the profile's")
-            object.__setattr__(self, "memory_limit", limit)
+        limit = self.memory_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (str, int, float))
+                                  or (not isinstance(limit, str) and not limit > 0)):
+            raise ValueError(f"memory_limit={limit!r} is not valid: pass the bytes each rank may hold, like '20GiB' "
+                             "or 20e9, or None for the profile's")
         capacity = self.expert_capacity
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
                                      or not capacity > 0):
