@@ -33,6 +33,7 @@ CLIPPING = COMPOSED + "test_global_norm_clipping_and_adamw_match_the_unsharded_m
 RESUME = "tests/test_resume.py::"
 WRITES = "tests/test_lost_writes.py::"
 EP = "tests/test_expert_parallel.py::"
+PLANNER = "tests/test_planner_profile.py::"
 
 MUTANTS = (
     # ------------------------------------------------------------------ the four that once survived the suite
@@ -631,6 +632,22 @@ MUTANTS = (
            "    if False and not any(_row_local(",
            "two projections sharing a routing with attention between them keep their experts whole (JetMoE's)",
            (EP + "test_experts_looped_over_a_stack_become_grouped_matmuls_and_split_over_ep",)),
+    # ------------------------------------------------------------------------ the planner's memory and costs
+    Mutant("memory-limit-ignored", "autoshard/api.py",
+           "or plain_prediction.memory.total <= limit:",
+           "or True:",
+           "mesh='auto' takes a candidate that needs more than memory_limit allows (the job then runs out of memory)",
+           (PLANNER + "test_mesh_auto_under_a_memory_limit_takes_the_fastest_that_fits",)),
+    Mutant("memory-ddp-buckets-forgotten", "autoshard/planner/memory.py",
+           "gradients=mine * (2 if replicas > 1 else 1)",
+           "gradients=mine",
+           "DDP's gradient buckets (a second copy of the gradients) are left out of a replica's bytes",
+           (PLANNER + "test_a_footprint_splits_as_the_mesh_and_the_options_split_it",)),
+    Mutant("causal-attention-read-at-half", "autoshard/planner/profile.py",
+           "return _interpolate(self.attention, 2 * flops)",
+           "return _interpolate(self.attention, flops)",
+           "causal attention is costed at half its time (the profile records a causal run at 4 b h s^2 d)",
+           (PLANNER + "test_measured_crowding_attention_and_the_optimizers_tensors_are_read_as_measured",)),
     # ------------------------------------------------------------------------------- the loss's whole batch
     Mutant("batch-sums-backward-local", "passes/batch_statistics.py",
            "        return _all_reduce(grad.contiguous(), ctx.group), None",
