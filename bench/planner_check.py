@@ -222,7 +222,7 @@ def write(rows: dict, profile, world: int, seconds: float, args) -> None:
             lines.append(f"| {p.label()} | {p.step * 1e3:.1f} | {m * 1e3:.1f} | {(p.step - m) / m:+.0%} | "
                          f"{by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} | "
                          f"{p.memory.activations / 2**20:.2f} | {saved[id(p)] / 2**20:.2f} |")
-        for p, _ in found:  # noqa: B007
+        for p, _ in found:
             if p.error is not None:
                 lines.append(f"| {p.label()} | refused: {p.error} | | | | |")
         lines += ["", f"Predicted best {chosen[0].label()} measured {chosen[1] / best:.2f}x the measured best "

@@ -83,11 +83,11 @@ def saved_bytes(gm: fx.GraphModule) -> int:
         node = base(node)
         if node.op == "get_attr":
             return
-        kept[node] = max(kept.get(node, 0), _bytes(node) if nbytes is None else nbytes)
+        kept[node] = max(kept.get(node, 0), node_bytes(node) if nbytes is None else nbytes)
 
     for node in gm.graph.nodes:
         value = meta.val(node)
-        floating = any(t.is_floating_point() for t in _tensors(value))
+        floating = any(t.is_floating_point() for t in cost._tensors(value))
         inputs = [a for a in node.all_input_nodes]
         if node.op == "get_attr":
             if isinstance(value, torch.Tensor) and floating and _is_parameter(gm, node):
@@ -112,14 +112,14 @@ def saved_bytes(gm: fx.GraphModule) -> int:
         if name in _KEEPS_OUTPUT:
             keep(node)
         elif name in _DROPOUT:
-            kept[node] = sum(t.numel() for t in _tensors(value))
+            kept[node] = sum(t.numel() for t in cost._tensors(value))
         elif name in _PRODUCTS and len(inputs) >= 2:
             left, right = node.args[0], node.args[1]
             for side, other in ((left, right), (right, left)):
                 if isinstance(side, fx.Node) and (other in grads if isinstance(other, fx.Node) else False):
                     keep(side)
         elif name in _KEEPS_INPUT_SIZED:
-            kept[node] = _bytes(inputs[0]) if inputs else 0
+            kept[node] = node_bytes(inputs[0]) if inputs else 0
         else:
             for a in inputs:
                 keep(a)
@@ -139,7 +139,7 @@ def footprint(builds: list, mesh, options, in_flight: dict[int, float] | None = 
         programs = list(build.programs.values())
         saved = sum(saved_bytes(p.gm) for p in programs)
         if options.activation_checkpointing:  # the stage's inputs per microbatch, one microbatch recomputed
-            inputs = sum(_bytes(n) for p in programs for n in p.gm.graph.nodes if n.op == "placeholder")
+            inputs = sum(node_bytes(n) for p in programs for n in p.gm.graph.nodes if n.op == "placeholder")
             activations = holding * inputs + saved
         else:
             activations = holding * saved
@@ -166,9 +166,6 @@ def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    return cost._tensors(value)
-
-
-def _bytes(node: fx.Node) -> int:
-    return sum(cost.dim_size(t.numel()) * t.dtype.itemsize for t in _tensors(meta.val(node)))
+def node_bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s output tensor(s)."""
+    return sum(cost.dim_size(t.numel()) * t.dtype.itemsize for t in cost._tensors(meta.val(node)))

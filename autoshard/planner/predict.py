@@ -33,7 +33,7 @@ from autoshard import batching, cost, meta
 from autoshard.explain import spec_bytes
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
-from autoshard.planner.memory import Footprint, footprint
+from autoshard.planner.memory import Footprint, footprint, node_bytes
 from autoshard.planner.profile import Profile
 
 _MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm", "convolution",
@@ -105,18 +105,13 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
         else:
             nbytes = spent.activation_bytes if spent is not None and isinstance(spent.activation_bytes, int) else 0
             if name in cost._PER_INPUT_ELEMENT:  # a reduction or a loss: what it reads, not its small output
-                nbytes = max(nbytes, *(_bytes(a) for a in node.all_input_nodes), 0)
+                nbytes = max(nbytes, *(node_bytes(a) for a in node.all_input_nodes), 0)
             compute += profile.op_time(nbytes)
     if widest > 1:  # the ranks reach each collective from their own compute (as crowded as it runs), not together
         waits = profile.sync_time(widest, 0, compute * profile.contention(profile.world_size))
         communication += waits
         forward += waits / 3
     return compute, communication, forward
-
-
-def _bytes(node: fx.Node) -> int:
-    value = meta.val(node)
-    return cost.dim_size(value.numel()) * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
