@@ -134,7 +134,7 @@ def footprint(builds: list, mesh, options, in_flight: dict[int, float] | None = 
     replicas = mesh.dp * mesh.cp
     worst = None
     for r, build in enumerate(builds):
-        mine = build.held_bytes[r] if len(build.held_bytes) > r else _held(build)
+        mine = held_bytes(build, r)
         holding = (in_flight or {}).get(r, 1.0)
         programs = list(build.programs.values())
         saved = sum(saved_bytes(p.gm) for p in programs)
@@ -154,9 +154,13 @@ def footprint(builds: list, mesh, options, in_flight: dict[int, float] | None = 
     return worst
 
 
-def _held(build) -> float:
-    return float(sum(math.prod(p.shape) * p.element_size() for p in build.programs[min(build.programs)].gm
-                     .parameters()))
+def held_bytes(build, r: int = 0) -> float:
+    """The parameter bytes pp rank ``r`` holds: its tp and ep shares of its stages' parameters (the compiler counts
+    them where there is a pipeline; without one, the parameters of the rank's program)."""
+    if len(build.held_bytes) > r:
+        return build.held_bytes[r]
+    return float(sum(math.prod(p.shape) * p.element_size() for program in build.programs.values()
+                     for p in program.gm.parameters()))
 
 
 def _is_parameter(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -33,7 +33,7 @@ from autoshard import batching, cost, meta
 from autoshard.explain import spec_bytes
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
-from autoshard.planner.memory import Footprint, footprint, node_bytes
+from autoshard.planner.memory import Footprint, footprint, held_bytes, node_bytes
 from autoshard.planner.profile import Profile
 
 _MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm", "convolution",
@@ -226,8 +226,7 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
     else:
         found, in_flight = _pipeline(builds, stage_times, mesh, options, profile)
         parts.update(found)
-    held = builds[0].held_bytes
-    mine = max(held) if held else sum(p.numel() * p.element_size() for p in compiler.model.parameters())
+    mine = max(held_bytes(build, r) for r, build in enumerate(builds))  # the whole model's before: tp's share
     experts = _expert_bytes(builds[0])
     replicas = mesh.dp * mesh.cp
     fsdp = options.data_parallel == "fsdp" and replicas > 1
