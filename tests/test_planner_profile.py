@@ -245,11 +245,11 @@ def test_calibrate_writes_a_profile_of_this_machine(tmp_path):
 
 
 def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
-    """``tests/data/profile_cpu_2.json`` is the profile ``bench/planner_check.py`` calibrated on this machine at 2
-    ranks; on its HF Llama (hidden 256, 4 layers, batch 8 x 128) dp2 measured fastest in that run (201.6 ms, against
-    211.9 for pp2, 221.0 for cp2 with all-to-all attention, 228.5 for cp2, 230.2 with ring attention and 230.5 for
-    tp2) and in every other run of the bench (``bench/results_planner_2.md``). ``mesh="auto"`` with that profile
-    takes dp2."""
+    """``tests/data/profile_cpu_2.json`` is a profile calibrated on this machine at 2 ranks (``autoshard calibrate
+    --nproc 2``, 1 thread a rank). On ``bench/planner_check.py``'s HF Llama (hidden 256, 4 layers, batch 8 x 128)
+    dp2 measured fastest in the bench's run beside it (163.8 ms, against 195.9 for pp2, 200.5 for cp2 with
+    all-to-all attention, 201.7 with ring attention, 213.1 for cp2 and 220.9 for tp2) and in every other run of the
+    bench (``bench/results_planner_2.md``). ``mesh="auto"`` with that profile takes dp2."""
     import transformers
 
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ the cores), and the collectives with every group communicating at once:
   a view's cost;
 - ``optimizer``: AdamW's step per byte of parameters and per parameter tensor;
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
-  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once;
+  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once, each call
+  reached from a few ms of compute as a program reaches it (its buffers out of the caches);
 - ``sync``: per group size, what a blocking collective costs beyond its own latency when the ranks reach it from
   their own compute rather than together: each rank's interruptions (the OS, another process on its core) stall
   the others at the next collective. Fitted as a cost per collective and a share of the compute between them, from
@@ -171,19 +172,22 @@ def _ring_scale(size: int, measured: int) -> float:
 _TOGETHER = [True]  # False while rank 0 measures alone: no barriers
 
 
-def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: bool = True) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between runs), or rank
-    0 alone while ``_TOGETHER`` is off."""
+def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: bool = True,
+           before: Callable[[], object] | None = None, mean: bool = False) -> float:
+    """Median (or ``mean``) seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between
+    runs), or rank 0 alone while ``_TOGETHER`` is off; ``before`` runs untimed ahead of each."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         if sync and _TOGETHER[0] and dist.is_initialized():
             dist.barrier()
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.fmean(times) if mean else statistics.median(times)
 
 
 def _linear_point(m: int, n: int, k: int, repeats: int) -> tuple[int, int, int, float]:
@@ -288,6 +292,21 @@ def _sync_fit(group, repeats: int) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
+def _compute_between() -> None:
+    """A few ms of a matmul and a pass over 16 MiB: what a program runs between two collectives, enough to evict
+    their buffers from the caches."""
+    if not _BETWEEN:
+        _BETWEEN.extend((torch.randn(512, 512), torch.randn(512, 512), torch.zeros(4 << 20)))
+    x, w, big = _BETWEEN
+    torch.mm(x, w)
+    big.mul_(1.0)
+    dist.barrier()  # the ranks then start together: what they wait for one another is the sync fit's
+
+
+_BETWEEN: list[torch.Tensor] = []
+_COMPUTE = _compute_between
+
+
 def _groups_of(world: int) -> dict[int, list]:
     """For each group size that divides the world: every group of consecutive ranks of that size (created alike
     on every rank)."""
@@ -332,10 +351,12 @@ def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int)
                     dist.recv(x, peer, group=None)
             counted = numel * 4
         points.append((counted, fn))
-    # two passes over the sizes, each size's faster kept: one slow spell would otherwise bend the fit (a 3 ms
-    # latency and no cost per byte, once)
-    passes = [[_timed(fn, repeats=repeats, sync=False) for _, fn in points] for _ in range(2)]
-    points = [(counted, min(first, second)) for (counted, _), first, second in zip(points, *passes, strict=True)]
+    # each call reached from compute, as a program reaches it: its buffers out of the caches, the ranks starting
+    # together (what they wait for one another is the sync fit's). Such a call here takes either its time or a
+    # scheduler tick more (0.4 or 4 ms for a 512 KiB all-reduce, as its thread sleeps or not), back to back mostly
+    # the first: a program's many collectives cost their mean, over two passes of the sizes
+    points = [(counted, statistics.fmean(_timed(fn, repeats=repeats, sync=False, before=_COMPUTE, mean=True)
+                                         for _ in range(2))) for counted, fn in points]
     n = len(points)
     mx = sum(p[0] for p in points) / n
     my = sum(p[1] for p in points) / n
