@@ -245,6 +245,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
                 found.append(_fitting(compiler, mesh, profile, chosen, plain, default, limit,
                                       ("microbatches", *variant)))
     found.sort(key=lambda pair: (pair[0].error is not None, pair[0].step))
+    seen: set[str] = set()  # a variant a memory limit also reaches from its plain mesh (sequence parallelism), once
+    found = [pair for pair in found if not (pair[0].label() in seen or seen.add(pair[0].label()))]
     ranking = [p for p, _ in found]
     if not found or found[0][0].error is not None:
         why = "; ".join(str(p) for p in ranking[:3]) or f"no mesh of {world_size} ranks splits the batch of {batch}"
@@ -321,12 +323,14 @@ def _with_ep(meshes: list[Mesh], experts: int) -> list[Mesh]:
 
 def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> list[dict]:
     """The options a mesh may also run with, where ``options`` leave them at their defaults: ring (load-balanced)
-    and all-to-all attention under cp. Not searched, for their costs are not yet predicted well enough to choose
-    them: sequence parallelism (its reduce-scatters and all-gathers on gloo measured 27-35% slower than
-    predicted) and ZB-H1 (its split backward measured up to 32% slower, slower than 1F1B on GPT-2 and a mixture)."""
+    and all-to-all attention under cp; sequence parallelism under tp (without cp: its variants are enough there).
+    Not searched, for its cost is not yet predicted well enough to choose it: ZB-H1 (its split backward measured up
+    to 32% slower, slower than 1F1B on GPT-2 and a mixture)."""
     variants = [{}]
     if mesh.cp > 1 and options.cp_attention == default.cp_attention and not options.cp_load_balance:
         variants += [{"cp_attention": "ring", "cp_load_balance": True}, {"cp_attention": "alltoall"}]
+    if mesh.tp > 1 and mesh.cp == 1 and options.sequence_parallel == default.sequence_parallel:
+        variants.append({"sequence_parallel": True})
     return variants
 
 
