@@ -113,7 +113,7 @@ def saved_bytes(gm: fx.GraphModule) -> int:
             keep(node)
         elif name in _DROPOUT:
             kept[node] = sum(t.numel() for t in cost._tensors(value))
-        elif name in _PRODUCTS and len(inputs) >= 2:
+        elif name in _PRODUCTS and len(node.args) >= 2:  # a product with a number keeps nothing
             left, right = node.args[0], node.args[1]
             for side, other in ((left, right), (right, left)):
                 if isinstance(side, fx.Node) and (other in grads if isinstance(other, fx.Node) else False):

@@ -265,25 +265,29 @@ def _optimizer(repeats: int) -> tuple[float, float]:
 
 def _sync_fit(group, repeats: int) -> tuple[float, float]:
     """(seconds per collective, seconds per second of compute): a loop of ``k`` matmuls and a 4 KiB all-reduce, on
-    every rank of ``group`` at once, against the same loop without the all-reduce and the all-reduces alone; the
-    excess per all-reduce, fitted over ``k`` as a fixed part and a share of the compute before it."""
+    every rank of ``group`` at once, against the same loop without the all-reduce and the all-reduce alone, reached
+    from compute as the collectives' fits reach it; the excess per all-reduce, fitted over ``k`` (0.4 to 6 ms of
+    compute here, the gaps between a program's collectives) as a fixed part and a share of the compute before it."""
     a, b, x = torch.randn(192, 192), torch.randn(192, 192), torch.randn(1024)
-    rounds = 24
 
-    def loop(k: int, reduce: bool) -> Callable[[], None]:
+    def loop(k: int, reduce: bool) -> tuple[Callable[[], None], int]:
+        rounds = max(8, 128 // k)
+
         def run():
             for _ in range(rounds):
                 for _ in range(k):
                     torch.mm(a, b)
                 if reduce:
                     dist.all_reduce(x, group=group)
-        return run
+        return run, rounds
 
-    alone = _timed(loop(0, True), repeats=repeats) / rounds
+    alone = _timed(lambda: dist.all_reduce(x, group=group), repeats=3 * repeats, sync=False, before=_COMPUTE,
+                   mean=True)
     points = []
-    for k in (1, 4, 16):
-        computed = _timed(loop(k, False), repeats=repeats) / rounds
-        synced = _timed(loop(k, True), repeats=repeats) / rounds
+    for k in (4, 16, 64):
+        (computing, rounds), (syncing, _) = loop(k, False), loop(k, True)
+        computed = _timed(computing, repeats=repeats) / rounds
+        synced = _timed(syncing, repeats=repeats) / rounds
         points.append((computed, max(synced - computed - alone, 0.0)))
     n = len(points)
     mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
