@@ -167,6 +167,26 @@ def test_the_activations_a_program_keeps_for_its_backward_are_read_from_its_grap
     assert 0.85 <= saved_bytes(program.gm) / sum(kept.values()) <= 1.2, (saved_bytes(program.gm), sum(kept.values()))
 
 
+def test_a_pipeline_is_simulated_with_each_stage_its_own_time_and_the_busy_ranks_sharing_the_cores():
+    """Ranks with cores of their own: 1F1B over equal stages takes the schedule's own simulation; a cheaper stage
+    shortens it. Four ranks on two cores: no shorter than their compute over the cores, and a collective's wait
+    leaves the core to the others (so adding waits costs less than their sum)."""
+    from autoshard import schedules
+    from autoshard.planner.predict import _shared_makespan
+
+    actions = schedules.schedule("1f1b", 4, 8)
+    alone = _profile(world_size=4, cores=4)
+    equal = [(0.03, 0.0)] * 4
+    expected = schedules.simulate(actions, 4, forward_cost=0.01, backward_cost=0.02).makespan
+    assert _shared_makespan(actions, equal, 1, 0.0, 1, alone) == pytest.approx(expected)
+    assert _shared_makespan(actions, [(0.01, 0.0), *equal[1:]], 1, 0.0, 1, alone) < expected
+    crowded = _profile(world_size=4, cores=2)
+    shared = _shared_makespan(actions, equal, 1, 0.0, 1, crowded)
+    assert shared >= 4 * 8 * 0.03 / 2 - 1e-9 and shared > expected
+    waiting = _shared_makespan(actions, [(0.03, 0.03)] * 4, 1, 0.0, 1, crowded)
+    assert shared < waiting < shared + 8 * 0.03
+
+
 def test_a_product_with_a_number_keeps_nothing_for_the_backward():
     """GPT-2's tanh GELU, ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x ** 3)))``: autograd keeps x (for the power),
     the tanh, and the two sides of the last product; a number times a tensor keeps nothing (read as keeping its

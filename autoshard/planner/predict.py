@@ -11,13 +11,13 @@ pipeline coordinate. Each program is costed node by node from the profile (``pro
   backward (its two kinds), as ``explain()`` counts them;
 
 and the step is assembled as the runtime runs it: microbatches one after another (a pipeline's schedule simulated
-with its stages' times, its sends costed from the bytes a stage hands on), then the gradients' all-reduce over dp x
-cp in DDP's buckets (FSDP2: its all-gathers of the parameters and the reduce-scatter of the gradients) and the
+with each stage's own time, its sends costed from the bytes a stage hands on), then the gradients' all-reduce over
+dp x cp in DDP's buckets (FSDP2: its all-gathers of the parameters and the reduce-scatter of the gradients) and the
 optimizer's step over the rank's parameters (its share under FSDP2). Activation checkpointing runs each forward
 again, its collectives with it, in the backward. A CPU computes and communicates on the same cores, so the parts
 add up; where the ranks outnumber the cores (the profile's), every rank's compute is slowed by their ratio, and a
-pipeline's step is at least its ranks' work over the cores. Each candidate's bytes per rank come with it
-(``memory.py``).
+pipeline's schedule is simulated event by event with the ranks busy at once sharing the cores. Each candidate's
+bytes per rank come with it (``memory.py``).
 """
 
 from __future__ import annotations
@@ -294,21 +294,74 @@ def _grouped_time(node: fx.Node, flops: float, profile: Profile) -> float:
 
 def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptions,
               profile: Profile) -> tuple[dict, dict[int, float]]:
-    """A pipeline's schedule simulated with its slowest rank's microbatch time (compute and the collectives inside
-    its stages), each send costed from the bytes its stage hands on; and the microbatches each rank holds at its
-    peak."""
+    """A pipeline's schedule simulated with each rank's microbatch time (compute and the collectives inside its
+    stages), each send costed from the bytes its stage hands on, the ranks computing at once sharing the cores
+    (``_shared_makespan``); and the microbatches each rank holds at its peak."""
     from autoshard import schedules
 
     p, v, m = mesh.pp, options.chunks, options.microbatches
-    slowest = max(c + k for c, k in stage_times)
     sent = max(sum(spec_bytes(specs[1]) for specs in build.local_specs.values()) for build in builds)
     send = profile.collective_time("send_recv", 2, sent / max(1, len(builds[0].local_specs))) if sent else 0.0
     name = str(options.schedule)
     actions = schedules.schedule(name, p, m, v)
+    slowest = max(c + k for c, k in stage_times)
     sim = schedules.simulate(actions, p, v, forward_cost=slowest / 3, backward_cost=2 * slowest / 3,
-                             send_cost=send, placement=schedules.placement_of(name))
-    busy, crowd = m * slowest, profile.contention(mesh.world_size)
-    crowded = m * max(c * crowd + k for c, k in stage_times)  # compute slowed by the ranks sharing the cores
-    if crowded > sim.makespan:  # ranks sharing cores: every rank's work over the cores bounds the step (a rank
-        return {"compute": crowded, "bubble": 0.0}, sim.peak_in_flight  # idle in the bubble gives its core to
-    return {"compute": busy, "bubble": sim.makespan - busy}, sim.peak_in_flight  # the others)
+                             send_cost=send, placement=schedules.placement_of(name))  # the peaks in flight
+    makespan = _shared_makespan(actions, stage_times, v, send, mesh.world_size // p, profile)
+    busy = m * max(c for c, _ in stage_times)
+    return {"compute": busy, "bubble": max(makespan - busy, 0.0)}, sim.peak_in_flight
+
+
+def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, replicas: int,
+                     profile: Profile) -> float:
+    """The schedule run event by event: each rank's forward a third of its (compute, communication) and its
+    backward two thirds (a zero-bubble schedule's I and W halves of that), its sends ``send``; the compute of the
+    ranks busy at once slowed by their crowding on the cores (each pipeline rank stands for its ``replicas`` of dp,
+    tp and cp), a collective's or a receive's wait leaving the core to the others. A rank's receive waits for its
+    partner's send; ranks run their lists in order."""
+    share = {"F": 1 / 3, "B": 2 / 3, "I": 1 / 3, "W": 1 / 3}
+    position = dict.fromkeys(actions, 0)
+    phases: dict[int, list[list]] = {}  # rank -> its current action's remaining [kind, seconds] phases
+    ended: dict = {}
+    now = 0.0
+
+    def start(rank: int) -> bool:
+        """Begin ``rank``'s next action (a receive whose send has ended passes at once); False when it waits."""
+        while position[rank] < len(actions[rank]):
+            action = actions[rank][position[rank]]
+            if action.is_recv:
+                if action.partner() not in ended:
+                    return False
+                ended[action] = now
+                position[rank] += 1
+                continue
+            if action.is_compute:
+                compute, communication = stage_times[rank]
+                part = share[str(action.kind)] / v
+                phases[rank] = [["cpu", compute * part], ["wait", communication * part]]
+            else:
+                phases[rank] = [["cpu", send]]
+            return True
+        return False
+
+    while True:
+        for rank in actions:
+            if rank not in phases:
+                start(rank)
+        if not phases:
+            if any(position[r] < len(actions[r]) for r in actions):
+                raise RuntimeError("the pipeline schedule deadlocks in simulation")
+            return now
+        computing = [r for r, ph in phases.items() if ph[0][0] == "cpu"]
+        rate = 1.0 / profile.contention(len(computing) * replicas) if computing else 1.0
+        step = min(ph[0][1] / (rate if ph[0][0] == "cpu" else 1.0) for ph in phases.values())
+        now += step
+        for rank in list(phases):
+            phase = phases[rank][0]
+            phase[1] -= step * (rate if phase[0] == "cpu" else 1.0)
+            while phases[rank] and phases[rank][0][1] <= 1e-12:
+                phases[rank].pop(0)
+            if not phases[rank]:
+                del phases[rank]
+                ended[actions[rank][position[rank]]] = now
+                position[rank] += 1
