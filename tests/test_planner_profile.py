@@ -167,7 +167,7 @@ def test_the_activations_a_program_keeps_for_its_backward_are_read_from_its_grap
     assert 0.85 <= saved_bytes(program.gm) / sum(kept.values()) <= 1.2, (saved_bytes(program.gm), sum(kept.values()))
 
 
-def test_a_pipeline_is_simulated_with_each_stage_its_own_time_and_the_busy_ranks_sharing_the_cores():
+def test_a_pipeline_is_simulated_stage_by_stage_on_shared_cores():
     """Ranks with cores of their own: 1F1B over equal stages takes the schedule's own simulation; a cheaper stage
     shortens it. Four ranks on two cores: no shorter than their compute over the cores, and a collective's wait
     leaves the core to the others (so adding waits costs less than their sum)."""
