@@ -325,24 +325,23 @@ def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, repl
     ended: dict = {}
     now = 0.0
 
-    def start(rank: int) -> bool:
-        """Begin ``rank``'s next action (a receive whose send has ended passes at once); False when it waits."""
+    def start(rank: int) -> None:
+        """Begin ``rank``'s next action; a receive whose send has ended passes at once, one whose send has not
+        waits."""
         while position[rank] < len(actions[rank]):
             action = actions[rank][position[rank]]
-            if action.is_recv:
-                if action.partner() not in ended:
-                    return False
-                ended[action] = now
-                position[rank] += 1
-                continue
             if action.is_compute:
                 compute, communication = stage_times[rank]
                 part = share[str(action.kind)] / v
                 phases[rank] = [["cpu", compute * part], ["wait", communication * part]]
-            else:
+                return
+            if action.is_send:
                 phases[rank] = [["cpu", send]]
-            return True
-        return False
+                return
+            if action.partner() not in ended:
+                return
+            ended[action] = now
+            position[rank] += 1
 
     while True:
         for rank in actions:
