@@ -41,6 +41,7 @@ _MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "eins
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "_grouped_mm_fallback"})  # experts' rows
 _ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
                         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+_RING_PIECE_OPS = 6  # a ring piece's merge (scale, add, the weighted piece) and its gradients' three additions
 _COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
                     "all_to_all": "all_to_all", "ring": "send_recv"}
 
@@ -129,12 +130,21 @@ def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) 
     positions = getattr(module, "positions", None)
     if positions is None and getattr(module, "layout", None) is not None and getattr(module, "causal", False):
         positions = module.layout[module.rank]  # a ring's: the global positions of this rank's queries
+    merging = 0.0
+    if callable(getattr(module, "blocks", None)) and getattr(module, "size", 1) > 1:
+        # a ring runs its pieces (each run of its query rows against each of another rank's, causally reached) one
+        # kernel at a time, and merges each into the running output by its log-sum-exp (forward) or adds its
+        # gradients into the running ones (backward): a few ops over the piece's rows each
+        per_row = numel / cost.dim_size(q.shape[-2]) * q.element_size()
+        for src in range(module.size):
+            for rows, _, _ in module.blocks(src):
+                merging += _RING_PIECE_OPS * profile.op_time(per_row * (rows.stop - rows.start))
     if isinstance(positions, torch.Tensor) and positions.numel() == cost.dim_size(q.shape[-2]):
         # causal: the query at position t attends t + 1 keys, 4 b h d of work each
         pairs = float((positions.double() + 1).sum())
-        return profile.attention_time(4.0 * numel / positions.numel() * pairs)
+        return merging + profile.attention_time(4.0 * numel / positions.numel() * pairs)
     keys = cost.dim_size(k.shape[-2]) * (getattr(module, "size", 1) if hasattr(module, "comm_bytes") else 1)
-    return profile.attention_time(4.0 * numel * keys)
+    return merging + profile.attention_time(4.0 * numel * keys)
 
 
 def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tuple[float, float]:
