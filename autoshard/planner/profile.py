@@ -281,7 +281,7 @@ def _sync_fit(group, repeats: int) -> tuple[float, float]:
                     dist.all_reduce(x, group=group)
         return run, rounds
 
-    alone = _timed(lambda: dist.all_reduce(x, group=group), repeats=3 * repeats, sync=False, before=_COMPUTE,
+    alone = _timed(lambda: dist.all_reduce(x, group=group), repeats=3 * repeats, sync=False, before=_compute_between,
                    mean=True)
     points = []
     for k in (4, 16, 64):
@@ -308,7 +308,6 @@ def _compute_between() -> None:
 
 
 _BETWEEN: list[torch.Tensor] = []
-_COMPUTE = _compute_between
 
 
 def _groups_of(world: int) -> dict[int, list]:
@@ -359,7 +358,7 @@ def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int)
     # together (what they wait for one another is the sync fit's). Such a call here takes either its time or a
     # scheduler tick more (0.4 or 4 ms for a 512 KiB all-reduce, as its thread sleeps or not), back to back mostly
     # the first: a program's many collectives cost their mean, over two passes of the sizes
-    points = [(counted, statistics.fmean(_timed(fn, repeats=repeats, sync=False, before=_COMPUTE, mean=True)
+    points = [(counted, statistics.fmean(_timed(fn, repeats=repeats, sync=False, before=_compute_between, mean=True)
                                          for _ in range(2))) for counted, fn in points]
     n = len(points)
     mx = sum(p[0] for p in points) / n
