@@ -128,10 +128,11 @@ def test_a_mesh_the_model_cannot_take_is_predicted_as_refused(gpt):
 
 
 def test_mesh_auto_with_a_profile_takes_the_fastest_prediction(gpt, tmp_path):
-    """Links that are slow for every collective but a pair's send make the pipeline the fastest at 2 ranks;
-    fast links and slow matmuls make the data-parallel split the fastest."""
+    """Links that move bytes slowly for every collective but a pair's send make the pipeline the fastest at 2 ranks
+    (it sums only its loss and its tied weights); fast links and slow matmuls make the data-parallel split the
+    fastest."""
     case, _ = gpt
-    slow = {kind: {"2": (0.5, 1e-6)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    slow = {kind: {"2": (1e-6, 1e-5)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
     path = tmp_path / "slow_links.json"
     _profile(collectives={**slow, "send_recv": {"2": (1e-6, 1e-12)}}).save(path)
     options = CompileOptions(microbatches=2, planner_profile=str(path))
@@ -376,6 +377,86 @@ def test_mesh_auto_searches_ep_for_a_mixture_of_experts():
     assert all(p.mesh.ep == 1 for p in ranking)
 
 
+def test_a_pipeline_step_pays_for_its_sums(gpt):
+    """GPT's tied embedding and head, spread over 2 pp ranks, are gathered and reduce-scattered each step: with
+    those collectives at a second each, the pipeline pays two seconds more; tiny all-reduces (the loss, a flag per
+    weight) cost the profile's ``tiny``, not the fit's latency."""
+    case, compiler = gpt
+    slow = _profile(collectives={**_profile().collectives, "all_gather": {"2": (1.0, 0.0)},
+                                 "reduce_scatter": {"2": (1.0, 0.0)}}, tiny={"2": 1e-3})
+    plain, slowed = (predict(compiler, autoshard.Mesh(pp=2), p, microbatches=2) for p in (_profile(), slow))
+    assert slowed.step - plain.step == pytest.approx(2.0, abs=3e-3)
+    assert slowed.parts["pipeline sums"] == pytest.approx(2.0 + 2 * 1e-3, abs=1e-4)  # and its 15 KiB copied twice
+    assert slow.collective_time("all_reduce", 2, 4) == 1e-3 and slow.collective_time("all_reduce", 2, 4096) > 1e-4
+
+
+class _TiedOddVocab(torch.nn.Module):
+    """An embedding and LM head tied, over 63 rows: 2 pp ranks cannot split them in rows, so each holds the weight
+    whole and their gradients are summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(63, 16)
+        self.blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                            for _ in range(4)))
+
+    def forward(self, tokens):
+        return torch.nn.functional.linear(self.blocks(self.embed(tokens)), self.embed.weight)
+
+
+def _pipeline_step_collectives(name: str) -> dict:
+    """One pp2 step's collectives besides its sends, as ``(kind, group size, bytes)``, against what the planner
+    counts for the rank's build."""
+    import torch.distributed as dist
+
+    from autoshard.planner.predict import pipeline_collectives
+
+    if name == "tied":
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 63, (4, 8))
+        model, inputs, target = _TiedOddVocab(), (tokens,), tokens.roll(-1, 1)
+
+        def loss_fn(logits, target):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    else:
+        case = build(name)
+        model, inputs, target, loss_fn = case.model, case.inputs, case.target, case.loss_fn
+    pm = autoshard.parallelize(model, autoshard.Mesh(pp=2), example_inputs=inputs, loss_fn=loss_fn, target=target,
+                               microbatches=2)
+    pm.step(*inputs, target=target)  # compiled, its groups made
+    seen = []
+    counted = {"all_reduce": lambda a: a[0].nbytes, "all_gather": lambda a: sum(t.nbytes for t in a[0]),
+               "all_gather_into_tensor": lambda a: a[0].nbytes, "reduce_scatter_tensor": lambda a: a[1].nbytes,
+               "reduce_scatter_single": lambda a: a[1].nbytes, "broadcast": lambda a: a[0].nbytes}
+    originals = {fn: getattr(dist, fn) for fn in counted if hasattr(dist, fn)}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            kind = fn.replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
+            seen.append((kind, dist.get_world_size(kwargs.get("group")), float(counted[fn](args))))
+            return originals[fn](*args, **kwargs)
+        return call
+
+    try:
+        for fn in originals:
+            setattr(dist, fn, counting(fn))
+        pm.step(*inputs, target=target)
+    finally:
+        for fn, original in originals.items():
+            setattr(dist, fn, original)
+    return {"seen": sorted(seen), "counted": sorted(pipeline_collectives(pm.builds[0], 2))}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "tied"])
+def test_a_pipeline_step_runs_the_collectives_the_planner_counts(pools, name):
+    """The loss summed over the pp ranks; GPT's tied embedding and head spread over them (gathered, a flag,
+    reduce-scattered); the same tied over 63 rows no rank count divides, held whole (a flag and the gradient's
+    all-reduce): each collective the runtime runs around a pipeline's schedule, of the bytes the planner costs."""
+    for result in pools.get(2).run(_pipeline_step_collectives, name):
+        assert result["seen"] == result["counted"]
+        assert len(result["counted"]) == {"gpt": 4, "llama": 1, "tied": 3}[name]
+
+
 def _auto_from_a_profile(path: str) -> dict:
     from autoshard.verify import compare
 
@@ -389,7 +470,7 @@ def _auto_from_a_profile(path: str) -> dict:
 def test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose(pools, tmp_path):
     """Every rank compiles and costs the same candidates from the same file, so all take the same mesh."""
     path = tmp_path / "p.json"
-    slow = {kind: {"2": (0.5, 1e-6)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    slow = {kind: {"2": (1e-6, 1e-5)} for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
     _profile(collectives={**slow, "send_recv": {"2": (1e-6, 1e-12)}}).save(path)
     results = pools.get(2).run(_auto_from_a_profile, str(path))
     for rank, result in enumerate(results):

@@ -249,9 +249,10 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
     else:
         parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
     if replicas > 1:  # the ranks reach the gradients' collectives from their own backward (where the programs have
-        # collectives of their own, their waits are counted there)
+        # collectives of their own, their waits are counted there); then the step's loss is summed over them
         alone = not parts.get("collectives") and mesh.pp == 1
-        parts["gradient sync"] += profile.sync_time(replicas, 1, parts["compute"] if alone else 0.0)
+        parts["gradient sync"] += (profile.sync_time(replicas, 1, parts["compute"] if alone else 0.0)
+                                   + profile.collective_time("all_reduce", replicas, 4))
     if experts and replicas // mesh.ep > 1:  # the experts' gradients, summed over the ranks holding the same ones
         parts["gradient sync"] += profile.gradient_sync_time(replicas // mesh.ep, experts)
     tensors = max(_parameter_count(build) for build in builds)
@@ -319,7 +320,35 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
                              send_cost=send, placement=schedules.placement_of(name))  # the peaks in flight
     makespan = _shared_makespan(actions, stage_times, v, send, mesh.world_size // p, profile)
     busy = m * max(c for c, _ in stage_times)
-    return {"compute": busy, "bubble": max(makespan - busy, 0.0)}, sim.peak_in_flight
+    sums = _pipeline_sums(builds[0], p, profile)
+    return {"compute": busy, "bubble": max(makespan - busy, 0.0), "pipeline sums": sums}, sim.peak_in_flight
+
+
+def pipeline_collectives(build, p: int) -> list[tuple[str, int, float]]:
+    """``(kind, group size, bytes)`` of each collective a pipeline step runs around its schedule
+    (``runtime.pipeline``, ``runtime.spread``): the loss summed over the pp ranks (the last stage's holds it); the
+    weights spread over the pp ranks all-gathered before the step, a flag per weight, their gradients reduce-scattered
+    after it; the weights held whole on several pp ranks (tied), a flag per weight and an all-reduce of each
+    gradient over its holders."""
+    from autoshard.job_plan import spread_bytes
+
+    out = [("all_reduce", p, 4.0)]
+    if build.spread:
+        out += [("all_gather", p, build.spread_bytes), ("all_reduce", p, 4.0 * len(build.spread)),
+                ("reduce_scatter", p, build.spread_bytes)]
+    by_ranks: dict[frozenset, list[str]] = {}
+    for name, ranks in build.tied.items():
+        by_ranks.setdefault(ranks, []).append(name)
+    for ranks, names in by_ranks.items():
+        nbytes = spread_bytes(build.captured, build.plan, dict.fromkeys(names))
+        out += [("all_reduce", len(ranks), 4.0 * len(names)), *(("all_reduce", len(ranks), nbytes[n]) for n in names)]
+    return out
+
+
+def _pipeline_sums(build, p: int, profile: Profile) -> float:
+    """``pipeline_collectives`` costed, with the copies that pack the spread weights and unpack them."""
+    return (sum(profile.collective_time(kind, size, nbytes) for kind, size, nbytes in pipeline_collectives(build, p))
+            + (2 * profile.op_time(build.spread_bytes) if build.spread else 0.0))
 
 
 def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, replicas: int,

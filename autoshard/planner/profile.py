@@ -14,6 +14,8 @@ the cores), and the collectives with every group communicating at once:
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
   latency and a time per byte, fitted over a few sizes, every group of that size communicating at once, each call
   reached from a few ms of compute as a program reaches it (its buffers out of the caches);
+- ``tiny``: per group size, an all-reduce of one number (a step's loss, a flag per weight), reached the same way:
+  gloo takes another path for it, several times faster than the fit's latency here (1 ms against 4 to 7 at 4 ranks);
 - ``sync``: per group size, what a blocking collective costs beyond its own latency when the ranks reach it from
   their own compute rather than together: each rank's interruptions (the OS, another process on its core) stall
   the others at the next collective. Fitted as a cost per collective and a share of the compute between them, from
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 _DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce per 25 MiB of gradients
+_TINY_BYTES = 64  # an all-reduce of up to this many bytes a call costs the profile's ``tiny``
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Profile:
     memory: float = 0.0  # bytes each rank may use (0: unknown, no limit)
     sync: dict[str, tuple[float, float]] = field(default_factory=dict)  # size -> (s per collective, s per s computed)
     crowding: float = 0.0  # compute with every rank at once over rank 0 alone (0: not measured)
+    tiny: dict[str, float] = field(default_factory=dict)  # size -> seconds of an all-reduce of one number
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -113,6 +117,8 @@ class Profile:
             raise ValueError(f"this profile measured no {kind} (its kinds: {sorted(self.collectives)})")
         known = sorted(int(s) for s in fits)
         nearest = min(known, key=lambda s: (abs(math.log(s / size)), s))
+        if kind == "all_reduce" and nbytes <= _TINY_BYTES * calls and str(nearest) in self.tiny:
+            return calls * self.tiny[str(nearest)]
         latency, per_byte = fits[str(nearest)]
         return calls * latency + nbytes * per_byte * _ring_scale(size, nearest)
 
@@ -394,6 +400,9 @@ def calibrate(*, quick: bool = False) -> Profile:
                 fit = _collective_fit(kind, group, size, sizes, repeats)
                 profile.collectives.setdefault(kind, {})[str(size)] = fit
             profile.sync[str(size)] = _sync_fit(group, repeats)
+            one = torch.zeros(1)
+            profile.tiny[str(size)] = _timed(lambda one=one, group=group: dist.all_reduce(one, group=group),
+                                             repeats=3 * repeats, sync=False, before=_compute_between, mean=True)
         shared = [asdict(profile)]
         dist.broadcast_object_list(shared, src=0)
         profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
