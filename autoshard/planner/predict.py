@@ -246,8 +246,11 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
         parts["gradient sync"] = (profile.collective_time("all_gather", replicas, gathers * (mine - experts),
                                                           calls=gathers)
                                   + profile.collective_time("reduce_scatter", replicas, mine - experts))
+    elif replicas > 1:  # DDP (a pipeline's reducer alike) copies the gradients into flat buckets and the sums back
+        parts["gradient sync"] = (profile.gradient_sync_time(replicas, mine - experts)
+                                  + profile.op_time(mine - experts) * crowd)
     else:
-        parts["gradient sync"] = profile.gradient_sync_time(replicas, mine - experts) if replicas > 1 else 0.0
+        parts["gradient sync"] = 0.0
     if replicas > 1:  # the ranks reach the gradients' collectives from their own backward (where the programs have
         # collectives of their own, their waits are counted there); then the step's loss is summed over them
         alone = not parts.get("collectives") and mesh.pp == 1
