@@ -326,14 +326,18 @@ class _Seq2Seq(nn.Module):
 
 
 def t5_shared(mesh_kwargs: dict, **options) -> dict:
-    """HF T5 with its encoder embedding, decoder embedding and LM head tied: exact on the mesh."""
+    """HF T5 with its encoder embedding, decoder embedding and LM head tied: exact on the mesh.
+
+    SGD at lr 0.02: at verify's 0.1 this tiny T5's second step turns fp32 rounding of tp's split matmuls (1e-7 in the
+    parameters after one step) into 3e-5 on CPUs whose kernels round differently (AVX-512 FP16 / AMX ones here), and
+    5e-5 after three; at 0.02 it stays at 1e-7. A gradient the tp ranks fail to sum differs at the first step."""
     torch.manual_seed(0)
     model = _Seq2Seq()
     ids, target = token_data(torch.Generator().manual_seed(2))
     decoder_ids = torch.roll(ids, 1, dims=1)
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(model, mesh, (ids, decoder_ids), token_loss, target=target, groups=groups_for(mesh),
-                              **options)
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9), **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
 
 
