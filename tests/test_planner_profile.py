@@ -85,6 +85,10 @@ def test_measured_crowding_attention_and_the_optimizers_tensors_are_read_as_meas
     causal run does (half); AdamW pays per parameter tensor as well as per byte."""
     crowded = _profile(world_size=4, cores=2, crowding=1.7)
     assert crowded.contention(4) == 1.7 and crowded.contention(8) == 4.0 and _profile().contention(2) == 1.0
+    # beyond the ranks' share of the cores: ranks taking turns on a core pay it wherever the cores are outnumbered
+    switching = _profile(world_size=4, cores=2, crowding=2.4)
+    assert switching.contention(2) == 1.0 and switching.contention(3) == pytest.approx(1.5 * 1.2)
+    assert switching.contention(8) == pytest.approx(4.0 * 1.2)
     point_flops, point_seconds = _profile().attention[0]
     assert _profile().attention_time(point_flops / 2) == pytest.approx(point_seconds)
     case, compiler = gpt
