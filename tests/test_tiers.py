@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +12,21 @@ import tiers
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _collected(marks: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
-                          marks], cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
-    return {line.strip() for line in out.splitlines() if "::" in line}
+def _tiers(tmp_path) -> dict[str, set[str]]:
+    """Each test of the suite and its tier marks, from one collection (``tier_dump.py``)."""
+    dump = tmp_path / "tiers.txt"
+    env = {**os.environ, "AUTOSHARD_TIER_DUMP": str(dump),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                    "tier_dump"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
+    return {nodeid: set(marks) for nodeid, *marks in (line.split("\t") for line in dump.read_text().splitlines())}
 
 
-def test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis():
-    ci, full = _collected("not full"), _collected("full")
+def test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis(tmp_path):
+    tiers_of = _tiers(tmp_path)
+    ci = {t for t, marks in tiers_of.items() if "full" not in marks}
+    full = set(tiers_of) - ci
+    quick = {t for t, marks in tiers_of.items() if "quick" in marks}
     named = tiers.mutant_tests()  # node ids, or a whole parametrized test, or a whole file
 
     def within(test: str, ids: set[str]) -> bool:
@@ -27,7 +35,8 @@ def test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis(
     assert all(within(test, ci) for test in named), sorted(t for t in named if not within(t, ci))[:5]
     assert not [t for t in full if t in named or t.partition("[")[0] in named]
     assert not set(tiers.FULL_ONLY) & ci
-    assert set(tiers.QUICK_GOLDENS) <= _collected("quick")
+    assert set(tiers.QUICK_GOLDENS) <= quick
+    assert set(tiers.NOT_QUICK) <= ci - quick, sorted(set(tiers.NOT_QUICK) - (ci - quick))
     axes = {golden.split("::")[0] for golden in tiers.QUICK_GOLDENS}
     assert {"tests/test_tensor_parallel.py", "tests/test_data_parallel.py", "tests/test_pipeline.py",
             "tests/test_context_parallel.py", "tests/test_sequence_parallel.py"} <= axes

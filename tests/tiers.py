@@ -10,7 +10,7 @@ tier CI runs. ``FULL_ONLY`` lists the few whole tests moved out by hand, each wi
 its code path.
 
 ``quick`` is the single-process files (rules, planner, schedules, partition, options, CLI) plus ``QUICK_GOLDENS``:
-one golden per axis on 2 ranks.
+one golden per axis on 2 ranks, less ``NOT_QUICK``: the few tests of those files that take seconds of processes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,24 @@ QUICK_GOLDENS = {
     "tests/test_context_parallel.py::test_golden_context_parallel_gather[gpt-2-balanced]",
     "tests/test_sequence_parallel.py::test_golden_sequence_parallel[gpt-2]",
     "tests/test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[pp2]",
+}
+# tests of the quick files that run in the CI tier only (each takes seconds of processes or a whole collection)
+# -> what quick runs of the same code
+NOT_QUICK = {
+    "tests/test_tiers.py::test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis":
+        "test_every_mutants_original_text_is_in_its_file_once (a collection of the whole suite takes seconds)",
+    "tests/test_planner_profile.py::test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose":
+        "test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose (the same choice read from a profile)",
+    "tests/test_planner_profile.py::test_calibrate_writes_a_profile_of_this_machine":
+        "the profile's fits and readings, tested on written profiles",
+    "tests/test_planner_profile.py::test_mesh_auto_under_a_memory_limit_takes_the_fastest_that_fits":
+        "test_mesh_auto_under_a_memory_limit_trains_exactly_on_what_fits",
+    "tests/test_planner_profile.py::test_mesh_auto_searches_ep_for_a_mixture_of_experts":
+        "test_mesh_auto_with_a_profile_takes_the_fastest_prediction (the same search over the other axes)",
+    "tests/test_planner_profile.py::test_mesh_auto_with_this_machines_profile_takes_the_measured_best":
+        "test_mesh_auto_with_a_profile_takes_the_fastest_prediction",
+    "tests/test_partition.py::test_the_default_balance_keeps_each_stage_within_its_parameter_share_where_a_cut_allows"
+    "[kimi_linear]": "the same test's roc_bert cell",
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {
@@ -64,9 +82,10 @@ FULL_ONLY = {
     "tests/test_training_loop.py::test_t5_with_its_embeddings_and_head_tied_is_exact[dp2xtp2xpp2]":
         "the same test at tp2xpp2 (the cross-attention's input gradient summed over tp before it is sent back), "
         "and the dp2 x tp2 x pp2 goldens of test_composition.py",
-    **{f"tests/test_resume.py::test_resuming_under_the_same_mesh_is_bit_identical[tp2xpp2-{name}]":
-       "the tp2xpp2-adamw cell (the same save and load; every optimizer's state tensors are moved alike)"
-       for name in ("rmsprop", "adagrad")},
+    **{f"tests/test_resume.py::test_resuming_under_the_same_mesh_is_bit_identical[{mesh}-{name}]":
+       f"the {mesh}-adamw cell (the same save and load; every optimizer's state tensors are moved alike), and "
+       f"test_other_optimizers_resume_under_another_mesh[{name}]"
+       for mesh in ("tp2xpp2", "fsdp-dp2xtp2") for name in ("rmsprop", "adagrad")},
     "tests/test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[titan-tp8-kv2]":
         "titan's tp=4 cells at one and two ranks per kv head, and the 8-rank all-to-all cp cell of sdpa_gqa",
     "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[fused]":
@@ -163,7 +182,7 @@ def assign(items: list) -> None:
     seen: dict[object, set] = {}
     for item in items:
         nodeid = item.nodeid
-        if item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS:
+        if (item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS) and nodeid not in NOT_QUICK:
             item.add_marker(pytest.mark.quick)
         if nodeid in keep or nodeid.partition("[")[0] in keep or nodeid in QUICK_GOLDENS:  # a test named whole
             _covers(item, seen.setdefault(item.function, set()))  # counts as covering what it runs
