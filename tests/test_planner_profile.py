@@ -81,8 +81,9 @@ def test_the_ranks_waiting_on_each_other_cost_each_collective_and_a_share_of_the
 
 def test_measured_crowding_attention_and_the_optimizers_tensors_are_read_as_measured(gpt):
     """Compute is calibrated alone and slowed by the crowding measured at the profile's world size (other sizes:
-    the ranks' threads over the cores); causal attention points, recorded at 4 b h s^2 d, are read at the work a
-    causal run does (half); AdamW pays per parameter tensor as well as per byte."""
+    the ranks' threads over the cores, times what the world measured beyond its share where the cores are
+    outnumbered); causal attention points, recorded at 4 b h s^2 d, are read at the work a causal run does (half);
+    AdamW pays per parameter tensor as well as per byte."""
     crowded = _profile(world_size=4, cores=2, crowding=1.7)
     assert crowded.contention(4) == 1.7 and crowded.contention(8) == 4.0 and _profile().contention(2) == 1.0
     # beyond the ranks' share of the cores: ranks taking turns on a core pay it wherever the cores are outnumbered
