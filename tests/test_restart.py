@@ -1,8 +1,9 @@
 """``torchrun --max-restarts``: a run whose rank is killed (SIGKILL) mid-step restarts and resumes by itself.
 
 ``restart_worker.py`` is a user's loop: ``pm.resume(root)`` before it, ``save_checkpoint(root, keep=2)`` every 2
-steps. Killed 5 times at random steps (a rank dies before the step while its peer waits on it inside the step),
-it finishes with the loss curve of the run that was never killed, bit for bit.
+steps. Killed at random steps (a rank dies before the step while its peer waits on it inside the step), twice (a
+restarted run killed again) or 5 times (the full tier), it finishes with the loss curve of the run that was never
+killed, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 WORKER = Path(__file__).with_name("restart_worker.py")
 STEPS = 10
@@ -29,10 +32,11 @@ def _torchrun(run: Path, *kills: int, restarts: int = 0) -> list[float]:
     return json.loads((run / "losses.json").read_text())
 
 
-def test_a_run_killed_five_times_resumes_by_itself_with_the_same_losses(tmp_path):
-    kills = sorted(random.Random(len(str(tmp_path))).sample(range(1, STEPS), 5))
+@pytest.mark.parametrize("times", [2, 5])
+def test_a_run_killed_again_and_again_resumes_by_itself_with_the_same_losses(tmp_path, times):
+    kills = sorted(random.Random(len(str(tmp_path))).sample(range(1, STEPS), times))
     straight = _torchrun(tmp_path / "straight")
-    killed = _torchrun(tmp_path / "killed", *kills, restarts=5)
+    killed = _torchrun(tmp_path / "killed", *kills, restarts=times)
     assert all((tmp_path / "killed" / f"killed-{step}").exists() for step in kills), "a kill did not happen"
     assert killed == straight, f"killed at steps {kills}: the loss curve differs"
     assert sorted(os.listdir(tmp_path / "killed" / "ckpt")) == [f"step-{STEPS - 2:08d}", f"step-{STEPS:08d}"]

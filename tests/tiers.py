@@ -101,7 +101,9 @@ FULL_ONLY = {
     "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
         "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
     "tests/test_elastic.py::test_a_run_that_loses_a_node_goes_on_at_the_smaller_world_size":
-        "test_restart.py's five kills under torchrun --max-restarts, and test_resume.py's moves between meshes",
+        "test_restart.py's kills under torchrun --max-restarts, and test_resume.py's moves between meshes",
+    "tests/test_restart.py::test_a_run_killed_again_and_again_resumes_by_itself_with_the_same_losses[5]":
+        "the same test killing the run twice (a restarted run killed again resumes from its own checkpoint)",
     "tests/test_expert_parallel.py::test_compiled_programs_over_experts_split_by_ep":
         "the compiled goldens of test_compile.py (the same compiler) and the eager ep goldens (the same programs)",
     **{f"tests/test_expert_parallel.py::test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process[{name}-{mesh}]":
