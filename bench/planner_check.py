@@ -13,8 +13,9 @@ mixture of experts from transformers, built from configs, nothing downloaded):
   mixture;
 - every rank trains each candidate in turn (``zero_grad``, ``step``, AdamW, between barriers; 2 steps of warm-up,
   then 5 timed), and rank 0 keeps the median step, the faster of two passes over the candidates (the second in
-  reverse order); one more step under saved-tensor hooks measures the bytes
-  autograd holds for the backward at their peak (each storage once, parameters excluded; the largest rank's).
+  reverse order; the slower pass over the faster is reported too: how far one program's measurement moves within
+  a run); one more step under saved-tensor hooks measures the bytes autograd holds for the backward at their peak
+  (each storage once, parameters excluded; the largest rank's).
 
 Reported into ``bench/results_planner_<W>.md``: predicted and measured milliseconds, the error, the rank of each
 candidate by prediction and by measurement, whether the predicted best is the measured best (or within 3% of
@@ -99,21 +100,24 @@ def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
     return out
 
 
-def measure(model, tokens, target, choices, warmup: int, steps: int, passes: int) -> list[tuple[float, int]]:
+def measure(model, tokens, target, choices, warmup: int, steps: int,
+            passes: int) -> list[tuple[float, float, int]]:
     """Each candidate alone, one after another (a runner built, warmed up, timed and dropped: 30 candidates'
     models and optimizer states held at once would measure the memory more than the mesh), in ``passes`` passes
     over the candidates, every other one in reverse order (a slow spell of this shared machine then lands on
-    different candidates): the fastest pass's median of rank 0's steps, and the saved-for-backward peak of the
-    rank that holds most."""
-    found: list[list] = [[math.inf, 0] for _ in choices]
+    different candidates): the fastest pass's median of rank 0's steps, the slowest pass's over it (how far this
+    machine's measurement of the same program moves within one run), and the saved-for-backward peak of the rank
+    that holds most."""
+    found: list[list] = [[math.inf, 0.0, 0] for _ in choices]
     for done in range(passes):
         order = list(range(len(choices)))
         for index in reversed(order) if done % 2 else order:
             mesh, opts = choices[index]
             median, peak = _one(model, tokens, target, mesh, opts, warmup, steps, saved=done == 0)
             found[index][0] = min(found[index][0], median)
-            found[index][1] = max(found[index][1], peak)
-    return [(median, peak) for median, peak in found]
+            found[index][1] = max(found[index][1], median)
+            found[index][2] = max(found[index][2], peak)
+    return [(fastest, slowest / fastest, peak) for fastest, slowest, peak in found]
 
 
 _GROUPS: dict = {}
@@ -182,8 +186,8 @@ def main() -> None:
         predictions = shared[0]
         runnable = [(c, p) for c, p in zip(choices, predictions, strict=True) if p.error is None]
         measured = measure(model, tokens, target, [c for c, _ in runnable], args.warmup, args.steps, args.passes)
-        rows[name] = [(p, m, saved) for (_, p), (m, saved) in zip(runnable, measured, strict=True)]
-        rows[name] += [(p, None, None) for p in predictions if p.error is not None]
+        rows[name] = [(p, m, spread, saved) for (_, p), (m, spread, saved) in zip(runnable, measured, strict=True)]
+        rows[name] += [(p, None, None, None) for p in predictions if p.error is not None]
     if rank == 0:
         write(rows, profile, world, time.perf_counter() - started, args)
     dist.barrier()
@@ -200,8 +204,9 @@ def write(rows: dict, profile, world: int, seconds: float, args) -> None:
              ""]
     summary = {}
     for name, found in rows.items():
-        saved = {id(p): s for p, _, s in found}
-        found = [(p, m) for p, m, _ in found]
+        saved = {id(p): s for p, _, _, s in found}
+        spread = {id(p): s for p, _, s, _ in found}
+        found = [(p, m) for p, m, _, _ in found]
         timed = [(p, m) for p, m in found if m is not None]
         by_prediction = sorted(timed, key=lambda pm: pm[0].step)
         by_measure = sorted(timed, key=lambda pm: pm[1])
@@ -210,23 +215,30 @@ def write(rows: dict, profile, world: int, seconds: float, args) -> None:
         errors = [abs(p.step - m) / m for p, m in timed]
         memory = [p.memory.activations / saved[id(p)] for p, _ in timed if saved[id(p)]]
         hit = chosen[1] <= 1.03 * best
+        within = sum(e <= 0.15 for e in errors)
+        spreads = sorted(spread[id(p)] for p, _ in timed)
         tuned = min(by_prediction[:AUTOTUNE], key=lambda pm: pm[1])  # what autotune=3 takes: of the 3 fastest
-        summary[name] = {"worst_error": max(errors), "chosen": chosen[0].label(), "best": by_measure[0][0].label(),
+        summary[name] = {"worst_error": max(errors), "within_15": within, "candidates": len(timed),
+                         "pass_spread_median": statistics.median(spreads), "pass_spread_max": spreads[-1],
+                         "chosen": chosen[0].label(), "best": by_measure[0][0].label(),
                          "chosen_over_best": chosen[1] / best, "hit": hit, "autotuned": tuned[0].label(),
                          "autotuned_over_best": tuned[1] / best,
                          "activations_predicted_over_measured": [min(memory), max(memory)]}
-        lines += [f"## {name}", "", "| mesh | predicted ms | measured ms | error | rank predicted | rank measured | "
-                  "activations predicted MiB | measured MiB |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"## {name}", "", "| mesh | predicted ms | measured ms | error | slower pass | rank predicted | "
+                  "rank measured | activations predicted MiB | measured MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for p, m in by_measure:
             lines.append(f"| {p.label()} | {p.step * 1e3:.1f} | {m * 1e3:.1f} | {(p.step - m) / m:+.0%} | "
-                         f"{by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} | "
+                         f"{spread[id(p)]:.2f}x | {by_prediction.index((p, m)) + 1} | {by_measure.index((p, m)) + 1} | "
                          f"{p.memory.activations / 2**20:.2f} | {saved[id(p)] / 2**20:.2f} |")
         for p, _ in found:
             if p.error is not None:
-                lines.append(f"| {p.label()} | refused: {p.error} | | | | |")
+                lines.append(f"| {p.label()} | refused: {p.error} | | | | | | | |")
         lines += ["", f"Predicted best {chosen[0].label()} measured {chosen[1] / best:.2f}x the measured best "
-                      f"({by_measure[0][0].label()}); worst error {max(errors):.0%}. With autotune={AUTOTUNE} (the "
+                      f"({by_measure[0][0].label()}); {within} of {len(timed)} predictions within 15%, worst error "
+                      f"{max(errors):.0%}. The slower pass over the faster (the same program measured twice): median "
+                      f"{statistics.median(spreads):.2f}x, {sum(x > 1.15 for x in spreads)} over 1.15x, at most "
+                      f"{spreads[-1]:.2f}x. With autotune={AUTOTUNE} (the "
                       f"{AUTOTUNE} fastest predicted measured, the fastest of them taken): {tuned[0].label()}, "
                       f"{tuned[1] / best:.2f}x the measured best. Activations predicted {min(memory):.2f}x to "
                       f"{max(memory):.2f}x the measured.", ""]
