@@ -175,8 +175,9 @@ def test_the_activations_a_program_keeps_for_its_backward_are_read_from_its_grap
 
 def test_a_pipeline_is_simulated_stage_by_stage_on_shared_cores():
     """Ranks with cores of their own: 1F1B over equal stages takes the schedule's own simulation; a cheaper stage
-    shortens it. Four ranks on two cores: no shorter than their compute over the cores, and a collective's wait
-    leaves the core to the others (so adding waits costs less than their sum)."""
+    shortens it. Four ranks on two cores: no shorter than their compute over the cores, a collective's wait leaves
+    the core to the others (so adding waits costs less than their sum), and a collective with fewer ranks busy
+    ends sooner than the profile's, timed with all of them."""
     from autoshard import schedules
     from autoshard.planner.predict import _shared_makespan
 
@@ -191,6 +192,11 @@ def test_a_pipeline_is_simulated_stage_by_stage_on_shared_cores():
     assert shared >= 4 * 8 * 0.03 / 2 - 1e-9 and shared > expected
     waiting = _shared_makespan(actions, [(0.03, 0.03)] * 4, 1, 0.0, 1, crowded)
     assert shared < waiting < shared + 8 * 0.03
+    # the profile times collectives with the whole world communicating: while the pipeline fills and drains,
+    # fewer ranks are busy and their collectives end sooner (tp2 x pp2's steps here were predicted 18% to 57% high)
+    only_waits = [(0.0, 0.03)] * 4
+    assert _shared_makespan(actions, only_waits, 1, 0.0, 1, crowded) < _shared_makespan(
+        actions, only_waits, 1, 0.0, 1, alone) == pytest.approx(expected)
 
 
 def test_a_ring_pays_for_merging_each_of_its_pieces(gpt):

@@ -359,13 +359,16 @@ def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, repl
     """The schedule run event by event: each rank's forward a third of its (compute, communication) and its
     backward two thirds (a zero-bubble schedule's I and W halves of that), its sends ``send``; the compute of the
     ranks busy at once slowed by their crowding on the cores (each pipeline rank stands for its ``replicas`` of dp,
-    tp and cp), a collective's or a receive's wait leaving the core to the others. A rank's receive waits for its
-    partner's send; ranks run their lists in order."""
+    tp and cp), a collective's or a receive's wait leaving the core to the others. The profile times collectives
+    with every rank of the world communicating at once: where fewer ranks are busy (a pipeline filling or
+    draining, the others asleep in a receive) they end as much sooner as those ranks are less crowded. A rank's
+    receive waits for its partner's send; ranks run their lists in order."""
     share = {"F": 1 / 3, "B": 2 / 3, "I": 1 / 3, "W": 1 / 3}
     position = dict.fromkeys(actions, 0)
     phases: dict[int, list[list]] = {}  # rank -> its current action's remaining [kind, seconds] phases
     ended: dict = {}
     now = 0.0
+    crowded = profile.contention(len(actions) * replicas)  # what the profile's collectives were timed under
 
     def start(rank: int) -> None:
         """Begin ``rank``'s next action; a receive whose send has ended passes at once, one whose send has not
@@ -395,11 +398,12 @@ def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, repl
             return now
         computing = [r for r, ph in phases.items() if ph[0][0] == "cpu"]
         rate = 1.0 / profile.contention(len(computing) * replicas) if computing else 1.0
-        step = min(ph[0][1] / (rate if ph[0][0] == "cpu" else 1.0) for ph in phases.values())
+        waiting = crowded / profile.contention(len(phases) * replicas)
+        step = min(ph[0][1] / (rate if ph[0][0] == "cpu" else waiting) for ph in phases.values())
         now += step
         for rank in list(phases):
             phase = phases[rank][0]
-            phase[1] -= step * (rate if phase[0] == "cpu" else 1.0)
+            phase[1] -= step * (rate if phase[0] == "cpu" else waiting)
             while phases[rank] and phases[rank][0][1] <= 1e-12:
                 phases[rank].pop(0)
             if not phases[rank]:
