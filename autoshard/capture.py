@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from autoshard import meta
 from autoshard.passes.causal_mask import causal_attention_pass
@@ -56,6 +57,8 @@ class Captured:
     # a training capture: the same capture at ``factor`` times the batch (sizes the capture bakes in at the batch are
     # told apart from the model's own by comparing the two; ``passes.batch_statistics``)
     recapture: Callable[[int], Captured] | None = field(default=None, compare=False, repr=False)
+    # a training capture taken with ``outputs=True``: the inference graph at the same shapes, split off the same export
+    inference: Captured | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple:
@@ -80,6 +83,20 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.model(*inputs), target)
 
 
+class _WithLossAndOutputs(_WithLoss):
+    """``forward(*inputs, target) -> (loss, outputs)``: one export holding both the training and the inference graph.
+
+    The outputs are returned as copies taken before the loss runs, so a loss that writes into them in place cannot
+    change what the inference graph returns; the inference graph reads the values themselves (``_split``).
+    """
+
+    def forward(self, *args):
+        *inputs, target = args
+        outputs = self.model(*inputs)
+        kept = pytree.tree_map_only(torch.Tensor, torch.ops.aten.alias_copy.default, outputs)
+        return self.loss_fn(outputs, target), kept
+
+
 class _Plain(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -96,6 +113,7 @@ def capture(
     loss_fn: Callable | None = None,
     example_target: torch.Tensor | None = None,
     training: bool = True,
+    outputs: bool = False,
 ) -> Captured:
     """Capture ``model`` (and ``loss_fn`` when given) at the shapes of the example inputs.
 
@@ -103,33 +121,115 @@ def capture(
     train/eval mode is set to ``training`` during the capture and restored afterwards; a HuggingFace
     model's key-value cache is turned off during the capture (training needs none, and export
     rejects the cache object it returns).
+
+    With ``loss_fn`` and ``outputs=True``, one export also yields the inference graph at the same shapes
+    (``Captured.inference``): a model trained and then evaluated at one batch shape is traced once, not twice.
+    Where the model's outputs cannot be returned from the export, the training graph is captured alone.
     """
     if not isinstance(example_inputs, tuple):
         raise TypeError(f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs)}")
     if loss_fn is not None and example_target is None:
         raise ValueError("a loss_fn needs an example target: pass target=... with the example inputs")
-    wrapper = _WithLoss(model, loss_fn) if loss_fn is not None else _Plain(model)
     args = (*example_inputs, example_target) if loss_fn is not None else example_inputs
     start = time.perf_counter()
+    exported = None
+    if loss_fn is not None and outputs:
+        with contextlib.suppress(Exception):  # the training graph alone is still tried, and its failure explained
+            exported = _export(model, _WithLossAndOutputs(model, loss_fn), args, training)
+    if exported is None:
+        exported = _export(model, _WithLoss(model, loss_fn) if loss_fn is not None else _Plain(model), args, training)
+        return _finish(exported.module(), model, args, training, start, with_loss=loss_fn is not None)
+    gm, inference = exported.module(), exported.module()  # two graphs sharing the model's tensors
+    split = time.perf_counter()
+    found = _split(gm, inference, n_target=len(pytree.tree_leaves(example_target)))
+    captured = _finish(gm, model, args, training, start, with_loss=True)
+    if found:
+        captured.inference = _finish(inference, model, example_inputs, training, split, with_loss=False)
+    return captured
+
+
+def _export(model: nn.Module, wrapper: nn.Module, args: tuple, training: bool):
     with _no_kv_cache(model), _mode(model, training):
         try:
-            exported = torch.export.export(wrapper, args, strict=False)
+            return torch.export.export(wrapper, args, strict=False)
         except Exception as e:  # noqa: BLE001 - every export failure is re-raised with the model's line
             raise CaptureError(_explain_failure(model, e)) from e
-    gm = exported.module()
+
+
+def _finish(gm: fx.GraphModule, model: nn.Module, args: tuple, training: bool, start: float, *,
+            with_loss: bool) -> Captured:
     _canonical_parameter_names(gm)
     _inline_no_grad(gm)
     causal_attention_pass(gm)
     grouped_experts_pass(gm)
-    seconds = time.perf_counter() - start
-    return Captured(
-        gm=gm,
-        with_loss=loss_fn is not None,
-        input_shapes=shapes_of(args),
-        names=_original_names(gm, model),
-        seconds=seconds,
-        training=training,
-    )
+    return Captured(gm=gm, with_loss=with_loss, input_shapes=shapes_of(args), names=_original_names(gm, model),
+                    seconds=time.perf_counter() - start, training=training)
+
+
+def _split(training: fx.GraphModule, inference: fx.GraphModule, *, n_target: int) -> bool:
+    """Two graphs of one ``_WithLossAndOutputs`` export: ``training`` returns the loss alone, ``inference`` the
+    model's outputs without the target. False (and ``inference`` unusable) where the outputs cannot be cut off.
+
+    The trace records the model, then the outputs' copies, then the loss: the inference graph is every node before
+    the last copy (nothing of the loss, whatever it writes in place), returning the values the copies read. Each
+    graph loses what only the other one's part read, and nothing else: it is the graph its own export would give.
+    """
+    info = training.graph._codegen.pytree_info
+    loss_spec, out_spec = info.out_spec.children_specs
+    out = _output(training)
+    flat = list(out.args[0])
+    out.args = (tuple(flat[:loss_spec.num_leaves]),)
+    _erase(training.graph, [v for v in flat[loss_spec.num_leaves:] if isinstance(v, fx.Node)])
+    _set_specs(training, info.orig_args, info.in_spec, loss_spec)
+
+    graph, out = inference.graph, _output(inference)
+    flat = list(out.args[0])[loss_spec.num_leaves:]
+    copies = [v for v in flat if isinstance(v, fx.Node)]
+    if not copies or any(c.target is not torch.ops.aten.alias_copy.default for c in copies):
+        return False
+    nodes = list(graph.nodes)
+    last = max(nodes.index(c) for c in copies)
+    out.args = (tuple(v.args[0] if isinstance(v, fx.Node) else v for v in flat),)
+    _erase(graph, [*reversed(nodes[last + 1:-1]), *copies])  # the loss, then the copies
+    guards = [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    _erase(graph, guards)  # its checks name the target too; the pre-hook's check of the inputs' structure stays
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    targets = places[len(places) - n_target:]
+    if any(t.users for t in targets):
+        return False
+    for t in targets:
+        graph.erase_node(t)
+    args_spec, kwargs_spec = info.in_spec.children_specs
+    in_spec = pytree.TreeSpec(tuple, None, [pytree.TreeSpec(tuple, None, args_spec.children_specs[:-1]), kwargs_spec])
+    _set_specs(inference, info.orig_args[:-1], in_spec, out_spec)
+    return True
+
+
+def _output(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` (in an order where each has no users left when reached), then every op that only they read,
+    transitively; never an op that writes."""
+    gone = set()
+    work = list(nodes)
+    while work:
+        node = work.pop(0)
+        if node in gone or node.users:
+            continue
+        if node not in nodes and (node.op not in ("call_function", "get_attr") or node.is_impure()):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        gone.add(node)
+        work.extend(inputs)
+
+
+def _set_specs(gm: fx.GraphModule, orig_args: list, in_spec, out_spec) -> None:
+    gm.graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(orig_args, in_spec, out_spec))
+    gm.graph.lint()
+    gm.recompile()
 
 
 def shapes_of(values) -> tuple:

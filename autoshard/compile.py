@@ -191,9 +191,10 @@ class RankBuild:
 
 
 def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, loss_fn, *,
-                         training: bool = True) -> Captured:
-    """The training capture (model and loss in one graph), its loss rewritten to a sum when it is a token mean."""
-    captured = capture(model, inputs, loss_fn=loss_fn, example_target=target, training=training)
+                         training: bool = True, outputs: bool = False) -> Captured:
+    """The training capture (model and loss in one graph), its loss rewritten to a sum when it is a token mean; with
+    ``outputs``, the inference graph at the same shapes too (``Captured.inference``, from the same export)."""
+    captured = capture(model, inputs, loss_fn=loss_fn, example_target=target, training=training, outputs=outputs)
     _check_loss_trains(captured, model)
 
     def recapture(factor: int) -> Captured:

@@ -172,3 +172,50 @@ def test_hf_llama_attention_takes_no_mask_once_captured():
     captured = autoshard.capture(case.model, case.inputs)
     attention = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     assert attention and all(n.kwargs.get("is_causal") and len(n.args) == 3 for n in attention)
+
+
+def _ops(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "moe", "bert"])
+def test_one_export_gives_the_training_and_the_inference_graph_each_as_its_own_export_would(name):
+    case = build(name)
+    both = autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target, outputs=True)
+    alone = autoshard.capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    plain = autoshard.capture(case.model, case.inputs)
+    assert both.inference is not None and not both.inference.with_loss
+    assert _ops(both.gm) == _ops(alone.gm) and _ops(both.inference.gm) == _ops(plain.gm)
+    assert both.inference.gm._out_spec == plain.gm._out_spec
+    assert both.inference.input_shapes == plain.input_shapes
+    torch.testing.assert_close(both.gm(*case.inputs, case.target), alone.gm(*case.inputs, case.target), rtol=0, atol=0)
+    got, expected = both.inference.gm(*case.inputs), plain.gm(*case.inputs)  # no key-value cache in either
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_loss_that_writes_into_the_outputs_leaves_the_inference_graphs_outputs_as_the_model_returns_them():
+    def loss_fn(out, target):
+        out.mul_(3)  # in place, into what the model returned
+        return (out - target).pow(2).mean()
+
+    model, x, t = nn.Linear(4, 4), torch.randn(2, 4), torch.randn(2, 4)
+    both = autoshard.capture(model, (x,), loss_fn=loss_fn, example_target=t, outputs=True)
+    with torch.no_grad():
+        torch.testing.assert_close(both.inference.gm(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(both.gm(x, t), loss_fn(model(x), t), rtol=0, atol=0)
+
+
+def test_training_then_inference_at_the_same_shapes_traces_the_model_once(monkeypatch):
+    exports = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+    case = build("hf_gpt2")
+    pm = autoshard.parallelize(case.model, autoshard.Mesh(), example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target)
+    pm.step(*case.inputs, target=case.target)
+    with torch.no_grad():
+        pm(*case.inputs)
+    assert len(exports) == 1
+    pm(case.inputs[0][:2])  # another batch shape: traced for inference alone
+    assert len(exports) == 2

@@ -61,6 +61,7 @@ class ParallelModel(nn.Module):
         self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._builds: dict[tuple, RankBuild] = {}  # by (input shapes, mode, with loss)
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
+        self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
         self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
         self.pipeline = Pipeline(mesh, groups, options) if mesh.pp > 1 else None
@@ -250,7 +251,11 @@ class ParallelModel(nn.Module):
     def _training_build(self, mb_inputs: tuple, mb_target: torch.Tensor) -> RankBuild:
         key = (shapes_of((*mb_inputs, mb_target)), self.training, True)
         if key not in self._builds:
-            captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn, training=self.training)
+            captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn, training=self.training,
+                                            outputs=True)
+            if captured.inference is not None:  # for inference at these shapes: no second trace of the model
+                self._traced[(shapes_of(mb_inputs), self.training)] = captured.inference
+                captured.inference = None
             build = self._compile(key, captured)
             if self.pipeline is not None:
                 self._runners[captured.key] = self.pipeline.runners(build)
@@ -260,7 +265,8 @@ class ParallelModel(nn.Module):
         """The build of the inference capture at these inputs' shapes (compiled at the first call)."""
         key = (shapes_of(inputs), self.training, False)
         if key not in self._builds:
-            self._compile(key, capture(self.model, inputs, training=self.training))
+            captured = self._traced.pop(key[:2], None) or capture(self.model, inputs, training=self.training)
+            self._compile(key, captured)
         return self._builds[key]
 
     def _compile(self, key: tuple, captured) -> RankBuild:
