@@ -175,7 +175,7 @@ def _split(training: fx.GraphModule, inference: fx.GraphModule, *, n_target: int
     graph loses what only the other one's part read, and nothing else: it is the graph its own export would give.
     """
     info = training.graph._codegen.pytree_info
-    loss_spec, out_spec = info.out_spec.children_specs
+    loss_spec, out_spec = _children(info.out_spec)
     out = _output(training)
     flat = list(out.args[0])
     out.args = (tuple(flat[:loss_spec.num_leaves]),)
@@ -199,10 +199,15 @@ def _split(training: fx.GraphModule, inference: fx.GraphModule, *, n_target: int
         return False
     for t in targets:
         graph.erase_node(t)
-    args_spec, kwargs_spec = info.in_spec.children_specs
-    in_spec = pytree.TreeSpec(tuple, None, [pytree.TreeSpec(tuple, None, args_spec.children_specs[:-1]), kwargs_spec])
+    args_spec, kwargs_spec = _children(info.in_spec)
+    in_spec = pytree.TreeSpec(tuple, None, [pytree.TreeSpec(tuple, None, _children(args_spec)[:-1]), kwargs_spec])
     _set_specs(inference, info.orig_args[:-1], in_spec, out_spec)
     return True
+
+
+def _children(spec) -> list:
+    children = getattr(spec, "children", None)  # a method in newer torch, an attribute alone in older
+    return list(children()) if callable(children) else list(spec.children_specs)
 
 
 def _output(gm: fx.GraphModule) -> fx.Node:
