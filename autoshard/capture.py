@@ -139,12 +139,13 @@ def capture(
     if exported is None:
         exported = _export(model, _WithLoss(model, loss_fn) if loss_fn is not None else _Plain(model), args, training)
         return _finish(exported.module(), model, args, training, start, with_loss=loss_fn is not None)
-    gm, inference = exported.module(), exported.module()  # two graphs sharing the model's tensors
+    captured = _finish(exported.module(), model, args, training, start, with_loss=True)
     split = time.perf_counter()
-    found = _split(gm, inference, n_target=len(pytree.tree_leaves(example_target)))
-    captured = _finish(gm, model, args, training, start, with_loss=True)
-    if found:
-        captured.inference = _finish(inference, model, example_inputs, training, split, with_loss=False)
+    inference = _split(captured.gm, n_target=len(pytree.tree_leaves(example_target)))
+    if inference is not None:
+        captured.inference = Captured(gm=inference, with_loss=False, input_shapes=shapes_of(example_inputs),
+                                      names=_original_names(inference, model), seconds=time.perf_counter() - split,
+                                      training=training)
     return captured
 
 
@@ -158,51 +159,68 @@ def _export(model: nn.Module, wrapper: nn.Module, args: tuple, training: bool):
 
 def _finish(gm: fx.GraphModule, model: nn.Module, args: tuple, training: bool, start: float, *,
             with_loss: bool) -> Captured:
-    _canonical_parameter_names(gm)
-    _inline_no_grad(gm)
-    causal_attention_pass(gm)
-    grouped_experts_pass(gm)
+    """The exported graph as the passes take it: one name per parameter, no-grad regions inlined, masks read."""
+    with _one_recompile(gm):
+        _canonical_parameter_names(gm)
+        _inline_no_grad(gm)
+        causal_attention_pass(gm)
+        grouped_experts_pass(gm)
     return Captured(gm=gm, with_loss=with_loss, input_shapes=shapes_of(args), names=_original_names(gm, model),
                     seconds=time.perf_counter() - start, training=training)
 
 
-def _split(training: fx.GraphModule, inference: fx.GraphModule, *, n_target: int) -> bool:
-    """Two graphs of one ``_WithLossAndOutputs`` export: ``training`` returns the loss alone, ``inference`` the
-    model's outputs without the target. False (and ``inference`` unusable) where the outputs cannot be cut off.
+@contextlib.contextmanager
+def _one_recompile(gm: fx.GraphModule) -> Iterator[None]:
+    """The passes inside edit the graph and each would regenerate its code: it is generated once, at the end."""
+    gm.recompile = lambda: None  # an attribute of this instance, over the class's method
+    try:
+        yield
+    finally:
+        del gm.recompile
+        gm.recompile()
+
+
+def _split(gm: fx.GraphModule, *, n_target: int) -> fx.GraphModule | None:
+    """Cut a ``_WithLossAndOutputs`` capture in two: ``gm`` keeps the loss alone (the training graph), and the
+    inference graph returned, a copy sharing the model's tensors, the model's outputs without the target. None where
+    the outputs cannot be cut off.
 
     The trace records the model, then the outputs' copies, then the loss: the inference graph is every node before
     the last copy (nothing of the loss, whatever it writes in place), returning the values the copies read. Each
     graph loses what only the other one's part read, and nothing else: it is the graph its own export would give.
     """
-    info = training.graph._codegen.pytree_info
+    info = gm.graph._codegen.pytree_info
     loss_spec, out_spec = _children(info.out_spec)
-    out = _output(training)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+
+    out = _output(gm.graph)
     flat = list(out.args[0])
     out.args = (tuple(flat[:loss_spec.num_leaves]),)
-    _erase(training.graph, [v for v in flat[loss_spec.num_leaves:] if isinstance(v, fx.Node)])
-    _set_specs(training, info.orig_args, info.in_spec, loss_spec)
+    _erase(gm.graph, [v for v in flat[loss_spec.num_leaves:] if isinstance(v, fx.Node)])
+    _set_specs(gm, info.orig_args, info.in_spec, loss_spec)
 
-    graph, out = inference.graph, _output(inference)
+    out = _output(graph)
     flat = list(out.args[0])[loss_spec.num_leaves:]
     copies = [v for v in flat if isinstance(v, fx.Node)]
     if not copies or any(c.target is not torch.ops.aten.alias_copy.default for c in copies):
-        return False
+        return None
     nodes = list(graph.nodes)
     last = max(nodes.index(c) for c in copies)
     out.args = (tuple(v.args[0] if isinstance(v, fx.Node) else v for v in flat),)
     _erase(graph, [*reversed(nodes[last + 1:-1]), *copies])  # the loss, then the copies
-    guards = [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
-    _erase(graph, guards)  # its checks name the target too; the pre-hook's check of the inputs' structure stays
+    _erase(graph, [n for n in graph.nodes if n.op == "call_module" and n.target == "_guards_fn"])  # checks the target
     places = [n for n in graph.nodes if n.op == "placeholder"]
     targets = places[len(places) - n_target:]
     if any(t.users for t in targets):
-        return False
+        return None
     for t in targets:
         graph.erase_node(t)
     args_spec, kwargs_spec = _children(info.in_spec)
     in_spec = pytree.TreeSpec(tuple, None, [pytree.TreeSpec(tuple, None, _children(args_spec)[:-1]), kwargs_spec])
+    inference = fx.GraphModule(gm, graph)
     _set_specs(inference, info.orig_args[:-1], in_spec, out_spec)
-    return True
+    return inference
 
 
 def _children(spec) -> list:
@@ -210,8 +228,8 @@ def _children(spec) -> list:
     return list(children()) if callable(children) else list(spec.children_specs)
 
 
-def _output(gm: fx.GraphModule) -> fx.Node:
-    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+def _output(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
 def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
