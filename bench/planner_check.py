@@ -3,9 +3,11 @@
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 bench/planner_check.py
     GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 4 bench/planner_check.py
 
-Every rank first calibrates this machine at this world size (``autoshard.planner.profile.calibrate``: compute on
-every rank at once, each collective on every group size). Then, per model (an HF Llama, HF GPT-2 and a Mixtral-like
-mixture of experts from transformers, built from configs, nothing downloaded):
+Per model (an HF Llama, HF GPT-2 and a Mixtral-like mixture of experts from transformers, built from configs,
+nothing downloaded), every rank first calibrates this machine at this world size
+(``autoshard.planner.profile.calibrate``: compute on every rank at once, each collective on every group size), as a
+user calibrates before planning: a shared machine's speed moves over a run of many minutes (``--calibrate once``
+takes one profile for the whole run). Then:
 
 - rank 0 predicts every candidate's step from its compiled rank programs and the profile
   (``autoshard.planner.predict``): every dp x tp x pp x cp mesh of W ranks with the option variants
@@ -165,6 +167,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--passes", type=int, default=2, help="passes over the candidates (the fastest is kept)")
     parser.add_argument("--out", default=None, help="markdown report (default bench/results_planner_<W>.md)")
+    parser.add_argument("--calibrate", choices=("each", "once"), default="each",
+                        help="calibrate before each model's candidates (default) or once before the first")
     args = parser.parse_args()
     from models import hf_token_loss
 
@@ -172,9 +176,10 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    profile = calibrate()
-    rows = {}
+    rows, profiles = {}, {}
     for name in args.models.split(","):
+        profile = calibrate() if args.calibrate == "each" or not profiles else next(iter(profiles.values()))
+        profiles[name] = profile
         model, tokens, target = build(name)
         choices = candidates(world, name == "mixtral-like")
         predictions = []
@@ -189,18 +194,21 @@ def main() -> None:
         rows[name] = [(p, m, spread, saved) for (_, p), (m, spread, saved) in zip(runnable, measured, strict=True)]
         rows[name] += [(p, None, None, None) for p in predictions if p.error is not None]
     if rank == 0:
-        write(rows, profile, world, time.perf_counter() - started, args)
+        write(rows, profiles, world, time.perf_counter() - started, args)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def write(rows: dict, profile, world: int, seconds: float, args) -> None:
+def write(rows: dict, profiles: dict, world: int, seconds: float, args) -> None:
     out = Path(args.out or BENCH / f"results_planner_{world}.md")
+    taken = {id(p): p for p in profiles.values()}.values()
+    calibrated = (f"calibrated before each model in {', '.join(f'{p.seconds:.1f}' for p in taken)} s" if len(taken) > 1
+                  else f"calibrated once, in {next(iter(taken)).seconds:.1f} s")
     lines = [f"# The graph-costed planner against measurement at {world} ranks", "",
              f"`GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node {world} "
              "bench/planner_check.py`", "",
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 thread per rank; "
-             f"batch {BATCH} x {SEQ} tokens; calibrated in {profile.seconds:.1f} s; the whole run {seconds:.0f} s.",
+             f"batch {BATCH} x {SEQ} tokens; {calibrated}; the whole run {seconds:.0f} s.",
              ""]
     summary = {}
     for name, found in rows.items():
@@ -243,8 +251,9 @@ def write(rows: dict, profile, world: int, seconds: float, args) -> None:
                       f"{tuned[1] / best:.2f}x the measured best. Activations predicted {min(memory):.2f}x to "
                       f"{max(memory):.2f}x the measured.", ""]
     out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"world": world, "summary": summary,
-                                                    "profile": profile.__dict__}, indent=1, default=str) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(
+        {"world": world, "summary": summary, "profiles": {name: p.__dict__ for name, p in profiles.items()}},
+        indent=1, default=str) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -36,10 +36,23 @@ def _profile(**changes) -> Profile:
 
 
 def test_a_profile_round_trips_through_its_json(tmp_path):
-    profile = _profile()
+    profile = _profile(large={"2": (4.0 * 2**20, 16.0 * 2**20, 0.02)})
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 
+
+def test_an_all_reduce_past_the_fitted_sizes_is_costed_on_the_line_to_the_large_one_measured():
+    mib = 2**20
+    profile = _profile(large={"2": (4 * mib, 16 * mib, 100e-6 + 4 * mib * 1e-9 + 12 * mib * 2e-9)})  # twice per byte
+    assert profile.collective_time("all_reduce", 2, 2 * mib) == pytest.approx(100e-6 + 2 * mib * 1e-9)  # the fit
+    line = 100e-6 + 4 * mib * 1e-9 + 9 * mib * 2e-9
+    assert profile.collective_time("all_reduce", 2, 13 * mib) == pytest.approx(line)
+    assert profile.collective_time("all_reduce", 2, 26 * mib, calls=2) == pytest.approx(2 * line)  # per call
+    past = 100e-6 + 4 * mib * 1e-9 + 28 * mib * 2e-9
+    assert profile.collective_time("all_reduce", 2, 32 * mib) == pytest.approx(past)
+    assert profile.collective_time("all_gather", 2, 13 * mib) == pytest.approx(100e-6 + 13 * mib * 1e-9)
+    cheaper = _profile(large={"2": (4 * mib, 16 * mib, 1e-6)})  # never cheaper per byte than the fit
+    assert cheaper.collective_time("all_reduce", 2, 13 * mib) == pytest.approx(100e-6 + 13 * mib * 1e-9)
 
 def test_a_product_is_costed_at_the_nearest_measured_shape_scaled_by_its_flops():
     profile = _profile(matmul=[(64, 64, 64, 1e-3), (1024, 1024, 1024, 2.0)])

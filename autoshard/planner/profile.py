@@ -14,6 +14,9 @@ the cores), and the collectives with every group communicating at once:
 - ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
   latency and a time per byte, fitted over a few sizes, every group of that size communicating at once, each call
   reached from a few ms of compute as a program reaches it (its buffers out of the caches);
+- ``large``: per group size, an all-reduce of 16 MiB (a model's gradients), reached the same way: past the
+  caches each byte costs more than the fit over the small sizes says; an all-reduce larger than the largest fitted
+  size is costed on the line from that size's fit to this point (and on past it);
 - ``tiny``: per group size, an all-reduce of one number (a step's loss, a flag per weight), reached the same way:
   gloo takes another path for it, several times faster than the fit's latency here (1 ms against 4 to 7 at 4 ranks);
 - ``sync``: per group size, what a blocking collective costs beyond its own latency when the ranks reach it from
@@ -72,6 +75,9 @@ class Profile:
     sync: dict[str, tuple[float, float]] = field(default_factory=dict)  # size -> (s per collective, s per s computed)
     crowding: float = 0.0  # compute with every rank at once over rank 0 alone (0: not measured)
     tiny: dict[str, float] = field(default_factory=dict)  # size -> seconds of an all-reduce of one number
+    # size -> (the largest fitted bytes, a gradient-sized all-reduce's bytes, its seconds): past the caches a byte
+    # costs more than the fit's small sizes say (16 MiB over 4 ranks here: 48.7 ms against the fit's 36.7)
+    large: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -125,6 +131,12 @@ class Profile:
         if kind == "all_reduce" and nbytes <= _TINY_BYTES * calls and str(nearest) in self.tiny:
             return calls * self.tiny[str(nearest)]
         latency, per_byte = fits[str(nearest)]
+        each = nbytes / calls
+        if kind == "all_reduce" and str(nearest) in self.large and each > self.large[str(nearest)][0]:
+            # between the largest fitted size and the large one measured, and beyond, at the slope between them
+            top, big, seconds = self.large[str(nearest)]
+            slope = max((seconds - latency - top * per_byte) / max(big - top, 1.0), per_byte)
+            return calls * (latency + (top * per_byte + (each - top) * slope) * _ring_scale(size, nearest))
         return calls * latency + nbytes * per_byte * _ring_scale(size, nearest)
 
     def sync_time(self, size: int, collectives: float, compute: float = 0.0) -> float:
@@ -152,6 +164,7 @@ class Profile:
         data["attention"] = [tuple(p) for p in data["attention"]]
         data["collectives"] = {k: {s: tuple(v) for s, v in fits.items()} for k, fits in data["collectives"].items()}
         data["sync"] = {s: tuple(v) for s, v in data.get("sync", {}).items()}
+        data["large"] = {s: tuple(v) for s, v in data.get("large", {}).items()}
         return cls(**data)
 
 
@@ -411,11 +424,17 @@ def calibrate(*, quick: bool = False) -> Profile:
             one = torch.zeros(1)
             profile.tiny[str(size)] = _timed(lambda one=one, group=group: dist.all_reduce(one, group=group),
                                              repeats=3 * repeats, sync=False, before=_compute_between, mean=True)
+            if not quick:  # a model's gradients: 16 MiB, four times the largest fitted size
+                grads = torch.randn(4 << 20)
+                profile.large[str(size)] = (float(sizes[-1]), float(grads.numel() * 4), _timed(
+                    lambda grads=grads, group=group: dist.all_reduce(grads, group=group), repeats=repeats, sync=False,
+                    before=_compute_between, mean=True))
         shared = [asdict(profile)]
         dist.broadcast_object_list(shared, src=0)
         profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
                                                            for k, f in shared[0]["collectives"].items()},
-                             "sync": {s: tuple(v) for s, v in shared[0]["sync"].items()}})
+                             "sync": {s: tuple(v) for s, v in shared[0]["sync"].items()},
+                             "large": {s: tuple(v) for s, v in shared[0]["large"].items()}})
     profile.seconds = time.perf_counter() - start
     return profile
 
