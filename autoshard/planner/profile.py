@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autoshard.passes.collectives import reduce_scatter_single
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 _DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce per 25 MiB of gradients
 _TINY_BYTES = 64  # an all-reduce of up to this many bytes a call costs the profile's ``tiny``
@@ -359,12 +361,12 @@ def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int)
         x = torch.randn(numel)
         if kind == "all_reduce":
             fn, counted = (lambda x=x: dist.all_reduce(x, group=group)), numel * 4
-        elif kind == "all_gather":
-            out = torch.empty(numel * size)
-            fn, counted = (lambda x=x, out=out: dist.all_gather_into_tensor(out, x, group=group)), numel * size * 4
-        elif kind == "reduce_scatter":
+        elif kind == "all_gather":  # into a list of parts, as the passes gather
+            parts = [torch.empty(numel) for _ in range(size)]
+            fn, counted = (lambda x=x, parts=parts: dist.all_gather(parts, x, group=group)), numel * size * 4
+        elif kind == "reduce_scatter":  # the passes' call: gloo's reduce_scatter_tensor took 1.35x to 1.45x as long
             out = torch.empty(numel // size)
-            fn, counted = (lambda x=x, out=out: dist.reduce_scatter_tensor(out, x, group=group)), numel * 4
+            fn, counted = (lambda x=x, out=out: reduce_scatter_single(out, x, group=group)), numel * 4
         elif kind == "all_to_all":
             out = torch.empty_like(x)
             fn = lambda x=x, out=out: dist.all_to_all_single(out, x, group=group)  # noqa: E731
