@@ -235,13 +235,13 @@ def _output(graph: fx.Graph) -> fx.Node:
 def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Erase ``nodes`` (in an order where each has no users left when reached), then every op that only they read,
     transitively; never an op that writes."""
-    gone = set()
+    chosen, gone = set(nodes), set()
     work = list(nodes)
     while work:
         node = work.pop(0)
         if node in gone or node.users:
             continue
-        if node not in nodes and (node.op not in ("call_function", "get_attr") or node.is_impure()):
+        if node not in chosen and (node.op not in ("call_function", "get_attr") or node.is_impure()):
             continue
         inputs = node.all_input_nodes
         graph.erase_node(node)

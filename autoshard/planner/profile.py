@@ -78,7 +78,7 @@ class Profile:
     crowding: float = 0.0  # compute with every rank at once over rank 0 alone (0: not measured)
     tiny: dict[str, float] = field(default_factory=dict)  # size -> seconds of an all-reduce of one number
     # size -> (the largest fitted bytes, a gradient-sized all-reduce's bytes, its seconds): past the caches a byte
-    # costs more than the fit's small sizes say (16 MiB over 4 ranks here: 48.7 ms against the fit's 36.7)
+    # costs more than the fit's small sizes say (16 MiB over 4 ranks here: 1.04x to 1.3x the fit's extrapolation)
     large: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     # --------------------------------------------------------------------------------------------- reading
