@@ -36,7 +36,8 @@ def _profile(**changes) -> Profile:
 
 
 def test_a_profile_round_trips_through_its_json(tmp_path):
-    profile = _profile(large={"2": (4.0 * 2**20, 16.0 * 2**20, 0.02)})
+    profile = _profile(large={"2": (4.0 * 2**20, 16.0 * 2**20, 0.02)}, copy_byte_seconds=3e-11,
+                       points={"all_gather": {"2": [(8192.0, 1e-3), (2.0**20, 2e-3)]}})
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 
@@ -53,6 +54,53 @@ def test_an_all_reduce_past_the_fitted_sizes_is_costed_on_the_line_to_the_large_
     assert profile.collective_time("all_gather", 2, 13 * mib) == pytest.approx(100e-6 + 13 * mib * 1e-9)
     cheaper = _profile(large={"2": (4 * mib, 16 * mib, 1e-6)})  # never cheaper per byte than the fit
     assert cheaper.collective_time("all_reduce", 2, 13 * mib) == pytest.approx(100e-6 + 13 * mib * 1e-9)
+
+def test_a_collective_is_costed_between_the_sizes_measured_not_on_the_fit_s_line():
+    """The fit's latency is set by the large sizes (2 ms here for an all-reduce of 1 KiB that took 1): a size
+    between two measured ones is costed between them, an all-reduce below the smallest between it and the tiny one
+    measured, and past the largest on the fit's slope, or the line to the large all-reduce where there is one."""
+    kib, mib = 2**10, 2**20
+    points = [(4 * kib, 1e-3), (64 * kib, 1.1e-3), (512 * kib, 2e-3), (4 * mib, 5e-3)]
+    profile = _profile(collectives={**_profile().collectives, "all_reduce": {"2": (2e-3, 1e-9)}},
+                       points={"all_reduce": {"2": points}, "all_gather": {"2": points}}, tiny={"2": 0.5e-3})
+    assert profile.collective_time("all_reduce", 2, 4 * kib) == pytest.approx(1e-3)
+    assert profile.collective_time("all_reduce", 2, 288 * kib) == pytest.approx(1.55e-3)
+    assert profile.collective_time("all_reduce", 2, 2 * 288 * kib, calls=2) == pytest.approx(2 * 1.55e-3)
+    assert profile.collective_time("all_reduce", 2, 4) == pytest.approx(0.5e-3)
+    assert 0.5e-3 < profile.collective_time("all_reduce", 2, kib) < 1e-3
+    assert profile.collective_time("all_gather", 2, kib) == pytest.approx(1e-3)  # no tiny path: the smallest's
+    assert profile.collective_time("all_reduce", 2, 5 * mib) == pytest.approx(5e-3 + mib * 1e-9)
+    large = _profile(**{**profile.__dict__, "large": {"2": (4 * mib, 16 * mib, 5e-3 + 12 * mib * 2e-9)}})
+    assert large.collective_time("all_reduce", 2, 5 * mib) == pytest.approx(5e-3 + mib * 2e-9)
+    assert profile.collective_time("reduce_scatter", 2, 4 * kib) == pytest.approx(100e-6 + 4 * kib * 1e-9)  # fit
+    wider = _profile(world_size=4, collectives=profile.collectives, points=profile.points)
+    assert wider.collective_time("all_gather", 4, 4 * kib) == pytest.approx(  # measured at 2: the fit, scaled
+        100e-6 + 4 * kib * 1e-9 * 1.5)
+
+
+def test_a_collective_s_slow_calls_are_priced_over_every_size_and_its_point_is_its_lower_quartile():
+    """A third of a collective's calls take 1 to 8 ms more here, whatever its size: ten calls do not price so rare a
+    tail, and one slow call moved a size's mean by a millisecond. A point is its calls' lower quartile plus the
+    mean's excess over it pooled over every size."""
+    from autoshard.planner.profile import _base, _tail
+
+    small, large = [1e-3] * 7 + [5e-3], [2e-3] * 8
+    assert _base(small) == pytest.approx(1e-3) and _base(large) == pytest.approx(2e-3)
+    assert _tail([small, large]) == pytest.approx((0.5e-3 + 0.0) / 2)
+    assert _base([3e-3]) == 3e-3
+
+
+def test_the_copy_that_packs_a_collective_s_buffer_is_costed_as_a_copy_not_as_an_op_s_forward_and_backward(gpt):
+    """A gathered tensor's parts are cat together, an all-reduce's input cloned: copies without autograd, a few
+    times cheaper per byte than an op forward and backward (0.08 against 0.6 ms per MiB here)."""
+    _, compiler = gpt
+    assert _profile(copy_byte_seconds=1e-12).copy_time(2**20) == pytest.approx(2e-6 + 2**20 * 1e-12)
+    assert _profile().copy_time(2**20) == pytest.approx(2e-6 + 2**20 * 1e-10)  # no copy measured: an op's bytes
+    plain = predict(compiler, autoshard.Mesh(tp=2), _profile())
+    cheap = predict(compiler, autoshard.Mesh(tp=2), _profile(copy_byte_seconds=1e-12))
+    assert 0 < cheap.parts["collectives"] < plain.parts["collectives"]
+    assert cheap.parts["compute"] == plain.parts["compute"]
+
 
 def test_a_product_is_costed_at_the_nearest_measured_shape_scaled_by_its_flops():
     profile = _profile(matmul=[(64, 64, 64, 1e-3), (1024, 1024, 1024, 2.0)])

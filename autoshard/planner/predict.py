@@ -162,9 +162,10 @@ def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tup
                                                (module.backward_kind, backward, calls[1]))):
         if nbytes and kind in _COLLECTIVE_KIND:
             # and the copy that packs or unpacks it (a cat of gathered parts, a stack of the parts to scatter, the
-            # clone an in-place all-reduce writes into): the profile times the collectives on ready buffers
+            # clone an in-place all-reduce writes into), outside autograd: the profile times the collectives on
+            # ready buffers
             spent[i] += profile.collective_time(_COLLECTIVE_KIND[kind], size, nbytes, calls=count)
-            spent[i] += profile.op_time(nbytes) + profile.sync_time(size, count)
+            spent[i] += profile.copy_time(nbytes) + profile.sync_time(size, count)
     return spent[0], spent[1]
 
 

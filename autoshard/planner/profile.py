@@ -11,9 +11,12 @@ the cores), and the collectives with every group communicating at once:
 - ``elementwise``: an op's fixed cost (dispatch and autograd, forward and backward) and its time per byte of output;
   a view's cost;
 - ``optimizer``: AdamW's step per byte of parameters and per parameter tensor;
-- ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, a
-  latency and a time per byte, fitted over a few sizes, every group of that size communicating at once, each call
-  reached from a few ms of compute as a program reaches it (its buffers out of the caches);
+- ``collectives``: per kind (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) and group size, the
+  seconds of a few sizes (``points``), every group of that size communicating at once, each call reached from a
+  few ms of compute as a program reaches it (its buffers out of the caches): a size between two measured ones is
+  costed between them, one past the largest on the latency and time per byte fitted over them. A point is its
+  calls' lower quartile plus the rare slow calls' share of the mean, pooled over every kind and size (``_tail``);
+- ``copy``: a copy's time per byte, outside autograd: a collective's buffer packed or unpacked;
 - ``large``: per group size, an all-reduce of 16 MiB (a model's gradients), reached the same way: past the
   caches each byte costs more than the fit over the small sizes says; an all-reduce larger than the largest fitted
   size is costed on the line from that size's fit to this point (and on past it);
@@ -80,6 +83,10 @@ class Profile:
     # size -> (the largest fitted bytes, a gradient-sized all-reduce's bytes, its seconds): past the caches a byte
     # costs more than the fit's small sizes say (16 MiB over 4 ranks here: 1.04x to 1.3x the fit's extrapolation)
     large: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # kind -> size -> the (bytes, seconds) the fit was made from: a collective is costed between the two nearest,
+    # not on the fit's line, whose latency the large sizes set (2 ms here for an all-reduce of 1 KiB that takes 1)
+    points: dict[str, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
+    copy_byte_seconds: float = 0.0  # a copy's per byte (a collective's buffer packed or unpacked; no autograd)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -121,6 +128,11 @@ class Profile:
     def op_time(self, nbytes: float) -> float:
         return self.op_seconds + nbytes * self.byte_seconds
 
+    def copy_time(self, nbytes: float) -> float:
+        """A copy of ``nbytes`` outside autograd (a collective's buffer packed or unpacked): a view's fixed cost and
+        the copy's bytes (an op's per byte, forward and backward, where the profile has no copy's)."""
+        return self.view_seconds + nbytes * (self.copy_byte_seconds or self.byte_seconds)
+
     def collective_time(self, kind: str, size: int, nbytes: float, calls: int = 1) -> float:
         """``calls`` collectives of ``kind`` over groups of ``size`` moving ``nbytes`` in all."""
         if size <= 1 or not nbytes:
@@ -130,10 +142,23 @@ class Profile:
             raise ValueError(f"this profile measured no {kind} (its kinds: {sorted(self.collectives)})")
         known = sorted(int(s) for s in fits)
         nearest = min(known, key=lambda s: (abs(math.log(s / size)), s))
-        if kind == "all_reduce" and nbytes <= _TINY_BYTES * calls and str(nearest) in self.tiny:
-            return calls * self.tiny[str(nearest)]
         latency, per_byte = fits[str(nearest)]
         each = nbytes / calls
+        points = self.points.get(kind, {}).get(str(nearest)) if nearest == size else None
+        if points:
+            measured = sorted((float(b), float(t)) for b, t in points)
+            if kind == "all_reduce" and str(size) in self.tiny:
+                measured.insert(0, (4.0, self.tiny[str(size)]))
+            top, at_top = measured[-1]
+            if each <= top:
+                return calls * _between(measured, each)
+            slope = per_byte
+            if kind == "all_reduce" and str(size) in self.large and self.large[str(size)][1] > top:
+                _, big, seconds = self.large[str(size)]
+                slope = max((seconds - at_top) / (big - top), per_byte)
+            return calls * (at_top + (each - top) * slope)
+        if kind == "all_reduce" and nbytes <= _TINY_BYTES * calls and str(nearest) in self.tiny:
+            return calls * self.tiny[str(nearest)]
         if kind == "all_reduce" and str(nearest) in self.large and each > self.large[str(nearest)][0]:
             # between the largest fitted size and the large one measured, and beyond, at the slope between them
             top, big, seconds = self.large[str(nearest)]
@@ -167,6 +192,8 @@ class Profile:
         data["collectives"] = {k: {s: tuple(v) for s, v in fits.items()} for k, fits in data["collectives"].items()}
         data["sync"] = {s: tuple(v) for s, v in data.get("sync", {}).items()}
         data["large"] = {s: tuple(v) for s, v in data.get("large", {}).items()}
+        data["points"] = {k: {s: [tuple(p) for p in v] for s, v in sizes.items()}
+                          for k, sizes in data.get("points", {}).items()}
         return cls(**data)
 
 
@@ -187,6 +214,16 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
+def _between(points: list[tuple[float, float]], x: float) -> float:
+    """Linear between the two measured points around ``x`` (sorted by their first value); the first's value below
+    it: a collective's fixed cost is most of a small one's."""
+    if x <= points[0][0]:
+        return points[0][1]
+    i = bisect_left([p[0] for p in points], x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def _ring_scale(size: int, measured: int) -> float:
     """A ring moves ``(n-1)/n`` of the bytes per rank: scale a fit made at ``measured`` ranks to ``size``."""
     return ((size - 1) / size) / ((measured - 1) / measured)
@@ -202,6 +239,13 @@ def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: boo
            before: Callable[[], object] | None = None, mean: bool = False) -> float:
     """Median (or ``mean``) seconds of ``fn`` over ``repeats`` runs, every rank running together (barriers between
     runs), or rank 0 alone while ``_TOGETHER`` is off; ``before`` runs untimed ahead of each."""
+    times = _samples(fn, repeats=repeats, warmup=warmup, sync=sync, before=before)
+    return statistics.fmean(times) if mean else statistics.median(times)
+
+
+def _samples(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: bool = True,
+             before: Callable[[], object] | None = None) -> list[float]:
+    """The seconds of each of ``repeats`` runs of ``fn``, as ``_timed`` runs them."""
     for _ in range(warmup):
         fn()
     times = []
@@ -213,7 +257,7 @@ def _timed(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: boo
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.fmean(times) if mean else statistics.median(times)
+    return times
 
 
 def _linear_point(m: int, n: int, k: int, repeats: int) -> tuple[int, int, int, float]:
@@ -269,6 +313,12 @@ def _elementwise(repeats: int) -> tuple[float, float, float]:
     t_small, t_large = chain(small, _MIX), chain(large, _MIX)
     per_byte = max(t_large - t_small, 0.0) / ((large - small) * 64 * 4)
     return t_small, per_byte, chain(small, _VIEW_MIX)
+
+
+def _copy(repeats: int) -> float:
+    """Seconds per byte of a 4 MiB clone, the copy a collective's buffer takes (no autograd)."""
+    x = torch.randn(1 << 20)
+    return _timed(x.clone, repeats=2 * repeats) / (x.numel() * 4)
 
 
 def _optimizer(repeats: int) -> tuple[float, float]:
@@ -351,9 +401,12 @@ def _groups_of(world: int) -> dict[int, list]:
     return made
 
 
-def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int) -> tuple[float, float]:
-    """(latency, seconds per byte) of ``kind`` over ``group``, least squares over ``sizes`` (bytes, as explain()
-    counts them)."""
+def _collective_samples(kind: str, group, size: int, sizes: list[int],
+                        repeats: int) -> list[tuple[int, list[float]]]:
+    """``kind`` over ``group`` at each of ``sizes``: its bytes (as explain() counts them) and the seconds of each
+    call, every call reached from compute as a program reaches it (its buffers out of the caches, the ranks starting
+    together: what they wait for one another is the sync fit's), in two passes over the sizes (a slow spell lands on
+    several)."""
     points = []
     rank = dist.get_rank(group)
     for nbytes in sizes:
@@ -383,12 +436,31 @@ def _collective_fit(kind: str, group, size: int, sizes: list[int], repeats: int)
                     dist.recv(x, peer, group=None)
             counted = numel * 4
         points.append((counted, fn))
-    # each call reached from compute, as a program reaches it: its buffers out of the caches, the ranks starting
-    # together (what they wait for one another is the sync fit's). Such a call here takes either its time or a
-    # scheduler tick more (0.4 or 4 ms for a 512 KiB all-reduce, as its thread sleeps or not), back to back mostly
-    # the first: a program's many collectives cost their mean, over two passes of the sizes
-    points = [(counted, statistics.fmean(_timed(fn, repeats=repeats, sync=False, before=_compute_between, mean=True)
-                                         for _ in range(2))) for counted, fn in points]
+    samples: list[list[float]] = [[] for _ in points]
+    for _ in range(2):
+        for taken, (_, fn) in zip(samples, points, strict=True):
+            taken += _samples(fn, repeats=repeats, sync=False, before=_compute_between)
+    return [(counted, taken) for (counted, _), taken in zip(points, samples, strict=True)]
+
+
+def _tail(samples: list[list[float]]) -> float:
+    """The seconds a collective's rare slow calls add to its mean, pooled over ``samples`` (each one size's calls).
+
+    Such a call here takes its time or, a third of the calls, 1 to 8 ms more (a 512 KiB all-reduce: 0.3 to 0.7
+    ms, then 1.3 to 7.9, as its thread sleeps or not), whatever its kind and size, and a program's many
+    collectives cost their mean. Ten calls do not price so rare a tail (one size's mean moved 0.3 to 2 ms between
+    calibrations, and so did its median where the slow calls came near half): a point is its calls' lower quartile
+    (``_base``), which holds still, plus this, the mean's excess over it over every kind and size."""
+    return statistics.fmean(statistics.fmean(t) - _base(t) for t in samples)
+
+
+def _base(samples: list[float]) -> float:
+    """The lower quartile of ``samples``: a collective's time without the tail."""
+    return statistics.quantiles(samples, n=4)[0] if len(samples) > 1 else samples[0]
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency, seconds per byte): least squares over ``points`` (bytes, seconds), neither below 0."""
     n = len(points)
     mx = sum(p[0] for p in points) / n
     my = sum(p[1] for p in points) / n
@@ -419,13 +491,17 @@ def calibrate(*, quick: bool = False) -> Profile:
     if world > 1:
         sizes = [4 << 10, 256 << 10, 2 << 20] if quick else [4 << 10, 64 << 10, 512 << 10, 4 << 20]
         for size, group in _groups_of(world).items():
-            for kind in KINDS:
-                fit = _collective_fit(kind, group, size, sizes, repeats)
-                profile.collectives.setdefault(kind, {})[str(size)] = fit
+            taken = {kind: _collective_samples(kind, group, size, sizes, repeats) for kind in KINDS}
+            tail = _tail([t for calls in taken.values() for _, t in calls])
+            for kind, calls in taken.items():
+                points = [(float(counted), _base(t) + tail) for counted, t in calls]
+                profile.collectives.setdefault(kind, {})[str(size)] = _line(points)
+                profile.points.setdefault(kind, {})[str(size)] = points
             profile.sync[str(size)] = _sync_fit(group, 2 * repeats)  # the noisiest fit: twice the samples
             one = torch.zeros(1)
-            profile.tiny[str(size)] = _timed(lambda one=one, group=group: dist.all_reduce(one, group=group),
-                                             repeats=3 * repeats, sync=False, before=_compute_between, mean=True)
+            profile.tiny[str(size)] = _base(_samples(  # and the all-reduces' tail, as their points'
+                lambda one=one, group=group: dist.all_reduce(one, group=group), repeats=3 * repeats, sync=False,
+                before=_compute_between)) + tail
             if not quick:  # a model's gradients: 16 MiB, four times the largest fitted size
                 grads = torch.randn(4 << 20)
                 profile.large[str(size)] = (float(sizes[-1]), float(grads.numel() * 4), _timed(
@@ -436,7 +512,9 @@ def calibrate(*, quick: bool = False) -> Profile:
         profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
                                                            for k, f in shared[0]["collectives"].items()},
                              "sync": {s: tuple(v) for s, v in shared[0]["sync"].items()},
-                             "large": {s: tuple(v) for s, v in shared[0]["large"].items()}})
+                             "large": {s: tuple(v) for s, v in shared[0]["large"].items()},
+                             "points": {k: {s: [tuple(p) for p in v] for s, v in sizes.items()}
+                                        for k, sizes in shared[0]["points"].items()}})
     profile.seconds = time.perf_counter() - start
     return profile
 
@@ -449,6 +527,7 @@ def _measure_compute(profile: Profile, quick: bool, repeats: int) -> None:
                                                                 (4, 8, 512, 64))
     profile.attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
     profile.op_seconds, profile.byte_seconds, profile.view_seconds = _elementwise(repeats)
+    profile.copy_byte_seconds = _copy(repeats)
     profile.optimizer_byte_seconds, profile.optimizer_param_seconds = _optimizer(repeats)
 
 
