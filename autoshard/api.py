@@ -305,6 +305,9 @@ def _trial(model: nn.Module, example_inputs: tuple, options: CompileOptions, mes
     seconds = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    del pm
+    if groups is not None:  # the trial's groups gone with it: left alive, they slow the job that trains next
+        groups.destroy()
     return float(seconds)
 
 

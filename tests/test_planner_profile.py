@@ -634,14 +634,34 @@ def test_mesh_auto_under_a_memory_limit_trains_exactly_on_what_fits(pools, tmp_p
         assert "over the memory limit, though predicted faster: Mesh(dp=2" in result["explain"]
 
 
+def _groups_alive() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def _left_behind(pm, before: int) -> tuple[int, int]:
+    """(the process groups alive beyond ``before`` and ``pm``'s own set, one set of ``pm``'s mesh): what ``mesh=
+    "auto"`` left behind besides the model it returned; a set created and destroyed to count one."""
+    alive = _groups_alive() - before
+    extra = pm.mesh.create_groups()
+    one_set = _groups_alive() - before - alive
+    extra.destroy()
+    assert _groups_alive() - before == alive, "MeshGroups.destroy() left groups alive"
+    return alive - one_set, one_set
+
+
 def _auto_tuned(path: str) -> dict:
     from autoshard.verify import compare
 
     case, reference = build("gpt"), build("gpt").model
+    before = _groups_alive()
     pm = autoshard.parallelize(case.model, "auto", example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, planner_profile=path, autotune=2)
+    left = _left_behind(pm, before)
     report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
-    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "ranking": pm.ranking, "explain": pm.explain()}
+    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "ranking": pm.ranking, "explain": pm.explain(),
+            "left": left}
 
 
 def test_autotune_trains_the_predicted_fastest_and_takes_the_fastest_measured(pools, tmp_path):
@@ -657,6 +677,7 @@ def test_autotune_trains_the_predicted_fastest_and_takes_the_fastest_measured(po
         assert len(measured) == 2 and all(p.measured > 0 for p in measured), result["ranking"]
         assert result["mesh"] == min(measured, key=lambda p: p.measured).mesh == result["ranking"][0].mesh
         assert "measured: the 2 fastest predicted trained on this job's ranks (autotune=2)" in result["explain"]
+        assert result["left"][0] == 0 < result["left"][1], result["left"]  # the trials' groups destroyed with them
     assert [p.measured for p in results[0]["ranking"][:2]] == [p.measured for p in results[1]["ranking"][:2]]
 
 
@@ -674,10 +695,12 @@ def _auto_calibrated() -> dict:
     from autoshard.verify import compare
 
     case, reference = build("llama"), build("llama").model
+    before = _groups_alive()
     pm = autoshard.parallelize(case.model, "auto", example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, calibrate=True)
+    left = _left_behind(pm, before)
     report = compare(reference, pm, case.inputs, case.target, loss_fn=case.loss_fn, steps=2)
-    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "explain": pm.explain()}
+    return {"ok": report.ok, "report": str(report), "mesh": pm.mesh, "explain": pm.explain(), "left": left}
 
 
 def test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose(pools):
@@ -687,4 +710,5 @@ def test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose
     assert results[0]["mesh"] == results[1]["mesh"]
     for rank, result in enumerate(results):
         assert result["ok"], (rank, result["report"])
+        assert result["left"][0] == 0 < result["left"][1], result["left"]  # the calibration's groups destroyed
         assert "mesh='auto' from a calibration of this job's ranks" in result["explain"]

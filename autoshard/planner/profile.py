@@ -490,7 +490,8 @@ def calibrate(*, quick: bool = False) -> Profile:
         profile.crowding = _crowding(repeats)
     if world > 1:
         sizes = [4 << 10, 256 << 10, 2 << 20] if quick else [4 << 10, 64 << 10, 512 << 10, 4 << 20]
-        for size, group in _groups_of(world).items():
+        made = _groups_of(world)
+        for size, group in made.items():
             taken = {kind: _collective_samples(kind, group, size, sizes, repeats) for kind in KINDS}
             tail = _tail([t for calls in taken.values() for _, t in calls])
             for kind, calls in taken.items():
@@ -507,6 +508,9 @@ def calibrate(*, quick: bool = False) -> Profile:
                 profile.large[str(size)] = (float(sizes[-1]), float(grads.numel() * 4), _timed(
                     lambda grads=grads, group=group: dist.all_reduce(grads, group=group), repeats=repeats, sync=False,
                     before=_compute_between, mean=True))
+        dist.barrier()
+        for group in {id(g): g for g in made.values()}.values():  # left alive, its threads slow what runs next
+            dist.destroy_process_group(group)
         shared = [asdict(profile)]
         dist.broadcast_object_list(shared, src=0)
         profile = Profile(**{**shared[0], "collectives": {k: {s: tuple(v) for s, v in f.items()}
