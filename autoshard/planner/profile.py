@@ -509,7 +509,7 @@ def calibrate(*, quick: bool = False) -> Profile:
                     lambda grads=grads, group=group: dist.all_reduce(grads, group=group), repeats=repeats, sync=False,
                     before=_compute_between, mean=True))
         dist.barrier()
-        for group in {id(g): g for g in made.values()}.values():  # left alive, its threads slow what runs next
+        for group in made.values():  # left alive, a group's threads slow what runs next
             dist.destroy_process_group(group)
         shared = [asdict(profile)]
         dist.broadcast_object_list(shared, src=0)
