@@ -202,7 +202,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
     microbatches divides the batch (and for a mixture of experts, each with the experts split over every ep that
     divides dp x cp and the experts), compiled here and costed from the profile (the same on every rank: the same
     files and the same compilation), the fastest. Where the options leave them at their defaults, a pipeline also
-    tries 2, 4 and 8 microbatches, and cp ring (load-balanced) and all-to-all attention. Returns the mesh, the
+    tries 2, 4 and 8 microbatches, each also interleaved over two chunks per rank, tp sequence parallelism, and cp
+    ring (load-balanced) and all-to-all attention. Returns the mesh, the
     options it runs with and the ranking (predictions, fastest first)."""
     import dataclasses
 
@@ -326,10 +327,13 @@ def _with_ep(meshes: list[Mesh], experts: int) -> list[Mesh]:
 
 def _variants(mesh: Mesh, options: CompileOptions, default: CompileOptions) -> list[dict]:
     """The options a mesh may also run with, where ``options`` leave them at their defaults: ring (load-balanced)
-    and all-to-all attention under cp; sequence parallelism under tp (without cp: its variants are enough there).
-    Not searched, for its cost is not yet predicted well enough to choose it: ZB-H1 (its split backward measured up
-    to 32% slower, slower than 1F1B on GPT-2 and a mixture)."""
+    and all-to-all attention under cp; sequence parallelism under tp (without cp: its variants are enough there);
+    interleaved 1F1B with two chunks per rank under pp (a model too shallow for ``pp * 2`` stages is refused in
+    the ranking). Not searched, for their cost is not yet predicted well enough to choose them: the zero-bubble
+    schedules (ZB-H1's split backward measured up to 32% slower, slower than 1F1B on GPT-2 and a mixture)."""
     variants = [{}]
+    if mesh.pp > 1 and options.schedule == default.schedule and options.chunks == default.chunks:
+        variants.append({"schedule": "interleaved", "chunks": 2})
     if mesh.cp > 1 and options.cp_attention == default.cp_attention and not options.cp_load_balance:
         variants += [{"cp_attention": "ring", "cp_load_balance": True}, {"cp_attention": "alltoall"}]
     if mesh.tp > 1 and mesh.cp == 1 and options.sequence_parallel == default.sequence_parallel:

@@ -240,11 +240,13 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
     except (ValueError, NotImplementedError, RuntimeError) as e:
         return Prediction(mesh, option_fields, math.inf, error=str(e).split("\n")[0][:200])
     m = options.microbatches
-    stage_times = []  # per pp rank, its slowest cp rank's (compute, communication) of one microbatch
+    stages: dict[int, tuple[float, float]] = {}  # per stage, its slowest cp rank's (compute, communication)
+    stage_times = []  # per pp rank, the sum of its stages': one microbatch through every chunk it holds
     for per_cp in builds:
-        spent = [[_recomputed(program_time(program.gm, profile), options) for program in build.programs.values()]
-                 for build in per_cp]
-        stage_times.append(max(((sum(s[0] for s in one), sum(s[1] for s in one)) for one in spent), key=sum))
+        for index in per_cp[0].programs:
+            stages[index] = max((_recomputed(program_time(build.programs[index].gm, profile), options)
+                                 for build in per_cp), key=sum)
+        stage_times.append(tuple(sum(stages[i][part] for i in per_cp[0].programs) for part in (0, 1)))
     builds = [per_cp[0] for per_cp in builds]
     parts: dict[str, float] = {}
     crowd = profile.contention(mesh.world_size)
@@ -253,7 +255,7 @@ def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOp
         compute, comm = stage_times[0]
         parts["compute"], parts["collectives"] = m * compute * crowd, m * comm
     else:
-        found, in_flight = _pipeline(builds, stage_times, mesh, options, profile)
+        found, in_flight = _pipeline(builds, stage_times, stages, mesh, options, profile)
         parts.update(found)
     mine = max(held_bytes(build, r) for r, build in enumerate(builds))  # the whole model's before: tp's share
     experts = _expert_bytes(builds[0])
@@ -325,10 +327,10 @@ def _grouped_time(node: fx.Node, flops: float, profile: Profile) -> float:
     return experts * (profile.matmul_time(rows / experts, n, k) + 3 * profile.op_seconds)
 
 
-def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptions,
+def _pipeline(builds: list, stage_times: list, stages: dict, mesh: Mesh, options: CompileOptions,
               profile: Profile) -> tuple[dict, dict[int, float]]:
-    """A pipeline's schedule simulated with each rank's microbatch time (compute and the collectives inside its
-    stages), each send costed from the bytes its stage hands on, the ranks computing at once sharing the cores
+    """A pipeline's schedule simulated with each stage's microbatch time (compute and the collectives inside it),
+    each send costed from the bytes its stage hands on, the ranks computing at once sharing the cores
     (``_shared_makespan``); and the microbatches each rank holds at its peak."""
     from autoshard import schedules
 
@@ -340,7 +342,7 @@ def _pipeline(builds: list, stage_times: list, mesh: Mesh, options: CompileOptio
     slowest = max(c + k for c, k in stage_times)
     sim = schedules.simulate(actions, p, v, forward_cost=slowest / 3, backward_cost=2 * slowest / 3,
                              send_cost=send, placement=schedules.placement_of(name))  # the peaks in flight
-    makespan = _shared_makespan(actions, stage_times, v, send, mesh.world_size // p, profile)
+    makespan = _shared_makespan(actions, stages, send, mesh.world_size // p, profile)
     busy = m * max(c for c, _ in stage_times)
     sums = _pipeline_sums(builds[0], p, profile)
     return {"compute": busy, "bubble": max(makespan - busy, 0.0), "pipeline sums": sums}, sim.peak_in_flight
@@ -373,10 +375,11 @@ def _pipeline_sums(build, p: int, profile: Profile) -> float:
             + (2 * profile.op_time(build.spread_bytes) if build.spread else 0.0))
 
 
-def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, replicas: int,
-                     profile: Profile) -> float:
-    """The schedule run event by event: each rank's forward a third of its (compute, communication) and its
-    backward two thirds (a zero-bubble schedule's I and W halves of that), its sends ``send``; the compute of the
+def _shared_makespan(actions: dict, stages: dict, send: float, replicas: int, profile: Profile) -> float:
+    """The schedule run event by event: each stage's forward a third of its (compute, communication) and its
+    backward two thirds (a zero-bubble schedule's I and W halves of that), each chunk of an interleaved rank at its
+    own stage's time (a rank's chunks are not alike: the first holds the embedding, the last the head and the loss),
+    its sends ``send``; the compute of the
     ranks busy at once slowed by their crowding on the cores (each pipeline rank stands for its ``replicas`` of dp,
     tp and cp), a collective's or a receive's wait leaving the core to the others. The profile times collectives
     with every rank of the world communicating at once: where fewer ranks are busy (a pipeline filling or
@@ -395,8 +398,8 @@ def _shared_makespan(actions: dict, stage_times: list, v: int, send: float, repl
         while position[rank] < len(actions[rank]):
             action = actions[rank][position[rank]]
             if action.is_compute:
-                compute, communication = stage_times[rank]
-                part = share[str(action.kind)] / v
+                compute, communication = stages[action.stage]
+                part = share[str(action.kind)]
                 phases[rank] = [["cpu", compute * part], ["wait", communication * part]]
                 return
             if action.is_send:
