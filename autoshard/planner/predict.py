@@ -342,7 +342,8 @@ def _pipeline(builds: list, stage_times: list, stages: dict, mesh: Mesh, options
     slowest = max(c + k for c, k in stage_times)
     sim = schedules.simulate(actions, p, v, forward_cost=slowest / 3, backward_cost=2 * slowest / 3,
                              send_cost=send, placement=schedules.placement_of(name))  # the peaks in flight
-    makespan = _shared_makespan(actions, stages, send, mesh.world_size // p, profile)
+    late = profile.late_receive_time(sent / max(1, len(builds[0].local_specs)))
+    makespan = _shared_makespan(actions, stages, send, mesh.world_size // p, profile, late=late)
     busy = m * max(c for c, _ in stage_times)
     sums = _pipeline_sums(builds[0], p, profile)
     return {"compute": busy, "bubble": max(makespan - busy, 0.0), "pipeline sums": sums}, sim.peak_in_flight
@@ -375,7 +376,8 @@ def _pipeline_sums(build, p: int, profile: Profile) -> float:
             + (2 * profile.op_time(build.spread_bytes) if build.spread else 0.0))
 
 
-def _shared_makespan(actions: dict, stages: dict, send: float, replicas: int, profile: Profile) -> float:
+def _shared_makespan(actions: dict, stages: dict, send: float, replicas: int, profile: Profile, *,
+                     late: float = 0.0) -> float:
     """The schedule run event by event: each stage's forward a third of its (compute, communication) and its
     backward two thirds (a zero-bubble schedule's I and W halves of that), each chunk of an interleaved rank at its
     own stage's time (a rank's chunks are not alike: the first holds the embedding, the last the head and the loss),
@@ -384,7 +386,9 @@ def _shared_makespan(actions: dict, stages: dict, send: float, replicas: int, pr
     tp and cp), a collective's or a receive's wait leaving the core to the others. The profile times collectives
     with every rank of the world communicating at once: where fewer ranks are busy (a pipeline filling or
     draining, the others asleep in a receive) they end as much sooner as those ranks are less crowded. A rank's
-    receive waits for its partner's send; ranks run their lists in order."""
+    receive waits for its partner's send, or where it is reached after the send ended, waits ``late`` (the data
+    waits for the sender's communication thread, which shares a core with its compute; the profile's
+    ``late_receive_time``); ranks run their lists in order."""
     share = {"F": 1 / 3, "B": 2 / 3, "I": 1 / 3, "W": 1 / 3}
     position = dict.fromkeys(actions, 0)
     phases: dict[int, list[list]] = {}  # rank -> its current action's remaining [kind, seconds] phases
@@ -406,6 +410,9 @@ def _shared_makespan(actions: dict, stages: dict, send: float, replicas: int, pr
                 phases[rank] = [["cpu", send]]
                 return
             if action.partner() not in ended:
+                return
+            if late and ended[action.partner()] < now - 1e-12:
+                phases[rank] = [["wait", late]]
                 return
             ended[action] = now
             position[rank] += 1

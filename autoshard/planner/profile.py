@@ -87,6 +87,9 @@ class Profile:
     # not on the fit's line, whose latency the large sizes set (2 ms here for an all-reduce of 1 KiB that takes 1)
     points: dict[str, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     copy_byte_seconds: float = 0.0  # a copy's per byte (a collective's buffer packed or unpacked; no autograd)
+    # (bytes, seconds) of a receive posted after its send, the sender computing: the transfer waits for the sender's
+    # communication thread to get a core (a pipeline's receive of a microbatch sent while it computed)
+    late: list[tuple[float, float]] = field(default_factory=list)
 
     # --------------------------------------------------------------------------------------------- reading
 
@@ -166,6 +169,18 @@ class Profile:
             return calls * (latency + (top * per_byte + (each - top) * slope) * _ring_scale(size, nearest))
         return calls * latency + nbytes * per_byte * _ring_scale(size, nearest)
 
+    def late_receive_time(self, nbytes: float) -> float:
+        """A receive of ``nbytes`` posted after its send, while the sender computes (0 where not measured)."""
+        if not self.late or not nbytes:
+            return 0.0
+        points = sorted((float(b), float(t)) for b, t in self.late)
+        if nbytes < points[-1][0]:
+            return max(0.0, _between(points, nbytes))
+        if len(points) == 1:
+            return points[-1][1]
+        (x0, y0), (x1, y1) = points[-2:]  # beyond the largest: on the line through the last two
+        return max(y1, y1 + (y1 - y0) / (x1 - x0) * (nbytes - x1))
+
     def sync_time(self, size: int, collectives: float, compute: float = 0.0) -> float:
         """What ``collectives`` blocking collectives over groups of ``size`` cost beyond their latency, between
         which the ranks compute ``compute`` seconds: the ranks do not reach them together."""
@@ -194,6 +209,7 @@ class Profile:
         data["large"] = {s: tuple(v) for s, v in data.get("large", {}).items()}
         data["points"] = {k: {s: [tuple(p) for p in v] for s, v in sizes.items()}
                           for k, sizes in data.get("points", {}).items()}
+        data["late"] = [tuple(p) for p in data.get("late", [])]
         return cls(**data)
 
 
@@ -443,6 +459,47 @@ def _collective_samples(kind: str, group, size: int, sizes: list[int],
     return [(counted, taken) for (counted, _), taken in zip(points, samples, strict=True)]
 
 
+def _late_receives(sizes: list[int], repeats: int) -> list[tuple[float, float]]:
+    """Each of ``sizes`` sent by every odd rank to the even one before it while the sender goes on computing, and
+    received late (the receiver computes a few ms first, as a pipeline's rank reaches a microbatch's receive after
+    its neighbour sent it): the mean seconds of rank 0's receive. The data waits for the sender's communication
+    thread, which shares a core with its compute: a mean of 1 to 2 ms for 256 KiB here (and a tail to 6), where a
+    receive posted first ends 0.05 ms after its send; three of them on an interleaved pipeline's path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    if peer >= world:
+        peer = None
+    a, w = torch.randn(1024, 256), torch.randn(256, 256)
+
+    def compute(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            F.silu(a @ w).mul_(2.0)
+
+    points = []
+    for nbytes in sizes:
+        x = torch.randn(nbytes // 4)
+        taken = []
+        for _ in range(repeats):
+            dist.barrier()
+            if peer is None:
+                continue
+            if rank % 2:
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])
+                compute(0.012)
+                for work in works:
+                    work.wait()
+            else:
+                compute(0.004)
+                start = time.perf_counter()
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, peer)]):
+                    work.wait()
+                taken.append(time.perf_counter() - start)
+        if rank == 0:
+            points.append((float(nbytes), statistics.fmean(taken)))
+    return points
+
+
 def _tail(samples: list[list[float]]) -> float:
     """The seconds a collective's rare slow calls add to its mean, pooled over ``samples`` (each one size's calls).
 
@@ -508,6 +565,7 @@ def calibrate(*, quick: bool = False) -> Profile:
                 profile.large[str(size)] = (float(sizes[-1]), float(grads.numel() * 4), _timed(
                     lambda grads=grads, group=group: dist.all_reduce(grads, group=group), repeats=repeats, sync=False,
                     before=_compute_between, mean=True))
+        profile.late = _late_receives(sizes, 3 * repeats)
         dist.barrier()
         for group in made.values():  # left alive, a group's threads slow what runs next
             dist.destroy_process_group(group)
@@ -518,7 +576,8 @@ def calibrate(*, quick: bool = False) -> Profile:
                              "sync": {s: tuple(v) for s, v in shared[0]["sync"].items()},
                              "large": {s: tuple(v) for s, v in shared[0]["large"].items()},
                              "points": {k: {s: [tuple(p) for p in v] for s, v in sizes.items()}
-                                        for k, sizes in shared[0]["points"].items()}})
+                                        for k, sizes in shared[0]["points"].items()},
+                             "late": [tuple(p) for p in shared[0]["late"]]})
     profile.seconds = time.perf_counter() - start
     return profile
 
