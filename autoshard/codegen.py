@@ -28,7 +28,7 @@ from autoshard.passes.context_parallel import ContextParallelPlan, context_paral
 from autoshard.passes.expert_parallel import ExpertParallelPlan, expert_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
-from autoshard.passes.propagate import propagate
+from autoshard.passes.propagate import handed_on, propagate
 from autoshard.passes.sequence_parallel import region_exits, sequence_parallel_pass
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
@@ -246,7 +246,7 @@ def _with_received(plan: ContextParallelPlan, whole: fx.GraphModule, stage: Stag
     by_name = {n.name: n for n in whole.graph.nodes}
     received = {n.target: prop.of(by_name[n.meta[meta.RECEIVED]]) for n in stage.gm.graph.nodes
                 if n.op == "placeholder" and meta.RECEIVED in n.meta}
-    inputs = {**plan.inputs, **{k: p.dim for k, p in received.items() if isinstance(p, Shard) and p.blocks is None}}
+    inputs = {**plan.inputs, **{k: p.dim for k, p in received.items() if isinstance(p, Shard) and handed_on(p)}}
     return dataclasses.replace(plan, inputs=inputs)
 
 

@@ -26,7 +26,7 @@ from autoshard.passes.collectives import GatherFromParallel, ScatterToParallel
 class Outputs(enum.Enum):
     WHOLE = "whole"  # every output is gathered (replicated) before the graph returns it
     PARTIAL = "partial"  # an output may be a pending sum, reduced by whoever reads it (a loss summed over the axis)
-    KEPT = "kept"  # outputs stay as placed: a pipeline stage hands its split activations on
+    KEPT = "kept"  # a pipeline stage hands its activations on split where split plainly along a dim, else whole
 
 
 @dataclass(frozen=True, eq=False)

@@ -141,8 +141,10 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
     if node.op in ("placeholder", "get_attr"):
         return result.seeds.get(node.target, R), None
     if node.op == "output":
-        if result.outputs is Outputs.KEPT:
-            return R, Decision(R, {})
+        if result.outputs is Outputs.KEPT:  # handed on split only as the next stage seeds what it receives (a
+            # plain split); a split in blocks of a dim (the tokens of a flattened batch) or a partial sum whole
+            want = {n: R for n in node.all_input_nodes if not handed_on(ctx.placements.get(n, R))}
+            return R, Decision(R, want)
         want = {}
         for n in node.all_input_nodes:
             p = ctx.placements.get(n, R)
@@ -165,6 +167,12 @@ def _decide(node: fx.Node, ctx: Context, result: Propagation):
         # of a linear attention): no gather could put such a value back in order, so gather before it instead.
         decision = replicate_all(node, ctx, reason=f"{node.target}: would split the sequence into parts of a dim")
     return decision.out, decision
+
+
+def handed_on(placement) -> bool:
+    """Whether a pipeline stage sends a value placed so as it is: whole, or split plainly along one dim, as the
+    receiving stage seeds its inputs (``codegen._with_received``). Any other placement is gathered first."""
+    return isinstance(placement, (tuple, Replicate)) or (isinstance(placement, Shard) and placement.blocks is None)
 
 
 def _whole_sequences(out, node: fx.Node, sequence: int) -> bool:

@@ -43,6 +43,14 @@ def test_golden_pp2_cp2_with_ring_and_all_to_all(pools, name, attention):
                                   cp_attention=attention), mesh)
 
 
+def test_golden_pp2_cp2_interleaved_hands_on_flattened_tokens_whole(pools):
+    """Interleaved over pp2 x cp2, HF GPT-2's cuts fall inside an MLP, where its Conv1D's flattened tokens cross
+    split in blocks of the batch: a stage gathers them before it sends (the next stage takes them whole)."""
+    mesh = {"pp": 2, "cp": 2}
+    golden.check(pools.get(4).run(golden.golden, "hf_gpt2", mesh, microbatches=2, schedule="interleaved", chunks=2),
+                 mesh)
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_golden_dp2_tp2_pp2_on_eight_processes(pools, name):
     mesh = {"dp": 2, "tp": 2, "pp": 2}

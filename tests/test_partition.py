@@ -292,3 +292,31 @@ def test_the_cuts_are_the_best_of_every_choice(balance):
 
     every = [found for cuts in itertools.combinations(candidates, stages - 1) if (found := largest(cuts))]
     assert largest(p._balanced_cuts(score, candidates, nbytes, stages, weights)) == min(every)
+
+
+@pytest.mark.parametrize("options", [{"microbatches": 2}, {"microbatches": 2, "schedule": "interleaved", "chunks": 2}],
+                         ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_what_a_stage_sends_each_rank_is_what_the_next_stage_receives(name, options):
+    """Every stage of pp2 x cp2, compiled for every rank: what each cp rank's stage sends has the shapes its next
+    stage receives on that cp rank. A stage hands its activations on split only where split plainly along one dim,
+    as the next stage seeds what it receives; GPT-2's flattened tokens (``x.view(-1, h)``, split in blocks of the
+    batch) were sent split to a stage that took them whole (interleaved, its cut inside an MLP: 256 KiB against
+    128 KiB, and gloo aborted the processes)."""
+    import autoshard
+    from autoshard.options import CompileOptions
+    from autoshard.planner.predict import Compiler
+
+    case = build(name)
+    builds = Compiler(case.model, case.inputs, case.target, case.loss_fn).builds(autoshard.Mesh(pp=2, cp=2),
+                                                                                CompileOptions(**options))
+    sent, received = {}, {}
+    for per_cp in builds:
+        for cp_rank, build_ in enumerate(per_cp):
+            for stage, (got, out) in build_.local_specs.items():
+                sent[cp_rank, stage] = [tuple(spec.shape) for spec in out]
+                received[cp_rank, stage] = [tuple(spec.shape) for spec in got]
+    pairs = [(key, (key[0], key[1] + 1)) for key in sent if (key[0], key[1] + 1) in received]
+    assert len(pairs) == 2 * (len(received) // 2 - 1)
+    for here, there in pairs:
+        assert sent[here] == received[there], (here, sent[here], received[there])
