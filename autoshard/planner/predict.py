@@ -44,6 +44,11 @@ _CONVERSIONS = frozenset({"to", "type_as", "contiguous"})  # their input itself 
 _ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
                         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
 _RING_PIECE_OPS = 6  # a ring piece's merge (scale, add, the weighted piece) and its gradients' three additions
+# a pass's module that computes besides its collectives: as many ops (forward and backward) over its first input
+# or its output. tp's loss over the local logits runs max, subtract, exp, sum and a divide, and backward a copy,
+# an index_put and a product (8.5 ms of a mixture's tp2 step here, where it had been costed nothing); tp's
+# embedding masks its ids and its rows, and backward adds its rows' gradients into the weight's
+_MODULE_OPS = {"VocabParallelCrossEntropy": (3, "input"), "VocabParallelEmbedding": (2, "output")}
 _COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
                     "all_to_all": "all_to_all", "ring": "send_recv"}
 
@@ -85,7 +90,7 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
             sent = _collective_time(gm, node, profile)
             communication += sum(sent)
             forward += sent[0]
-            compute += _attention_module_time(gm, node, profile)
+            compute += _attention_module_time(gm, node, profile) + _module_ops_time(gm, node, profile)
             if any(sent):
                 widest = max(widest, getattr(gm.get_submodule(node.target), "size", 1))
             continue
@@ -98,7 +103,7 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
             compute += _grouped_time(node, float(cost._matmul_rule(0, adds=False)(node, tuple)), profile)
             if name in _ZEROED:  # a loop over the experts writing into zeroed buffers: its output, and backward
                 # the input's and the stacked weights' gradients (13 ms of a mixture's 224 ms step here)
-                compute += profile.copy_time(node_bytes(node) + sum(node_bytes(a) for a in node.args[:2]
+                compute += profile.zero_time(node_bytes(node) + sum(node_bytes(a) for a in node.args[:2]
                                                                     if isinstance(a, fx.Node)))
         elif name in _MATMULS and flops:
             out = meta.val(node)
@@ -163,6 +168,15 @@ def _attention_module_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) 
         return merging + profile.attention_time(4.0 * numel / positions.numel() * pairs)
     keys = cost.dim_size(k.shape[-2]) * (getattr(module, "size", 1) if hasattr(module, "comm_bytes") else 1)
     return merging + profile.attention_time(4.0 * numel * keys)
+
+
+def _module_ops_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> float:
+    """The compute of a pass's module that does some besides its collectives (``_MODULE_OPS``)."""
+    ops, over = _MODULE_OPS.get(type(gm.get_submodule(node.target)).__name__, (0, ""))
+    if not ops:
+        return 0.0
+    value = node.args[0] if over == "input" and node.args else node
+    return ops * profile.op_time(node_bytes(value)) if isinstance(value, fx.Node) else 0.0
 
 
 def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tuple[float, float]:

@@ -38,6 +38,7 @@ reduce-scatter: its input; an all-to-all: what leaves the rank), so no ring fact
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -87,6 +88,7 @@ class Profile:
     # not on the fit's line, whose latency the large sizes set (2 ms here for an all-reduce of 1 KiB that takes 1)
     points: dict[str, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     copy_byte_seconds: float = 0.0  # a copy's per byte (a collective's buffer packed or unpacked; no autograd)
+    zero_byte_seconds: float = 0.0  # a zero fill's per byte, of a buffer out of the caches (a fresh allocation)
     # (bytes, seconds) of a receive posted after its send, the sender computing: the transfer waits for the sender's
     # communication thread to get a core (a pipeline's receive of a microbatch sent while it computed)
     late: list[tuple[float, float]] = field(default_factory=list)
@@ -94,18 +96,36 @@ class Profile:
     # --------------------------------------------------------------------------------------------- reading
 
     def matmul_time(self, m: float, n: float, k: float) -> float:
-        """A ``(m, k) @ (k, n)`` product forward and backward: the measured shape nearest in log sizes, scaled by
-        the FLOPs (a CPU's rate depends on the shape, not on the FLOPs alone)."""
+        """A ``(m, k) @ (k, n)`` product forward and backward, at the rate (FLOPs per second) interpolated in log
+        sizes between the measured shapes around it: each corner weighted by its closeness in log m, log n and log
+        k, those the grid leaves out (its largest products) left out; past the grid's ends at its edge's rate. A
+        CPU's rate depends on the shape, not on the FLOPs alone; taking the nearest shape's alone put a size midway
+        between two measured ones at whichever came first (a 1024 x 2048 x 256 product at 1.41x its time where one
+        point of its two read slow)."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
         if not self.matmul:
             raise ValueError("this profile has no matmul measurements")
-
-        def distance(point):
-            return sum(math.log(a / b) ** 2 for a, b in zip(point[:3], (m, n, k), strict=True))
-
-        pm, pn, pk, seconds = min(self.matmul, key=distance)
-        return seconds * (m * n * k) / (pm * pn * pk)
+        rates = {(pm, pn, pk): math.log(2.0 * pm * pn * pk / seconds) for pm, pn, pk, seconds in self.matmul}
+        corners = []
+        for i, value in enumerate((m, n, k)):
+            axis = sorted({shape[i] for shape in rates})
+            at = bisect_left(axis, value)
+            if at == len(axis) or at == 0 or axis[at] == value:
+                corners.append([(axis[min(at, len(axis) - 1)], 1.0)])
+                continue
+            low, high = axis[at - 1], axis[at]
+            t = math.log(value / low) / math.log(high / low)
+            corners.append([(low, 1.0 - t), (high, t)])
+        total = weight = 0.0
+        for (pm, wm), (pn, wn), (pk, wk) in itertools.product(*corners):
+            if (pm, pn, pk) in rates:
+                total += wm * wn * wk * rates[pm, pn, pk]
+                weight += wm * wn * wk
+        if weight <= 0:  # no measured corner (a grid with holes): the nearest shape's rate
+            nearest = min(rates, key=lambda p: sum(math.log(a / b) ** 2 for a, b in zip(p, (m, n, k), strict=True)))
+            total, weight = rates[nearest], 1.0
+        return 2.0 * m * n * k / math.exp(total / weight)
 
     def attention_time(self, flops: float) -> float:
         """Attention forward and backward doing ``flops`` of work (QK^T and PV, 4 per query, key and head
@@ -135,6 +155,10 @@ class Profile:
         """A copy of ``nbytes`` outside autograd (a collective's buffer packed or unpacked): a view's fixed cost and
         the copy's bytes (an op's per byte, forward and backward, where the profile has no copy's)."""
         return self.view_seconds + nbytes * (self.copy_byte_seconds or self.byte_seconds)
+
+    def zero_time(self, nbytes: float) -> float:
+        """A zero fill of ``nbytes`` just allocated, out of the caches (a copy's time where not measured)."""
+        return self.view_seconds + nbytes * (self.zero_byte_seconds or self.copy_byte_seconds or self.byte_seconds)
 
     def collective_time(self, kind: str, size: int, nbytes: float, calls: int = 1) -> float:
         """``calls`` collectives of ``kind`` over groups of ``size`` moving ``nbytes`` in all."""
@@ -277,6 +301,9 @@ def _samples(fn: Callable[[], object], *, repeats: int, warmup: int = 2, sync: b
 
 
 def _linear_point(m: int, n: int, k: int, repeats: int) -> tuple[int, int, int, float]:
+    """A linear's forward and backward, its weight out of the caches as a program's is (each read once a step, among
+    more weights and activations than the caches hold): a product of 256 rows ran 5% to 24% slower so than in a
+    loop over the same tensors here, a mixture's experts' most (its compute had been predicted 11% fast)."""
     x = torch.randn(m, k, requires_grad=True)
     w = torch.randn(n, k, requires_grad=True)
     g = torch.randn(m, n)
@@ -285,7 +312,17 @@ def _linear_point(m: int, n: int, k: int, repeats: int) -> tuple[int, int, int, 
         F.linear(x, w).backward(g)
         x.grad = w.grad = None
 
-    return m, n, k, _timed(run, repeats=repeats)
+    return m, n, k, _timed(run, repeats=repeats, before=_out_of_caches)
+
+
+_EVICTING: list[torch.Tensor] = []
+
+
+def _out_of_caches() -> None:
+    """Read 128 MiB: what the caches held is gone (11 ms here)."""
+    if not _EVICTING:
+        _EVICTING.append(torch.zeros(32 << 20))
+    _EVICTING[0].sum()
 
 
 def _attention_point(b: int, h: int, s: int, d: int, repeats: int) -> tuple[float, float]:
@@ -332,21 +369,30 @@ def _elementwise(repeats: int) -> tuple[float, float, float]:
 
 
 def _copy(repeats: int) -> float:
-    """Seconds per byte of a 4 MiB clone, the copy a collective's buffer takes (no autograd)."""
+    """Seconds per byte of a 4 MiB clone, the copy a collective's buffer takes (no autograd) of a value just
+    computed."""
     x = torch.randn(1 << 20)
     return _timed(x.clone, repeats=2 * repeats) / (x.numel() * 4)
 
 
+def _zeros(repeats: int) -> float:
+    """Seconds per byte of a 4 MiB ``torch.zeros``, each after a read of 128 MiB: a fresh buffer is out of the
+    caches (a zero fill of 2 to 8 MiB takes 0.05 ms per MiB in a loop here and 0.14 to 0.19 after such a pass, as a
+    mixture's expert loops' zero fills took in its step)."""
+    return _timed(lambda: torch.zeros(1 << 20), repeats=2 * repeats, before=_out_of_caches) / ((1 << 20) * 4)
+
+
 def _optimizer(repeats: int) -> tuple[float, float]:
     """(seconds per parameter byte, seconds per parameter tensor) of AdamW's step: four 4 MiB tensors against
-    sixty-four of 4 KiB."""
+    sixty-four of 4 KiB, its state out of the caches as a step's is after the backward (in a loop it read 0.78x to
+    0.81x the programs' steps here)."""
 
     def seconds(count: int, numel: int) -> float:
         params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(count)]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4)
-        return _timed(opt.step, repeats=repeats)
+        return _timed(opt.step, repeats=repeats, before=_out_of_caches)
 
     big, small = (4, 1 << 20), (64, 1 << 10)
     t_big, t_small = seconds(*big), seconds(*small)
@@ -584,14 +630,18 @@ def calibrate(*, quick: bool = False) -> Profile:
 
 def _measure_compute(profile: Profile, quick: bool, repeats: int) -> None:
     sizes, rows = ((128, 512), (256, 2048)) if quick else ((128, 512, 2048), (64, 256, 1024, 4096))
-    profile.matmul = [_linear_point(m, n, k, repeats) for m in rows for n in sizes for k in sizes
-                      if 2 * m * n * k <= 2.2e9]
+    shapes = [(m, n, k) for m in rows for n in sizes for k in sizes if 2 * m * n * k <= 2.2e9]
+    # two passes over the shapes, each shape's faster median kept: a slow spell of the machine lands on a few
+    # consecutive shapes of one pass (one read 114 GFLOP/s among neighbours of 140 to 165 here)
+    passes = [[_linear_point(*shape, repeats) for shape in shapes] for _ in range(2)]
+    profile.matmul = [min(points, key=lambda point: point[3]) for points in zip(*passes, strict=True)]
     shapes = ((1, 4, 64, 32), (2, 8, 256, 64)) if quick else ((1, 4, 64, 32), (2, 8, 128, 64), (2, 8, 256, 64),
                                                                 (4, 8, 512, 64))
     profile.attention = sorted(_attention_point(*shape, repeats) for shape in shapes)
     profile.op_seconds, profile.byte_seconds, profile.view_seconds = _elementwise(repeats)
-    profile.copy_byte_seconds = _copy(repeats)
+    profile.copy_byte_seconds, profile.zero_byte_seconds = _copy(repeats), _zeros(repeats)
     profile.optimizer_byte_seconds, profile.optimizer_param_seconds = _optimizer(repeats)
+    _EVICTING.clear()
 
 
 def _crowding(repeats: int) -> float:
