@@ -119,9 +119,14 @@ def _trim(rw, value: fx.Node, dim: int, size: int, consumer: fx.Node) -> fx.Node
 
 
 def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
-    """Record local shapes on sharded nodes (``meta.LOCAL``), so a pass for another axis sees what this rank holds."""
+    """Record local shapes on sharded nodes (``meta.LOCAL``), so a pass for another axis sees what this rank holds;
+    a node that replaced a propagated one (cp's attention module) holds that one's part, as its readers read it (a
+    pipeline stage's sends are sized so, and the gradients they get back: at the global shape, a stage whose cut
+    followed cp's attention received them into buffers twice the size, and its backward failed on every rank)."""
     for node in gm.graph.nodes:
         placement = prop.placements.get(node)
+        if placement is None and rw.original(node) is not node and meta.LOCAL not in node.meta:
+            placement = prop.placements.get(rw.original(node))
         val = meta.val(node)
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):
             node.meta[meta.LOCAL] = torch.empty(rw.shape_of(tuple(val.shape), placement), dtype=val.dtype,
