@@ -353,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=BENCH / "corpus.json")
     parser.add_argument("--out", type=Path, default=BENCH / "corpus.md")
     args = parser.parse_args(argv)
+    if args.programs and os.environ.get("PYTHONHASHSEED") != "0":
+        # transformers builds some graphs by iterating a set of strings (Gemma's rotary embedding per layer type),
+        # whose order Python's per-process hash seed picks: without a fixed seed, one program prints in either order
+        os.execve(sys.executable, [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, "PYTHONHASHSEED": "0"})
     cache = load(args.cache)
     every = names()
     selected = [n for n in every if not args.only or n in args.only][: args.limit]
