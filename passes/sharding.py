@@ -122,10 +122,14 @@ def _local_metadata(gm: fx.GraphModule, prop: Propagation, rw) -> None:
     """Record local shapes on sharded nodes (``meta.LOCAL``), so a pass for another axis sees what this rank holds;
     a node that replaced a propagated one (cp's attention module) holds that one's part, as its readers read it (a
     pipeline stage's sends are sized so, and the gradients they get back: at the global shape, a stage whose cut
-    followed cp's attention received them into buffers twice the size, and its backward failed on every rank)."""
+    followed cp's attention received them into buffers twice the size, and its backward failed on every rank).
+    Such a node took its metadata from the one it replaced, and with it the part an earlier axis's pass left (tp's
+    heads): this axis's part is taken of that, unless this pass recorded one of its own."""
+    inherited = {node for node, original in ((n, rw.original(n)) for n in gm.graph.nodes)
+                 if original is not node and node.meta.get(meta.LOCAL) is original.meta.get(meta.LOCAL)}
     for node in gm.graph.nodes:
         placement = prop.placements.get(node)
-        if placement is None and rw.original(node) is not node and meta.LOCAL not in node.meta:
+        if placement is None and node in inherited:
             placement = prop.placements.get(rw.original(node))
         val = meta.val(node)
         if isinstance(placement, Shard) and isinstance(val, torch.Tensor):

@@ -339,3 +339,27 @@ def test_a_stage_after_cp_s_attention_sends_this_rank_s_part(name):
         specs = {stage: got_sent for per_cp in builds for stage, got_sent in per_cp[cp_rank].local_specs.items()}
         for stage in range(3):
             assert [s.shape for s in specs[stage][1]] == [s.shape for s in specs[stage + 1][0]], (cp_rank, stage)
+
+
+@pytest.mark.parametrize("options", [{}, {"cp_attention": "ring", "cp_load_balance": True},
+                                     {"cp_attention": "alltoall"}], ids=["gathered", "ring", "alltoall"])
+def test_cp_s_attention_under_tp_records_the_part_both_axes_leave(options):
+    """Over tp2 x cp2 cp's attention module replaces an attention whose heads tp already split: its output is this
+    rank's heads of this rank's tokens, what a stage cut after it would send (it had kept every token)."""
+    from corpus import build as corpus_build
+
+    import autoshard
+    from autoshard import meta
+    from autoshard.options import CompileOptions
+    from autoshard.planner.predict import Compiler
+
+    case = corpus_build("opt")
+    gm = Compiler(case.model, case.inputs, case.target, case.loss_fn).builds(
+        autoshard.Mesh(tp=2, cp=2), CompileOptions(**options))[0][0].programs[0].gm
+    modules = [n for n in gm.graph.nodes if n.op == "call_module"
+               and type(gm.get_submodule(n.target)).__name__ in ("GatheredCausalAttention", "RingAttention",
+                                                                 "HeadsToSequence")]
+    assert modules
+    for node in modules:
+        whole = meta.global_val(node).shape
+        assert tuple(meta.val(node).shape) == (whole[0], whole[1] // 2, whole[2] // 2, whole[3]), node.name
