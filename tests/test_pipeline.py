@@ -70,3 +70,47 @@ def test_the_last_steps_timeline_is_recorded(pools):
     assert lines[0].startswith("pp rank 0: ") and "(the schedule alone: 20%)" in lines[0]
     assert "0F0@" in lines[0] and "0B3@" in lines[0]
     assert "1F0@" in lines[1], "rank 1 runs stage 1"
+
+
+def test_ranks_whose_stages_do_not_fit_together_are_refused_before_a_step(pools):
+    """Rank 1 compiles stage 1 to receive the residual stream as (seq, batch, hidden), the same bytes as the
+    (batch, seq, hidden) stage 0 sends. Unchecked, rank 1 failed inside its stage and rank 0 waited 120 s in a
+    receive before failing; now both ranks are refused before the step, told which stages disagree."""
+    for message in pools.get(2).run(_mismatched_handoff):
+        assert "pipeline stage 0 (pp rank 0) sends [((4, 16, 48), 'torch.float32')]" in message, message
+        assert "stage 1 (pp rank 1) receives [((16, 4, 48), 'torch.float32')]" in message, message
+        assert "the ranks compiled different programs" in message
+
+
+def _mismatched_handoff() -> str:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import autoshard
+    import autoshard.runtime.parallel_model as parallel_model
+
+    from models import build
+
+    compile_rank = parallel_model.compile_rank
+
+    def another_program(*args, **kwargs):
+        built = compile_rank(*args, **kwargs)
+        if dist.get_rank() == 1:
+            received, sent = built.local_specs[1]
+            shape = received[0].shape
+            built.local_specs[1] = ([dataclasses.replace(received[0], shape=(shape[1], shape[0], *shape[2:])),
+                                     *received[1:]], sent)
+        return built
+
+    case, mesh = build("gpt"), autoshard.Mesh(pp=2)
+    parallel_model.compile_rank = another_program
+    try:
+        pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                   target=case.target, microbatches=2, groups=golden.groups_for(mesh))
+        pm.step(*case.inputs, target=case.target)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        parallel_model.compile_rank = compile_rank
+    return "no error"

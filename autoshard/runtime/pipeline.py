@@ -54,6 +54,31 @@ class Pipeline:
         for name, ranks in build.tied.items():
             self.groups.across_pp(ranks)
             self.tied.setdefault(name, ranks)
+        self.check_handoffs(build)
+
+    def check_handoffs(self, build: RankBuild) -> None:
+        """Compare what each stage sends with what the next stage, on another pp rank, allocates to receive: the
+        same shapes, dtypes and layouts, in the same order (collective over the pp group). Every rank compiles its
+        stages from its own capture; ranks whose captures or plans differ (another library version on one of
+        them, a capture that depends on the process) are refused here, before a step, on every rank alike, where
+        they would fail inside a stage while the others wait out a receive's timeout, or, where the shapes happen
+        to agree, compute on values laid out otherwise."""
+        mine = {s: (list(received), list(sent)) for s, (received, sent) in build.local_specs.items()}
+        everyone: list = [None] * self.p
+        dist.all_gather_object(everyone, mine, group=self.groups.group("pp"))
+        specs = {s: pair for found in everyone for s, pair in found.items()}
+        for s in range(self.num_stages - 1):
+            if schedules.rank_of(s, self.p, self.placement) == schedules.rank_of(s + 1, self.p, self.placement):
+                continue  # handed over within this rank's memory: nothing is allocated for it
+            sent, received = specs[s][1], specs[s + 1][0]
+            if sent != received:
+                raise RuntimeError(
+                    f"pipeline stage {s} (pp rank {schedules.rank_of(s, self.p, self.placement)}) sends "
+                    f"{[(tuple(x.shape), str(x.dtype)) for x in sent]}, but stage {s + 1} (pp rank "
+                    f"{schedules.rank_of(s + 1, self.p, self.placement)}) receives "
+                    f"{[(tuple(x.shape), str(x.dtype)) for x in received]}: the ranks compiled different programs "
+                    "of the model. Run every rank on the same versions of torch, transformers and autoshard, with "
+                    "the same model code and inputs; if they are, this is a bug in autoshard's pipeline cut")
 
     def reducer(self, programs: dict[int, codegen.RankProgram], store: codegen.ParamStore, group,
                 experts: tuple[str, ...] = ()) -> GradientReducer:
