@@ -45,7 +45,7 @@ from launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
 # run only when asked (--meshes tp4 --only ...)
-EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv", "tp2sp", "ep2", "ep2xtp2", "dp2xep2xpp2")
+EXTRA = ("tp4", "cp2ring", "cp2alltoall", "pp2zbv", "tp2sp", "ep2", "ep2xtp2", "dp2xep2xpp2", "pp2xcp2", "pp2xcp2il")
 WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balanced",
         "cp2alltoall": "all-to-all attention, load balanced",
         "pp2zbv": "the zero-bubble V schedule, 4 microbatches (4 stages: the backward split into input and weight "
@@ -53,7 +53,11 @@ WHAT = {"tp4": "the mixtures of experts", "cp2ring": "ring attention, load balan
         "tp2sp": "sequence parallelism: the sequence split over tp between the tensor-parallel regions",
         "ep2": "expert parallelism: the experts split over the two dp ranks, tokens sent to their experts",
         "ep2xtp2": "expert parallelism over dp=2 with every expert split over tp=2 too",
-        "dp2xep2xpp2": "expert parallelism over dp=2 inside each of two pipeline stages, 2 microbatches"}
+        "dp2xep2xpp2": "expert parallelism over dp=2 inside each of two pipeline stages, 2 microbatches",
+        "pp2xcp2": "two pipeline stages, each one's sequence split over cp=2 (what a stage hands on stays split), "
+                   "2 microbatches",
+        "pp2xcp2il": "interleaved 1F1B over pp=2 x cp=2: two chunks per rank (four stages, cut more finely), "
+                     "2 microbatches"}
 WRITES = ("pp2", "pp2zbv", "dp2xtp2xpp2", "cp2", "tp2sp")  # the meshes the writes sweep builds every rank of
 WRITES_VERSION = 2  # a sweep made before the passes kept every write is run again (without --rerun too)
 PLANNED = (2, 4)  # tp degrees whose per-rank parameter share is planned (one process, no run)

@@ -49,6 +49,8 @@ MESHES: dict[str, tuple[dict, dict]] = {
     "ep2": ({"dp": 2, "ep": 2}, {}),  # the experts split over the two dp ranks, the tokens sent to them
     "ep2xtp2": ({"dp": 2, "ep": 2, "tp": 2}, {}),  # each expert split over tp as well
     "dp2xep2xpp2": ({"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
+    "pp2xcp2": ({"pp": 2, "cp": 2}, {"microbatches": 2}),  # each stage's tokens split over cp, handed on split
+    "pp2xcp2il": ({"pp": 2, "cp": 2}, {"microbatches": 2, "schedule": "interleaved", "chunks": 2}),  # 4 stages
 }
 
 _USER_ERRORS = (ValueError, NotImplementedError, TypeError)
