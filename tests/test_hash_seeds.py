@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from launcher import free_port
 
 WORKER = Path(__file__).resolve().parent / "hash_seed_worker.py"
 NAME = "gemma4_text"
@@ -20,12 +21,6 @@ def _run(args: list[str], seed: int, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1",
                                             "GLOO_SOCKET_IFNAME": "lo", **env})
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _finish(process: subprocess.Popen) -> str:
@@ -42,7 +37,7 @@ def test_pipeline_ranks_whose_hash_seeds_order_the_capture_differently_train_exa
     digests = [_run(["digest", NAME], seed) for seed in (0, 1)]
     first, second = (_finish(p).strip().splitlines()[-1] for p in digests)
     assert first != second, f"{NAME}'s capture no longer depends on the hash seed: pick a model whose does"
-    port = str(_port())
+    port = str(free_port())
     ranks = [_run(["cell", NAME, "pp2"], seed=rank, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for rank in range(2)]
     outs = [_finish(p) for p in ranks]

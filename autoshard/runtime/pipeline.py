@@ -67,15 +67,13 @@ class Pipeline:
         everyone: list = [None] * self.p
         dist.all_gather_object(everyone, mine, group=self.groups.group("pp"))
         specs = {s: pair for found in everyone for s, pair in found.items()}
+        rank = [schedules.rank_of(s, self.p, self.placement) for s in range(self.num_stages)]
         for s in range(self.num_stages - 1):
-            if schedules.rank_of(s, self.p, self.placement) == schedules.rank_of(s + 1, self.p, self.placement):
-                continue  # handed over within this rank's memory: nothing is allocated for it
             sent, received = specs[s][1], specs[s + 1][0]
-            if sent != received:
+            if rank[s] != rank[s + 1] and sent != received:  # within one rank nothing is allocated for it
                 raise RuntimeError(
-                    f"pipeline stage {s} (pp rank {schedules.rank_of(s, self.p, self.placement)}) sends "
-                    f"{[(tuple(x.shape), str(x.dtype)) for x in sent]}, but stage {s + 1} (pp rank "
-                    f"{schedules.rank_of(s + 1, self.p, self.placement)}) receives "
+                    f"pipeline stage {s} (pp rank {rank[s]}) sends {[(tuple(x.shape), str(x.dtype)) for x in sent]}, "
+                    f"but stage {s + 1} (pp rank {rank[s + 1]}) receives "
                     f"{[(tuple(x.shape), str(x.dtype)) for x in received]}: the ranks compiled different programs "
                     "of the model. Run every rank on the same versions of torch, transformers and autoshard, with "
                     "the same model code and inputs; if they are, this is a bug in autoshard's pipeline cut")
