@@ -354,11 +354,10 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     ``check_batch_norm``'s; cp and tp keep the batch whole.)"""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
         return False, {}
-    from autoshard.passes import batch_statistics
-    from autoshard.passes.axis import Axis, Outputs
+    from autoshard.passes import batch_split, batch_statistics
     from autoshard.passes.loss import is_token_mean
     from autoshard.passes.placements import Partial, R
-    from autoshard.passes.propagate import propagate, redistributions
+    from autoshard.passes.propagate import redistributions
 
     gm = codegen.prepare(captured, None)
     if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
@@ -366,17 +365,23 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     over = " and ".join(filter(None, [f"dp={mesh.dp}" if mesh.dp > 1 else "",
                                       f"microbatches={options.microbatches}" if options.microbatches > 1 else ""]))
     batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
-    prop, whole = None, []
-    if batch and batch >= 2:  # a part of one sample: its rows cannot be told from the rest, every token mean splits
-        seeds = {n.target: Shard(0) for n in gm.graph.nodes
-                 if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
-                 and meta.val(n).shape[0] == batch}
-        prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
-        whole = [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
-    split = [n for n in gm.graph.nodes if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
+    analysed, recaptured = codegen.prepare(captured, None), False
+    if batch == 1 and captured.recapture is not None:  # one sample a part: the same graph at two tells the rows apart
+        analysed, batch, recaptured = codegen.prepare(captured.recapture(2), None), 2, True
+    prop, whole, findings = None, [], []
+    if batch and batch >= 2:
+        prop, findings = _batch_propagation(analysed, batch)
+        whole = [f.node for f in findings if f.kind == batch_split.STATISTIC] + \
+            [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
+    coupled = [f for f in findings if f.kind != batch_split.STATISTIC]
+    if coupled:
+        _refuse_coupled(coupled, over, options, notes)
+        return False, {}
+    split = [n for n in analysed.graph.nodes
+             if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
     if not whole and not split:
         return False, {}
-    where = _where(whole[0] if whole else split[0])
+    where = _where(split[0] if split else whole[0])  # a token mean first: the sums beside it are read whole for it
     what = (["a term computed from the whole batch at once (such as a router's load-balancing loss from the fraction "
              "of tokens each expert got)"] if whole else []) + \
         (["a cross-entropy averaged over its counted tokens inside a larger loss (such as ce + 0.01 * z_loss)"]
@@ -388,7 +393,8 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
                          "from each part's own samples and average the parts' losses, as DDP and gradient "
                          "accumulation do, which differs from the model run on the whole batch")
         return False, {}
-    if mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1 and prop is not None:
+    if mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1 and prop is not None \
+            and not recaptured:
         try:
             if captured.recapture is None:
                 raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
@@ -412,6 +418,40 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         "and pp with one microbatch are exact), pass batch_statistics='local' to compute it on each part as DDP and "
         "gradient accumulation do, or leave that term out of the loss (for transformers' mixtures of experts, "
         "output_router_logits=False; for a cross-entropy, return it alone, scaled by a number or not)")
+
+
+def _batch_propagation(gm: fx.GraphModule, batch: int):
+    """The batch split (``Shard(0)`` on every input of ``batch`` rows) through ``gm``, and what it cannot prove of
+    the loss (``passes.batch_split``)."""
+    from autoshard.passes import batch_split
+    from autoshard.passes.axis import Axis, Outputs
+    from autoshard.passes.propagate import propagate
+
+    batch_split.reductions_by_dims(gm)
+    seeds = {n.target: Shard(0) for n in gm.graph.nodes
+             if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
+             and meta.val(n).shape[0] == batch}
+    prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
+    return prop, batch_split.unproven(gm, prop)
+
+
+def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: list[str] | None) -> None:
+    """A loss that reads rows of the batch together (or through an op the batch split has no rule for): refused
+    naming each, or said where ``batch_statistics='local'`` asks for each part's own loss."""
+    found = "; ".join(f.describe() for f in coupled[:3]) + (f"; and {len(coupled) - 3} more" if len(coupled) > 3
+                                                             else "")
+    if options.batch_statistics == "local":
+        if notes is not None:
+            notes.append(f"the loss couples the samples of the batch ({found}); with batch_statistics='local' {over} "
+                         "compute it from each part's own samples and average the parts' losses, as DDP and gradient "
+                         "accumulation do, which differs from the model run on the whole batch")
+        return
+    raise ValueError(
+        f"the loss is not a sum over the batch's samples: {found}. {over} would run each part of the batch alone, "
+        "and no rank sees another part's rows: each part would train its own loss (a contrastive loss over its own "
+        "samples, preference pairs split apart), a different objective from the model run on the whole batch. Keep "
+        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), or pass "
+        "batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")
 
 
 def _where(node: fx.Node) -> str:

@@ -244,8 +244,10 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
 
 @localizer(aten.conv1d.default)
 def _depthwise_conv(node: fx.Node, rw: Rewriter) -> None:
-    """A depthwise convolution over this rank's channels: one group per channel it holds."""
-    if isinstance(rw.placement(node), Shard):
+    """A depthwise convolution over this rank's channels: one group per channel it holds. (Split by samples: as
+    it is.)"""
+    placement = rw.placement(node)
+    if isinstance(placement, Shard) and placement.dim == 1:
         args = list(node.args) + [None, 1, 0, 1, 1][len(node.args) - 2:]
         if "groups" in node.kwargs:
             node.kwargs = {**node.kwargs, "groups": node.kwargs["groups"] // rw.size}

@@ -131,13 +131,9 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
                                                   for n in node.all_input_nodes):
         return replicate_all(node, ctx)
     if node.op == "call_module":
-        fn = RULES.get(type(node.graph.owning_module.get_submodule(node.target)))
+        fn = rule_of(node)
         return fn(node, ctx) if fn is not None else replicate_all(node, ctx)
-    fn = RULES.get(node.target)
-    if fn is None and hasattr(node.target, "overloadpacket"):
-        fn = RULES.get(node.target.overloadpacket)
-    if fn is None:
-        fn = next((rule for matches, rule in MATCHERS if matches(node)), None)
+    fn = rule_of(node)
     if fn is not None:
         try:
             return fn(node, ctx)
@@ -149,6 +145,17 @@ def decide(node: fx.Node, ctx: Context) -> Decision:
         names = ", ".join(n.name for n in written)
         decision.reason = f"{node.target}: writes in place into {names}, which this axis splits"
     return decision
+
+
+def rule_of(node: fx.Node) -> Rule | None:
+    """The rule that decides ``node`` (by its op, its op's overload packet, its module's type or a matcher), or None:
+    then the general fallback replicates it."""
+    if node.op == "call_module":
+        return RULES.get(type(node.graph.owning_module.get_submodule(node.target)))
+    fn = RULES.get(node.target)
+    if fn is None and hasattr(node.target, "overloadpacket"):
+        fn = RULES.get(node.target.overloadpacket)
+    return fn if fn is not None else next((rule for matches, rule in MATCHERS if matches(node)), None)
 
 
 def written_inputs(node: fx.Node) -> list[fx.Node]:
@@ -251,8 +258,8 @@ _POINTWISE = (
 _IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_", "copy_")
 
 
-def _pointwise(node: fx.Node, ctx: Context) -> Decision:
-    out_ndim = len(ctx.shape(node))
+def _pointwise(node: fx.Node, ctx: Context, out_ndim: int | None = None) -> Decision:
+    out_ndim = len(ctx.shape(node)) if out_ndim is None else out_ndim
     inputs = tensor_inputs(node)
     shards: set[Shard] = set()
     for n in inputs:
@@ -341,6 +348,16 @@ for _name in _POINTWISE:
         RULES[getattr(aten, _name)] = _pointwise
 for _op in (aten.min.other, aten.max.other):  # element-wise overloads of packets whose others reduce
     RULES[_op] = _pointwise
+
+
+@rule(aten.broadcast_tensors.default)
+def _broadcast_tensors(node: fx.Node, ctx: Context) -> Decision:
+    """Every tensor expanded to the common shape (``mse_loss``'s first step): placed as an element-wise op's output,
+    each of them (an operand of size 1 along the split dim is expanded to each rank's part)."""
+    outputs = meta.val(node)
+    decision = _pointwise(node, ctx, out_ndim=outputs[0].dim())
+    out = R if decision.fallback else decision.out
+    return Decision(tuple(out for _ in outputs), decision.want, fallback=decision.fallback)
 
 
 def _pointwise_in_place(node: fx.Node, ctx: Context) -> Decision:

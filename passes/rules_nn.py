@@ -44,7 +44,7 @@ def _softmax(node: fx.Node, ctx: Context) -> Decision:
 
 
 @rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
-      aten.logsumexp.default)
+      aten.logsumexp.default, aten.linalg_vector_norm.default)
 def _reduce(node: fx.Node, ctx: Context) -> Decision:
     p = _one_input_shard(node, ctx)
     if p is None:
@@ -61,12 +61,55 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p.at(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
 
 
+def _per_sample(node: fx.Node, ctx: Context) -> Decision | None:
+    """A convolution split along its batch of samples (dim 0 of a batched input, the filters whole): each rank
+    convolves its own samples. None for any other split."""
+    x, w = arg(node, "input"), arg(node, "weight")
+    p = ctx.of(x)
+    batched = isinstance(p, Shard) and p.dim == 0 and p.blocks is None and len(ctx.shape(x)) == len(ctx.shape(w))
+    if not batched or any(ctx.of(n) != R for n in tensor_inputs(node) if n is not x):
+        return None
+    return Decision(p)
+
+
+@rule(aten.conv3d.default, aten.conv_transpose2d.input, aten.convolution.default)
+def _conv(node: fx.Node, ctx: Context) -> Decision:
+    return _per_sample(node, ctx) or replicate_all(node, ctx)
+
+
+_POOLS = [aten.avg_pool1d.default, aten.avg_pool2d.default, aten.max_pool1d.default, aten.max_pool2d.default,
+          aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.upsample_nearest2d.default]
+
+
+@rule(*_POOLS)
+def _pool(node: fx.Node, ctx: Context) -> Decision:
+    """Pooling and resampling act on each (sample, channel) plane: a split of the samples stays."""
+    p = ctx.of(node.args[0])
+    if not (isinstance(p, Shard) and p.dim == 0 and p.blocks is None and len(ctx.shape(node.args[0])) >= 3):
+        return replicate_all(node, ctx)
+    return Decision(p)
+
+
+@rule(aten.group_norm.default)
+def _group_norm(node: fx.Node, ctx: Context) -> Decision:
+    """GroupNorm normalises each sample over its own channels: a split of the samples stays, weight and bias whole."""
+    x = node.args[0]
+    p = ctx.of(x)
+    if not (isinstance(p, Shard) and p.dim == 0 and p.blocks is None) or any(
+            ctx.of(n) != R for n in tensor_inputs(node) if n is not x):
+        return replicate_all(node, ctx)
+    return Decision(p)
+
+
 @rule(aten.conv1d.default)
 def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
     """A depthwise convolution (one filter per channel, ``groups`` = channels: a linear attention's short causal
-    conv): channels split stay split, each rank convolving its own with their filters."""
+    conv): channels split stay split, each rank convolving its own with their filters. Split by samples: each rank
+    convolves its own."""
     x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
     p = ctx.of(x)
+    if (per_sample := _per_sample(node, ctx)) is not None:
+        return per_sample
     channels = ctx.shape(x)[1] if len(ctx.shape(x)) == 3 else None
     depthwise = channels is not None and arg(node, "groups") == channels == ctx.shape(w)[0]
     if not (isinstance(p, Shard) and p.dim == 1 and depthwise):
@@ -97,7 +140,32 @@ def _patch_conv(node: fx.Node, ctx: Context) -> Decision:
     if (ctx.of(w) == Shard(2) and ctx.axis.pending_sums and is_patch_conv(node) and ctx.shape(w)[2] % ctx.size == 0
             and all(ctx.of(n) == R for n in others)):
         return Decision(R)
-    return replicate_all(node, ctx)
+    return _per_sample(node, ctx) or replicate_all(node, ctx)
+
+
+# losses of each element: (op, position of ``reduction``); with reduction='none' element-wise
+ELEMENTWISE_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                      aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
+                      aten.binary_cross_entropy_with_logits.default: 4, aten.kl_div.default: 2}
+
+
+@rule(*ELEMENTWISE_LOSSES)
+def _elementwise_loss(node: fx.Node, ctx: Context) -> Decision:
+    """``mse_loss`` and its kind: element-wise with reduction='none'; reduced, every input whole. (The batch split's
+    analysis reads a reduced one as reduction='none' and then a mean or a sum: ``passes.batch_split``.)"""
+    return _pointwise(node, ctx) if arg(node, "reduction") == 0 else replicate_all(node, ctx)
+
+
+@rule(aten.gather.default)
+def _gather(node: fx.Node, ctx: Context) -> Decision:
+    """``x.gather(dim, index)`` along another dim than the split one, ``x`` and ``index`` split alike (a token's
+    log-probability of its label, rows split): each rank picks from its own rows."""
+    x, index = arg(node, "self"), arg(node, "index")
+    p, ndim = ctx.of(x), len(ctx.shape(x))
+    if not (isinstance(p, Shard) and p.blocks is None and ctx.of(index) == p and _dim(arg(node, "dim"), ndim) != p.dim
+            and ctx.shape(x)[p.dim] == ctx.shape(index)[p.dim]) or arg(node, "sparse_grad"):
+        return replicate_all(node, ctx)
+    return Decision(p)
 
 
 @rule(aten.max.dim, aten.min.dim)

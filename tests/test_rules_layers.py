@@ -254,6 +254,75 @@ def test_softmax_and_reductions(op, args, kwargs, shard, placement):
     out.assert_exact(rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------- per sample: convolutions, pooling, losses of elements
+# The batch split (dp and microbatches, ``passes.batch_split``) reads these: each rank's samples alone.
+
+def _per_sample_case(op, args, placement, name, shard=None, kwargs=None):
+    return pytest.param(op, args, kwargs or {}, shard or {0: Shard(0)}, placement, id=name)
+
+
+_IMAGES, _SIGNAL = rand(4, 3, 6, 6), rand(4, 3, 10)
+PER_SAMPLE_CASES = [
+    _per_sample_case(aten.conv2d.default, (_IMAGES, rand(5, 3, 3, 3, seed=1), rand(5, seed=2), [1], [1]), Shard(0),
+                     "conv2d-samples"),
+    _per_sample_case(aten.conv2d.default, (_IMAGES, rand(5, 3, 3, 3, seed=1)), R, "conv2d-channels-gathers",
+                     shard={0: Shard(1)}),
+    _per_sample_case(aten.conv2d.padding, (_IMAGES, rand(5, 3, 3, 3, seed=1), None, [1], "same"), Shard(0),
+                     "conv2d-same-samples"),
+    _per_sample_case(aten.conv1d.default, (_SIGNAL, rand(6, 1, 3, seed=1), None, [1], [1], [1], 3), Shard(0),
+                     "conv1d-grouped-samples"),
+    _per_sample_case(aten.conv3d.default, (rand(4, 2, 3, 4, 4), rand(3, 2, 2, 2, 2, seed=1), rand(3, seed=2)),
+                     Shard(0), "conv3d-samples"),
+    _per_sample_case(aten.conv_transpose2d.input, (_IMAGES, rand(3, 2, 2, 2, seed=1), rand(2, seed=2), [2]),
+                     Shard(0), "conv-transpose2d-samples"),
+    _per_sample_case(aten.convolution.default, (_IMAGES, rand(5, 3, 3, 3, seed=1), None, [2, 2], [0, 0], [1, 1],
+                                                False, [0, 0], 1), Shard(0), "convolution-samples"),
+    _per_sample_case(aten.conv2d.default, (_IMAGES, rand(5, 3, 3, 3, seed=1)), R, "conv2d-filters-split-gathers",
+                     shard={0: Shard(0), 1: Shard(0)}),
+    _per_sample_case(aten.avg_pool1d.default, (_SIGNAL, [2]), Shard(0), "avg-pool1d"),
+    _per_sample_case(aten.avg_pool2d.default, (_IMAGES, [2, 2], [1, 1], [1, 1]), Shard(0), "avg-pool2d-padding"),
+    _per_sample_case(aten.max_pool1d.default, (_SIGNAL, [3], [2]), Shard(0), "max-pool1d"),
+    _per_sample_case(aten.max_pool2d.default, (_IMAGES, [2, 2]), Shard(0), "max-pool2d"),
+    _per_sample_case(aten.max_pool2d.default, (_IMAGES, [2, 2]), R, "max-pool2d-rows-gathers", shard={0: Shard(2)}),
+    _per_sample_case(aten.adaptive_avg_pool1d.default, (_SIGNAL, [4]), Shard(0), "adaptive-avg-pool1d"),
+    _per_sample_case(aten.adaptive_avg_pool2d.default, (_IMAGES, [1, 1]), Shard(0), "adaptive-avg-pool2d"),
+    _per_sample_case(aten.upsample_nearest2d.default, (_IMAGES, [12, 12]), Shard(0), "upsample-nearest2d"),
+    _per_sample_case(aten.group_norm.default, (_IMAGES, 3, rand(3, seed=1), rand(3, seed=2), 1e-3), Shard(0),
+                     "group-norm-samples"),
+    _per_sample_case(aten.group_norm.default, (rand(4, 6, 5), 2), R, "group-norm-channels-gathers",
+                     shard={0: Shard(1)}),
+    _per_sample_case(aten.linalg_vector_norm.default, (rand(4, 6), 2, [-1], True), Shard(0), "vector-norm-rows"),
+    _per_sample_case(aten.linalg_vector_norm.default, (rand(4, 6), 2, [0]), R, "vector-norm-over-split"),
+    _per_sample_case(aten.broadcast_tensors.default, ([rand(4, 6), rand(1, 6, seed=1)],), (Shard(0), Shard(0)),
+                     "broadcast-tensors", shard={0: Shard(0)}),
+    _per_sample_case(aten.gather.default, (rand(4, 6), 1, torch.tensor([[1], [0], [5], [2]])), Shard(0),
+                     "gather-rows", shard={0: Shard(0), 1: Shard(0)}),
+    _per_sample_case(aten.gather.default, (rand(4, 6), 0, torch.tensor([[1, 0, 3, 2, 1, 0]])), R,
+                     "gather-over-split-gathers", shard={0: Shard(0)}),
+    _per_sample_case(aten.gather.default, (rand(4, 6), 1, torch.tensor([[1], [0]])), R,
+                     "gather-fewer-rows-gathers", shard={0: Shard(0)}),
+    _per_sample_case(aten.mse_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0), Shard(0), "mse-none"),
+    _per_sample_case(aten.mse_loss.default, (rand(4, 6), rand(4, 6, seed=1)), R, "mse-mean-gathers"),
+    _per_sample_case(aten.l1_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0), Shard(0), "l1-none"),
+    _per_sample_case(aten.smooth_l1_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0, 0.5), Shard(0),
+                     "smooth-l1-none-beta"),
+    _per_sample_case(aten.huber_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0, 0.5), Shard(0), "huber-none"),
+    _per_sample_case(aten.binary_cross_entropy.default, (rand(4, 6).sigmoid(), rand(4, 6, seed=1).sigmoid(),
+                                                         None, 0), Shard(0), "bce-none"),
+    _per_sample_case(aten.binary_cross_entropy_with_logits.default, (rand(4, 6), rand(4, 6, seed=1).sigmoid(),
+                                                                     None, None, 0), Shard(0), "bce-logits-none"),
+    _per_sample_case(aten.kl_div.default, (rand(4, 6).log_softmax(-1), rand(4, 6, seed=1).softmax(-1), 0),
+                     Shard(0), "kl-div-none"),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", PER_SAMPLE_CASES)
+def test_per_sample_layers(op, args, kwargs, shard, placement):
+    out = simulate(op, args, kwargs, shard=shard)
+    assert out.placement == placement
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
 # -------------------------------------------------------------------------------------------- matmuls
 
 MATMUL_CASES = [
