@@ -201,7 +201,9 @@ def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, 
         batch = target.shape[0] if target.dim() else None
         grown = tuple(torch.cat([v] * factor) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch
                       else v for v in (*inputs, target))
-        return capture(model, grown[:-1], loss_fn=loss_fn, example_target=grown[-1], training=training)
+        # taken as the first one was (with its outputs split off, which drops what only they read): the same graph
+        return capture(model, grown[:-1], loss_fn=loss_fn, example_target=grown[-1], training=training,
+                       outputs=outputs)
 
     captured.recapture = recapture
     captured.token_loss = find_token_loss(captured.gm)

@@ -374,9 +374,12 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         whole = [f.node for f in findings if f.kind == batch_split.STATISTIC] + \
             [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
     coupled = [f for f in findings if f.kind != batch_split.STATISTIC]
-    if coupled:
+    dp_alone = mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1
+    if coupled and (options.batch_statistics == "local" or not dp_alone or mesh.tp > 1 or mesh.ep > 1 or recaptured):
         _refuse_coupled(coupled, over, options, notes)
         return False, {}
+    if coupled:
+        return _gather_coupled(captured, gm, batch, mesh.dp, coupled, notes)
     split = [n for n in analysed.graph.nodes
              if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
     if not whole and not split:
@@ -435,6 +438,34 @@ def _batch_propagation(gm: fx.GraphModule, batch: int):
     return prop, batch_split.unproven(gm, prop)
 
 
+def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int, coupled: list,
+                    notes: list[str] | None) -> tuple[bool, dict[str, list]]:
+    """dp alone: the rows a coupled loss term reads gathered over the dp ranks (``passes.batch_gather``), or
+    refused, before any collective, saying why."""
+    from autoshard.passes import batch_statistics
+
+    found = "; ".join(f.describe() for f in coupled[:3])
+    try:
+        if captured.recapture is None:
+            raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
+        sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
+    except batch_statistics.BatchStatisticsError as e:
+        reason = str(e)
+    else:
+        reason = batch_statistics.refusal(gm, batch, dp, sizes)
+    if reason is not None:
+        raise ValueError(f"the loss is not a sum over the batch's samples: {found}; dp={dp} cannot gather the rows "
+                         f"it reads: {reason}")
+    if notes is not None:
+        trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        gathered = batch_statistics.batch_statistics_pass(trial, batch=batch, size=dp, rank=0, sizes=sizes).gathered
+        notes.append(f"the loss couples the samples of the batch ({found}): every dp rank gathers "
+                     f"{', '.join(gathered)} from the {dp} dp ranks (an all-gather whose backward sums the gradient "
+                     "and keeps each rank's rows) and computes that term on the whole batch, so the loss is the "
+                     "model's")
+    return True, sizes
+
+
 def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: list[str] | None) -> None:
     """A loss that reads rows of the batch together (or through an op the batch split has no rule for): refused
     naming each, or said where ``batch_statistics='local'`` asks for each part's own loss."""
@@ -450,7 +481,8 @@ def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: li
         f"the loss is not a sum over the batch's samples: {found}. {over} would run each part of the batch alone, "
         "and no rank sees another part's rows: each part would train its own loss (a contrastive loss over its own "
         "samples, preference pairs split apart), a different objective from the model run on the whole batch. Keep "
-        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), or pass "
+        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use dp alone with "
+        "one microbatch (no pp, cp, tp or ep: the rows the term reads are then gathered over dp, exact), or pass "
         "batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")
 
 

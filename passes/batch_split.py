@@ -79,7 +79,31 @@ def where(node: fx.Node) -> str:
 
 
 def unproven(gm: fx.GraphModule, prop: Propagation) -> list[Finding]:
-    """The findings whose values reach the loss without being taken back as rows of the batch, in graph order."""
+    """The findings whose values reach the loss without being taken back as rows of the batch, in graph order (where
+    each coupling starts: none downstream of another)."""
+    found, reaches, loss = _trace(gm, prop)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = [found[o] for o in reaches.get(loss, ())
+             if not any(reaches.get(v, frozenset()) - {o} for v in o.all_input_nodes)]
+    return sorted(first, key=lambda f: order[f.node])
+
+
+def coupled_region(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:
+    """The nodes from the findings to the loss whose values depend on a finding: what must run on the whole batch
+    for the loss to be the model's (``passes.batch_gather``)."""
+    _, reaches, loss = _trace(gm, prop)
+    region, todo = set(), [loss] if loss in reaches else []
+    while todo:
+        node = todo.pop()
+        if node in region:
+            continue
+        region.add(node)
+        todo += [v for v in node.all_input_nodes if v in reaches and reaches[v] & reaches[node]]
+    return region
+
+
+def _trace(gm: fx.GraphModule, prop: Propagation):
+    """(findings by node, node -> the findings its value depends on, the loss node)."""
     misread: set[tuple[fx.Node, fx.Node]] = set()  # (value, consumer): split rows read as something else
     taken: set[tuple[fx.Node, fx.Node]] = set()  # (value, consumer): a whole value taken in parts, as rows
     for r in redistributions(prop):
@@ -88,7 +112,7 @@ def unproven(gm: fx.GraphModule, prop: Propagation) -> list[Finding]:
         elif r.src == R and isinstance(r.dst, Shard):
             taken.add((r.value, r.consumer))
     found: dict[fx.Node, Finding] = {}
-    reaches: dict[fx.Node, frozenset[fx.Node]] = {}  # node -> the findings its value depends on
+    reaches: dict[fx.Node, frozenset[fx.Node]] = {}
     for node in gm.graph.nodes:
         origins: set[fx.Node] = set()
         for value in node.all_input_nodes:
@@ -103,13 +127,7 @@ def unproven(gm: fx.GraphModule, prop: Propagation) -> list[Finding]:
             reaches[node] = frozenset(origins)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
-    if not isinstance(loss, fx.Node):
-        return []
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    first = [found[o] for o in reaches.get(loss, ())  # not downstream of another: where the coupling starts
-             if not any(reaches.get(v, frozenset()) - {o} for v in o.all_input_nodes)]
-    return sorted(first, key=lambda f: order[f.node])
-
+    return found, reaches, loss if isinstance(loss, fx.Node) else None
 
 
 _FULL = {aten.mean.default: aten.mean.dim, aten.sum.default: aten.sum.dim_IntList}  # full reductions -> by dims

@@ -103,6 +103,7 @@ class BatchStatisticsPlan:
 
     size: int
     sums: list[str] = field(default_factory=list)  # values all-reduced over dp (each pending sum read whole)
+    gathered: list[str] = field(default_factory=list)  # split values gathered for a term that couples the rows
     sizes: dict[str, float] = field(default_factory=dict)  # node -> the whole batch's size it now reads
     where: str = ""  # the model's line of the first statistic
 
@@ -160,6 +161,7 @@ def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: in
     ranks) to take its whole-batch statistics over the dp ranks; what it did. ``sizes``: ``batch_sizes`` of this
     graph. Raises ``BatchStatisticsError`` where it cannot, before any collective."""
     plan = BatchStatisticsPlan(size)
+    plan.gathered = _gather_coupled(gm, batch, size, rank, group)
     prop = _propagate(gm, batch)
     for node in [n for n in gm.graph.nodes if is_token_mean(n) and isinstance(prop.of(n.args[0]), Shard)]:
         _count_tokens(gm, node)
@@ -207,6 +209,22 @@ def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: in
     gm.graph.lint()
     gm.recompile()
     return plan
+
+
+def _gather_coupled(gm: fx.GraphModule, batch: int, size: int, rank: int, group) -> list[str]:
+    """A loss term that couples the batch's rows (``passes.batch_split``): the split values it reads gathered over
+    dp (``passes.batch_gather``), so it runs on the whole batch; the names gathered."""
+    from autoshard.passes import batch_split
+    from autoshard.passes.batch_gather import CoupledTermError, batch_gather_pass
+
+    if not batch_split.coupled_region(gm, _propagate(gm, batch)):
+        return []
+    batch_split.reductions_by_dims(gm)  # the same values, by dims: what the analysis read
+    prop = _propagate(gm, batch)
+    try:
+        return batch_gather_pass(gm, prop, batch_split.coupled_region(gm, prop), size=size, rank=rank, group=group)
+    except CoupledTermError as e:
+        raise BatchStatisticsError(str(e)) from e
 
 
 def _statistics(gm: fx.GraphModule, prop: Propagation) -> set[fx.Node]:

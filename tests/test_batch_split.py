@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+from golden_batch import TwoTower, clip_loss, in_batch_negatives, per_sample_cosine, preference_loss, two_tower_batch
 
 import autoshard
 from autoshard.compile import compile_global_batch
@@ -20,54 +19,9 @@ from autoshard.options import CompileOptions
 
 aten = torch.ops.aten
 
-MESHES = [({"dp": 2}, 1), ({}, 2), ({"dp": 2, "tp": 2, "pp": 2}, 2)]
-MESH_IDS = ["dp2", "m2", "dp2xtp2xpp2-m2"]
-
-
-class TwoTower(nn.Module):
-    """An image tower with a conv stem and a text tower with a masked mean pooling, both normalised (CLIP-like)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 4, stride=4)
-        self.image = nn.Linear(8 * 4, 12)
-        self.embedding = nn.Embedding(50, 16)
-        self.text = nn.Linear(16, 12)
-        self.logit_scale = nn.Parameter(torch.tensor(2.0))
-
-    def forward(self, images, tokens, mask):
-        x = F.gelu(self.conv(images)).flatten(1)
-        image = F.normalize(self.image(x), dim=-1)
-        h = self.embedding(tokens)
-        m = mask.unsqueeze(-1).to(h.dtype)
-        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1)  # (B, 16): the mean over each row's unmasked tokens
-        return image, F.normalize(self.text(pooled), dim=-1), self.logit_scale.exp()
-
-
-def clip_loss(output, target):
-    image, text, scale = output
-    logits = scale * image @ text.T  # (B, B)
-    labels = torch.arange(logits.shape[0], device=logits.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-
-
-def in_batch_negatives(output, target):
-    image, text, _ = output
-    scores = 20.0 * image @ text.T  # every other row of the batch a negative
-    return (torch.logsumexp(scores, dim=1) - scores.diagonal()).mean()
-
-
-def per_sample_cosine(output, target):
-    image, text, _ = output
-    return (1 - (image * text).sum(-1)).mean()  # each sample against its own pair: a mean over samples
-
-
-def two_tower_batch(batch: int = 8):
-    gen = torch.Generator().manual_seed(0)
-    mask = torch.ones(batch, 7, dtype=torch.long)
-    mask[::2, 5:] = 0
-    return (torch.randn(batch, 3, 8, 8, generator=gen), torch.randint(0, 50, (batch, 7), generator=gen), mask), \
-        torch.zeros(batch)
+# where the parts run apart: microbatches, a pipeline, dp beside tp (dp alone gathers: exact, below)
+MESHES = [({}, 2), ({"dp": 2, "tp": 2, "pp": 2}, 2), ({"dp": 2, "tp": 2}, 1)]
+MESH_IDS = ["m2", "dp2xtp2xpp2-m2", "dp2xtp2"]
 
 
 def _compile(model, inputs, target, loss_fn, mesh, microbatches, **options):
@@ -82,19 +36,21 @@ def _compile(model, inputs, target, loss_fn, mesh, microbatches, **options):
                          ids=["clip", "in-batch-negatives"])
 def test_a_contrastive_loss_is_refused_where_the_batch_is_split(loss_fn, what, mesh, microbatches):
     """Each part would train its own contrastive loss over its own rows (open_clip's loss read 0.7874 for 1.7906, the
-    in-batch negatives 0.0 at one sample a part): refused before any collective, naming the op, its line and what
-    works. The conv stem and the masked mean pooling keep samples apart (their rules say so): the refusal is the
+    in-batch negatives 0.0 at one sample a part): where the parts run apart (microbatches, pp) or beside an axis that
+    reads their shapes (tp), refused before any collective, naming the op, its line and what works.
+    The conv stem and the masked mean pooling keep samples apart (their rules say so): the refusal is the
     loss's, not theirs."""
     inputs, target = two_tower_batch()
     with pytest.raises(ValueError, match=rf"not a sum over the batch's samples: {what}.*tp, cp, and pp with one "
-                                         r"microbatch are exact.*batch_statistics='local'") as e:
+                                         r"microbatch are exact.*dp alone.*gathered over dp.*batch_statistics='local'"
+                       ) as e:
         _compile(TwoTower(), inputs, target, loss_fn, mesh, microbatches)
     assert "conv" not in str(e.value) and "normalize" not in str(e.value)
 
 
 def test_a_contrastive_loss_computed_per_part_is_said_with_local_statistics():
     inputs, target = two_tower_batch()
-    build = _compile(TwoTower(), inputs, target, clip_loss, {"dp": 2}, 1, batch_statistics="local")
+    build = _compile(TwoTower(), inputs, target, clip_loss, {}, 2, batch_statistics="local")
     assert any("couples the samples" in note and "batch_statistics='local'" in note for note in build.plan.notes)
 
 
@@ -106,14 +62,6 @@ def test_a_per_sample_loss_through_convolutions_and_pooling_passes(mesh, microba
     _compile(TwoTower(), inputs, target, per_sample_cosine, mesh, microbatches)
 
 
-def _preference_loss(output, target):
-    """DPO's loss over a batch laid out as TRL's concatenated forward lays it out: chosen rows, then rejected."""
-    logits = output.logits if hasattr(output, "logits") else output[0]
-    logp = torch.gather(logits[:, :-1].log_softmax(-1), 2, target[:, 1:].unsqueeze(-1)).squeeze(-1).sum(-1)
-    n = logp.shape[0] // 2
-    return -F.logsigmoid(0.1 * (logp[:n] - logp[n:])).mean()
-
-
 @pytest.mark.parametrize("mesh,microbatches", MESHES[:2], ids=MESH_IDS[:2])
 def test_preference_pairs_split_across_parts_are_refused(mesh, microbatches):
     """Pair ``i`` is rows ``i`` and ``i + n``: a part holds chosen rows without their rejected ones (0.7968 for 0.9225
@@ -122,7 +70,7 @@ def test_preference_pairs_split_across_parts_are_refused(mesh, microbatches):
 
     case = build("hf_llama")
     with pytest.raises(ValueError, match=r"not a sum over the batch's samples: slice.*reads the rows of the whole"):
-        _compile(case.model, case.inputs, case.inputs[0], _preference_loss, mesh, microbatches)
+        _compile(case.model, case.inputs, case.inputs[0], preference_loss, mesh, microbatches)
 
 
 def test_a_batch_weighted_by_a_softmax_over_its_rows_is_refused():
@@ -136,7 +84,7 @@ def test_a_batch_weighted_by_a_softmax_over_its_rows_is_refused():
         return (per_row * torch.softmax(-per_row.detach(), dim=0)).sum()
 
     with pytest.raises(ValueError, match=r"softmax at softmax in the loss_fn reads the rows of the whole batch"):
-        _compile(TwoTower(), inputs, target, weighted, {"dp": 2}, 1)
+        _compile(TwoTower(), inputs, target, weighted, {}, 2)
 
 
 def test_an_op_without_a_batch_rule_that_reads_the_loss_is_refused_not_guessed():
@@ -149,7 +97,55 @@ def test_an_op_without_a_batch_rule_that_reads_the_loss_is_refused_not_guessed()
         return torch.cdist(image, text).diagonal().mean()
 
     with pytest.raises(ValueError, match=r"cdist.*has no rule for a split batch"):
-        _compile(TwoTower(), inputs, target, distances, {"dp": 2}, 1)
+        _compile(TwoTower(), inputs, target, distances, {}, 2)
+
+
+# ----------------------------------------------------------------------------- exact under dp, and under tp
+
+GOLDEN_MESHES = [({"dp": 2}, "clip"), ({"dp": 2}, "in_batch_negatives"), ({"dp": 2}, "per_sample"),
+                 ({"tp": 2}, "clip"), ({"dp": 4}, "clip")]
+
+
+@pytest.mark.parametrize("mesh,loss", GOLDEN_MESHES, ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{loss}"
+                                                          for m, loss in GOLDEN_MESHES])
+def test_a_contrastive_loss_is_exact_under_dp_and_tp(pools, mesh, loss):
+    """Under dp alone the rows the loss reads (the scaled image embeddings and the text embeddings) are gathered from
+    every dp rank, with a backward that sums their gradient and keeps each rank's rows: the loss, every gradient and
+    the parameters after three steps are the unsharded model's. tp keeps the batch whole."""
+    from golden_batch import coupled_golden
+
+    from golden import check
+
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    check(pools.get(world).run(coupled_golden, loss, mesh))
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_preference_pairs_are_exact_under_dp_and_tp(pools, mesh):
+    """DPO's pairs over a concatenated batch on the zoo's HF Llama: under dp each rank's per-row log-probabilities
+    are gathered (pair ``i`` is rows ``i`` and ``i + n`` of the whole batch), and ``logp[:n]`` cuts at the whole
+    batch's ``n``."""
+    from golden_batch import preference_golden
+
+    from golden import check
+
+    check(pools.get(2).run(preference_golden, mesh), mesh)
+
+
+def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
+    """``explain()``'s notes name the term and the values gathered; its collectives table counts the all-gathers
+    (forward) and reduce-scatters (backward) on dp: the two (B/2, 12) embeddings of each rank, fp32."""
+    from autoshard.explain import collectives
+
+    inputs, target = two_tower_batch()
+    build = _compile(TwoTower(), inputs, target, clip_loss, {"dp": 2}, 1)
+    assert any("couples the samples" in note and "matmul" in note and "gathers mul_1, numpy_t" in note
+               for note in build.plan.notes), build.plan.notes
+    counted = collectives(build.programs[0].gm)
+    assert counted[("dp", "forward", "all_gather", "DataAllGather")] == (2, 2 * 4 * 12 * 4)
+    assert counted[("dp", "backward", "reduce_scatter", "DataAllGather")] == (2, 2 * 4 * 12 * 4)
 
 
 # ------------------------------------------------------------------------- the analysis against execution

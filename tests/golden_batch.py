@@ -1,0 +1,92 @@
+"""Goldens for losses that couple the samples of a batch (``passes.batch_split``, ``passes.batch_gather``): models
+and losses of their own, off the zoo's path, compared with the unsharded model on the worker pools."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autoshard
+
+from golden import groups_for
+
+
+class TwoTower(nn.Module):
+    """An image tower with a conv stem and a text tower with a masked mean pooling, both normalised (CLIP-like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+        self.image = nn.Linear(8 * 4, 12)
+        self.embedding = nn.Embedding(50, 16)
+        self.text = nn.Linear(16, 12)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, images, tokens, mask):
+        x = F.gelu(self.conv(images)).flatten(1)
+        image = F.normalize(self.image(x), dim=-1)
+        h = self.embedding(tokens)
+        m = mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1)  # (B, 16): the mean over each row's unmasked tokens
+        return image, F.normalize(self.text(pooled), dim=-1), self.logit_scale.exp()
+
+
+def clip_loss(output, target):
+    image, text, scale = output
+    logits = scale * image @ text.T  # (B, B)
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def in_batch_negatives(output, target):
+    image, text, scale = output
+    scores = scale * image @ text.T  # every other row of the batch a negative
+    return (torch.logsumexp(scores, dim=1) - scores.diagonal()).mean()
+
+
+def per_sample_cosine(output, target):
+    image, text, scale = output
+    return (1 - scale * (image * text).sum(-1)).mean()  # each sample against its own pair: a mean over samples
+
+
+def two_tower_batch(batch: int = 8):
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(batch, 7, dtype=torch.long)
+    mask[::2, 5:] = 0
+    return (torch.randn(batch, 3, 8, 8, generator=gen), torch.randint(0, 50, (batch, 7), generator=gen), mask), \
+        torch.zeros(batch)
+
+
+def preference_loss(output, target):
+    """DPO's loss over a batch laid out as TRL's concatenated forward lays it out: chosen rows, then rejected."""
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    logp = torch.gather(logits[:, :-1].log_softmax(-1), 2, target[:, 1:].unsqueeze(-1)).squeeze(-1).sum(-1)
+    n = logp.shape[0] // 2
+    return -F.logsigmoid(0.1 * (logp[:n] - logp[n:])).mean()
+
+
+LOSSES = {"clip": clip_loss, "in_batch_negatives": in_batch_negatives, "per_sample": per_sample_cosine}
+
+
+def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
+    """``autoshard.verify`` of the two-tower model under ``loss``: losses, every gradient, parameters after steps."""
+    inputs, target = two_tower_batch()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    torch.manual_seed(0)
+    report = autoshard.verify(TwoTower(), mesh, inputs, LOSSES[loss], target=target, steps=steps,
+                              groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(TwoTower().named_parameters())), "steps": steps, "share": report.share}
+
+
+def preference_golden(mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
+    """``autoshard.verify`` of the zoo's HF Llama under DPO's loss over a concatenated chosen/rejected batch."""
+    from models import build
+
+    case = build("hf_llama")
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    report = autoshard.verify(case.model, mesh, case.inputs, preference_loss, target=case.inputs[0], steps=steps,
+                              groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
+            "parameters": len(list(case.model.named_parameters())), "steps": steps, "share": report.share}
