@@ -58,6 +58,7 @@ class JobPlan:
     batch_norm_sync: bool = False  # BatchNorm in training mode sums its statistics over the dp ranks
     batch_sums: bool = False  # the loss's whole-batch statistics are summed over the dp ranks (passes.batch_statistics)
     batch_sizes: dict[str, list] = field(default_factory=dict)  # numbers that are sizes of the batch, by node
+    loss_sum: bool = False  # the loss is a sum over the batch's samples: the parts' losses are added, not averaged
     notes: list[str] = field(default_factory=list)
     partition: Partition | None = field(default=None, compare=False, repr=False)  # the cuts' costs (not in JSON)
 
@@ -80,7 +81,7 @@ class JobPlan:
             "ep_plan": dataclasses.asdict(self.ep_plan) if self.ep_plan is not None else None,
             "cut_after": list(self.cut_after) if self.cut_after is not None else None,
             "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "batch_sums": self.batch_sums,
-            "batch_sizes": self.batch_sizes,
+            "batch_sizes": self.batch_sizes, "loss_sum": self.loss_sum,
             "notes": self.notes,
         }, indent=1)
 
@@ -105,6 +106,7 @@ class JobPlan:
                    spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"],
                    batch_sums=data.get("batch_sums", False),
                    batch_sizes={k: [tuple(e) for e in v] for k, v in data.get("batch_sizes", {}).items()},
+                   loss_sum=data.get("loss_sum", False),
                    notes=list(data["notes"]))
 
     def __str__(self) -> str:
@@ -127,6 +129,8 @@ class JobPlan:
             lines.append("  BatchNorm statistics summed over dp")
         if self.batch_sums:
             lines.append("  the loss's whole-batch statistics summed over dp")
+        if self.loss_sum:
+            lines.append("  the loss is a sum over the batch's samples: the parts' losses are added")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -139,9 +143,9 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     notes: list[str] = []
     plan = JobPlan(mesh, options, batch_norm_sync=check_batch_norm(captured, mesh, options, notes))
     if earlier is None:
-        plan.batch_sums, plan.batch_sizes = check_batch_split(captured, mesh, options, notes)
-    elif earlier.batch_sums:  # a later capture (another shape): its own sizes of the batch
-        plan.batch_sums, plan.batch_sizes = check_batch_split(captured, mesh, options, None)
+        plan.batch_sums, plan.batch_sizes, plan.loss_sum = check_batch_split(captured, mesh, options, notes)
+    elif earlier.batch_sums or earlier.loss_sum:  # a later capture (another shape): its own sizes of the batch
+        plan.batch_sums, plan.batch_sizes, plan.loss_sum = check_batch_split(captured, mesh, options, None)
     plan.tp_plan = earlier.tp_plan if earlier is not None else _tp_plan(captured, mesh, options, notes)
     plan.cp_plan = _cp_plan(captured, mesh, options, earlier.cp_plan if earlier is not None else None)
     if plan.cp_plan is not None and plan.cp_plan.note and earlier is None:
@@ -337,7 +341,7 @@ _BATCH_NORMS = {aten.batch_norm.default: 5, aten.native_batch_norm.default: 5, a
 
 
 def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
-                      notes: list[str] | None = None) -> tuple[bool, dict[str, list]]:
+                      notes: list[str] | None = None) -> tuple[bool, dict[str, list], bool]:
     """Whether the loss, its batch split (dp, microbatches), needs statistics of the whole batch; refused, before any
     collective, where they cannot be had. Returns whether each dp rank's program takes them over the dp ranks, and
     the numbers of the graph that are sizes of the batch (``passes.batch_statistics.batch_sizes``).
@@ -351,9 +355,11 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     such sum. Under dp alone (one microbatch, no pp or cp) every rank's program sums those over the dp ranks first
     (``passes.batch_statistics``): exact. Elsewhere it is refused; with ``batch_statistics="local"`` each part
     computes it from its own samples (DDP's and gradient accumulation's loss), said in ``notes``. (BatchNorm is
-    ``check_batch_norm``'s; cp and tp keep the batch whole.)"""
+    ``check_batch_norm``'s; cp and tp keep the batch whole.) A loss that couples the samples (``passes.batch_split``)
+    is gathered under dp alone (``passes.batch_gather``) and refused elsewhere. The third value: whether the loss is
+    a sum over the samples (the parts' losses added, where the runtime would average a mean's)."""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
-        return False, {}
+        return False, {}, False
     from autoshard.passes import batch_split, batch_statistics
     from autoshard.passes.loss import is_token_mean
     from autoshard.passes.placements import Partial, R
@@ -361,13 +367,14 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
 
     gm = codegen.prepare(captured, None)
     if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
-        return False, {}
+        return False, {}, False
     over = " and ".join(filter(None, [f"dp={mesh.dp}" if mesh.dp > 1 else "",
                                       f"microbatches={options.microbatches}" if options.microbatches > 1 else ""]))
     batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
-    analysed, recaptured = codegen.prepare(captured, None), False
+    source, recaptured = captured, False
     if batch == 1 and captured.recapture is not None:  # one sample a part: the same graph at two tells the rows apart
-        analysed, batch, recaptured = codegen.prepare(captured.recapture(2), None), 2, True
+        source, batch, recaptured = captured.recapture(2), 2, True
+    analysed = codegen.prepare(source, None)
     prop, whole, findings = None, [], []
     if batch and batch >= 2:
         prop, findings = _batch_propagation(analysed, batch)
@@ -377,13 +384,13 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     dp_alone = mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1
     if coupled and (options.batch_statistics == "local" or not dp_alone or mesh.tp > 1 or mesh.ep > 1 or recaptured):
         _refuse_coupled(coupled, over, options, notes)
-        return False, {}
+        return False, {}, False
     if coupled:
-        return _gather_coupled(captured, gm, batch, mesh.dp, coupled, notes)
+        return (*_gather_coupled(captured, gm, batch, mesh.dp, coupled, notes), False)
     split = [n for n in analysed.graph.nodes
              if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
     if not whole and not split:
-        return False, {}
+        return False, {}, prop is not None and _sums_over_samples(captured, source, analysed, prop, recaptured)
     where = _where(split[0] if split else whole[0])  # a token mean first: the sums beside it are read whole for it
     what = (["a term computed from the whole batch at once (such as a router's load-balancing loss from the fraction "
              "of tokens each expert got)"] if whole else []) + \
@@ -395,7 +402,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
             notes.append(f"the loss holds {what} (here at {where}); with batch_statistics='local' {over} compute it "
                          "from each part's own samples and average the parts' losses, as DDP and gradient "
                          "accumulation do, which differs from the model run on the whole batch")
-        return False, {}
+        return False, {}, False
     if mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1 and prop is not None \
             and not recaptured:
         try:
@@ -412,7 +419,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         if notes is not None:
             notes.append(f"the loss holds {what} (here at {where}): every dp rank sums its part of each such statistic "
                          f"over the {mesh.dp} dp ranks before reading it, so the loss is the whole batch's")
-        return True, sizes
+        return True, sizes, False
     raise ValueError(
         f"the loss is not a sum over the batch's samples (it holds {what}; here at {where}): {over} would compute it "
         "on each part of the batch alone, and the sum of those would not be the model's loss; a statistic of the "
@@ -436,6 +443,27 @@ def _batch_propagation(gm: fx.GraphModule, batch: int):
              and meta.val(n).shape[0] == batch}
     prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
     return prop, batch_split.unproven(gm, prop)
+
+
+def _sums_over_samples(captured: Captured, source: Captured, gm: fx.GraphModule, prop, recaptured: bool) -> bool:
+    """Whether the loss is a sum over the batch's samples (``passes.batch_split.loss_reduction``); refused where it
+    adds a sum to a mean, before any collective."""
+    from autoshard.passes import batch_split, batch_statistics
+
+    kind = batch_split.loss_reduction(gm, prop)
+    if kind in (batch_split.SUM, batch_split.MIXED) and captured.recapture is not None:
+        try:  # the numbers of the graph analysed (``source``'s) that double with its batch
+            sizes = batch_statistics.batch_sizes(source.gm, captured.recapture(4 if recaptured else 2).gm, 2)
+        except batch_statistics.BatchStatisticsError:
+            sizes = {}
+        divisors = frozenset(name for name, found in sizes.items() if any(at == 1 and v is not None for at, v in found))
+        kind = batch_split.loss_reduction(gm, prop, divisors)
+    if kind == batch_split.MIXED:
+        raise ValueError("the loss adds a sum over the batch's samples to a mean over them (or divides a mean by a "
+                         "size of the batch): the parts of the batch cannot add up to it, whether their losses are "
+                         "summed or averaged. Use one reduction (.mean() or .sum() over the samples of every term), "
+                         "or keep the batch whole (dp=1, one microbatch)")
+    return kind == batch_split.SUM
 
 
 def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int, coupled: list,

@@ -34,7 +34,7 @@ from torch import fx
 
 from autoshard import meta
 from autoshard.passes.loss import is_token_mean
-from autoshard.passes.placements import R, Shard
+from autoshard.passes.placements import Partial, R, Shard
 from autoshard.passes.propagate import Propagation, redistributions
 from autoshard.passes.rules import rule_of
 
@@ -128,6 +128,32 @@ def _trace(gm: fx.GraphModule, prop: Propagation):
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
     return found, reaches, loss if isinstance(loss, fx.Node) else None
+
+
+MEAN, SUM, WHOLE, MIXED = "mean", "sum", "whole", "mixed"
+
+
+def loss_reduction(gm: fx.GraphModule, prop: Propagation, divisors: frozenset[str] = frozenset()) -> str:
+    """How the loss adds up over the parts of the batch: ``MEAN`` (the average of the parts' losses is the model's:
+    a mean over the samples), ``SUM`` (their sum is: ``loss.sum()``, ``reduction='sum'``), ``WHOLE`` (no part of it
+    is pending: every part computes the same) or ``MIXED`` (a sum beside a mean: neither). ``divisors``: the nodes
+    that divide by a size of the batch (``passes.batch_statistics.batch_sizes``): a sum over the samples divided by
+    their count is a mean."""
+    _, _, loss = _trace(gm, prop)
+    kinds: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:  # in order: every input's kind first
+        if not isinstance(prop.of(node), Partial):
+            continue
+        pending = {kinds[v] for v in node.all_input_nodes if v in kinds}
+        if not pending:  # where the sum over the parts starts
+            kinds[node] = MEAN if node.target is aten.mean.dim else SUM
+        elif len(pending) > 1:
+            kinds[node] = MIXED
+        elif node.name in divisors:
+            kinds[node] = MEAN if pending == {SUM} else MIXED
+        else:
+            kinds[node] = pending.pop()
+    return kinds.get(loss, WHOLE) if loss is not None else WHOLE
 
 
 _FULL = {aten.mean.default: aten.mean.dim, aten.sum.default: aten.sum.dim_IntList}  # full reductions -> by dims

@@ -66,16 +66,33 @@ def preference_loss(output, target):
     return -F.logsigmoid(0.1 * (logp[:n] - logp[n:])).mean()
 
 
-LOSSES = {"clip": clip_loss, "in_batch_negatives": in_batch_negatives, "per_sample": per_sample_cosine}
+def summed_cosine(output, target):
+    image, text, scale = output
+    return (1 - scale * (image * text).sum(-1)).sum()  # a sum over samples: the parts' losses add up to it
 
 
-def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
+def summed_mse(output, target):
+    image, text, scale = output
+    return F.mse_loss(scale * image, text, reduction="sum")
+
+
+def mean_by_hand(output, target):
+    image, text, scale = output
+    per_row = 1 - scale * (image * text).sum(-1)
+    return per_row.sum() / per_row.shape[0]  # a sum divided by the batch's size: a mean
+
+
+LOSSES = {"clip": clip_loss, "in_batch_negatives": in_batch_negatives, "per_sample": per_sample_cosine,
+          "sum": summed_cosine, "mse_sum": summed_mse, "mean_by_hand": mean_by_hand}
+
+
+def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, microbatches: int = 1, **options) -> dict:
     """``autoshard.verify`` of the two-tower model under ``loss``: losses, every gradient, parameters after steps."""
     inputs, target = two_tower_batch()
     mesh = autoshard.Mesh(**mesh_kwargs)
     torch.manual_seed(0)
     report = autoshard.verify(TwoTower(), mesh, inputs, LOSSES[loss], target=target, steps=steps,
-                              groups=groups_for(mesh), **options)
+                              microbatches=microbatches, groups=groups_for(mesh), **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
             "parameters": len(list(TwoTower().named_parameters())), "steps": steps, "share": report.share}
 

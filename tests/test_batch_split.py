@@ -148,6 +148,36 @@ def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
     assert counted[("dp", "backward", "reduce_scatter", "DataAllGather")] == (2, 2 * 4 * 12 * 4)
 
 
+SUMS = [("sum", {"dp": 2}, 1), ("mse_sum", {"dp": 2}, 2), ("sum", {"pp": 2}, 2), ("mean_by_hand", {"dp": 2}, 2)]
+
+
+@pytest.mark.parametrize("loss,mesh,microbatches", SUMS, ids=["sum-dp2", "mse-sum-dp2-m2", "sum-pp2-m2",
+                                                                "mean-by-hand-dp2-m2"])
+def test_a_loss_summed_over_the_samples_adds_the_parts(pools, loss, mesh, microbatches):
+    """``loss.sum()`` and ``mse_loss(reduction='sum')``: the parts' losses are added, not averaged as a mean's are
+    (it trained at 1/dp of the gradient before, and the loss read 6.2 off at dp2); ``sum() / x.shape[0]`` is a mean
+    (its divisor doubles with the batch) and stays averaged."""
+    from golden import check
+    from golden_batch import coupled_golden
+
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    check(pools.get(world).run(coupled_golden, loss, mesh, microbatches=microbatches))
+
+
+def test_a_sum_beside_a_mean_over_the_samples_is_refused():
+    inputs, target = two_tower_batch()
+
+    def mixed(output, t):
+        image, text, scale = output
+        per_row = 1 - scale * (image * text).sum(-1)
+        return per_row.sum() + per_row.detach().mean() * per_row.mean()
+
+    with pytest.raises(ValueError, match=r"not a sum over the batch's samples|adds a sum over the batch's samples"):
+        _compile(TwoTower(), inputs, target, mixed, {}, 2)
+
+
 # ------------------------------------------------------------------------- the analysis against execution
 
 

@@ -313,8 +313,8 @@ class ParallelModel(nn.Module):
 
     def _divisor(self, build: RankBuild, inputs: tuple, target: torch.Tensor, microbatches: list):
         count = build.captured.count_gm
-        if count is None:
-            return float(self.options.microbatches * self.mesh.dp)
+        if count is None:  # a mean over the samples: the parts' average; a sum over them: the parts' sum
+            return 1.0 if build.plan.loss_sum else float(self.options.microbatches * self.mesh.dp)
         if self.options.local_batch:
             local = sum(count(*mb_inputs, mb_target) for mb_inputs, mb_target in microbatches)
             return self._sum_over_data(local.float()) / self.mesh.cp  # every cp rank counted the whole sequence
