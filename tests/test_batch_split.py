@@ -157,8 +157,9 @@ def test_a_loss_summed_over_the_samples_adds_the_parts(pools, loss, mesh, microb
     """``loss.sum()`` and ``mse_loss(reduction='sum')``: the parts' losses are added, not averaged as a mean's are
     (it trained at 1/dp of the gradient before, and the loss read 6.2 off at dp2); ``sum() / x.shape[0]`` is a mean
     (its divisor doubles with the batch) and stays averaged."""
-    from golden import check
     from golden_batch import coupled_golden
+
+    from golden import check
 
     world = 1
     for degree in mesh.values():
