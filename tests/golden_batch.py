@@ -107,3 +107,30 @@ def preference_golden(mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
                               groups=groups_for(mesh), **options)
     return {"ok": report.ok, "report": str(report), "compared": len(report.differences), "counts": report.counts(),
             "parameters": len(list(case.model.named_parameters())), "steps": steps, "share": report.share}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|: a gradient's error on the scale of the gradient."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def coupled_bf16(loss: str, mesh_kwargs: dict) -> dict:
+    """One step of the two-tower model under ``mixed_precision="bf16"`` against eager bf16 autocast: the loss and
+    each gradient's worst element relative to its largest (and the same against float32, to show autocast was on)."""
+    inputs, target = two_tower_batch()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    torch.manual_seed(0)
+    pm = autoshard.parallelize(TwoTower(), mesh, example_inputs=inputs, loss_fn=LOSSES[loss], target=target,
+                               groups=groups_for(mesh), mixed_precision="bf16")
+    value = pm.step(*inputs, target=target).item()
+    grads = pm.gradients()
+    errors = {}
+    for dtype in (torch.bfloat16, None):
+        torch.manual_seed(0)
+        eager = TwoTower()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            expected = LOSSES[loss](eager(*inputs), target)
+        expected.backward()
+        errors[str(dtype)] = (abs(value - expected.item()),
+                              {n: _relative(grads[n], p.grad) for n, p in eager.named_parameters()})
+    return {"amp": errors["torch.bfloat16"], "fp32": errors["None"]}

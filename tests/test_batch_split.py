@@ -148,6 +148,20 @@ def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
     assert counted[("dp", "backward", "reduce_scatter", "DataAllGather")] == (2, 2 * 4 * 12 * 4)
 
 
+@pytest.mark.parametrize("loss", ["clip", "in_batch_negatives"])
+def test_a_contrastive_loss_under_dp_matches_eager_bf16_autocast(pools, loss):
+    """Under ``mixed_precision="bf16"`` the gathered embeddings are bf16 and the term is computed as eager autocast
+    computes it: the loss within 1e-5 and every gradient within the bf16 bound of the mixed-precision goldens
+    (``test_mixed_precision.GRAD_RTOL``), and farther from float32's (autocast was on)."""
+    from golden_batch import coupled_bf16
+    from test_mixed_precision import GRAD_RTOL
+
+    for rank, result in enumerate(pools.get(2).run(coupled_bf16, loss, {"dp": 2})):
+        loss_off, errors = result["amp"]
+        assert loss_off <= 1e-5 and max(errors.values()) <= GRAD_RTOL, f"rank {rank}: {result}"
+        assert max(result["fp32"][1].values()) > 1e-3, f"rank {rank}: autocast was off? {result}"
+
+
 SUMS = [("sum", {"dp": 2}, 1), ("mse_sum", {"dp": 2}, 2), ("sum", {"pp": 2}, 2), ("mean_by_hand", {"dp": 2}, 2)]
 
 
@@ -246,3 +260,24 @@ def test_the_batch_rules_agree_with_execution_on_the_zoo(name):
 
     case = build(name)
     assert differential_check(case.model, case.inputs, case.target, case.loss_fn) > 10
+
+
+def _corpus_sample() -> list:
+    """Every fourth architecture of the corpus (about 50); three of them in the CI tier, the rest in the full one."""
+    from corpus.architectures import names
+
+    sample = names()[::4]
+    ci = {"mixtral", "falcon_mamba", "gpt2"} & set(sample) or set(sample[:3])
+    return [pytest.param(n, marks=() if n in ci else pytest.mark.full) for n in sample]
+
+
+@pytest.mark.parametrize("name", _corpus_sample())
+def test_the_batch_rules_agree_with_execution_on_the_corpus(name):
+    """As on the zoo, on architectures nobody here wrote: a mixture's dispatch sorted and scattered back, a scan's
+    convolution, a vision model's pooling."""
+    from corpus.architectures import build, check_eager
+
+    if (reason := check_eager(name)) is not None:
+        pytest.skip(f"not trainable eagerly at tiny size: {reason}")
+    case = build(name)
+    differential_check(case.model, case.inputs, case.target, case.loss_fn)  # (musicgen's codebooks: none split)
