@@ -391,7 +391,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
              if is_token_mean(n) and (prop is None or isinstance(prop.of(n.args[0]), Shard))]
     if not whole and not split:
         return False, {}, prop is not None and _sums_over_samples(captured, source, analysed, prop, recaptured)
-    where = _where(split[0] if split else whole[0])  # a token mean first: the sums beside it are read whole for it
+    where = " and ".join(dict.fromkeys(_where(n) for n in [*whole[:1], *split[:1]]))
     what = (["a term computed from the whole batch at once (such as a router's load-balancing loss from the fraction "
              "of tokens each expert got)"] if whole else []) + \
         (["a cross-entropy averaged over its counted tokens inside a larger loss (such as ce + 0.01 * z_loss)"]

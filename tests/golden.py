@@ -137,6 +137,7 @@ LOSSES = {
     "ignore_minus_one": _ignoring(-1),
     "ignore_zero": _ignoring(0),
     "label_smoothing": lambda target: (_cross_entropy(label_smoothing=0.1), target),
+    "amax": lambda target: (lambda output, t: _cross_entropy()(output, t) + 1e-3 * _logits(output).amax(), target),
     "smoothing_ignore_zero": lambda target: (_cross_entropy(label_smoothing=0.1, ignore_index=0),
                                              torch.where(target == IGNORE_INDEX, 0, target)),
 }

@@ -94,23 +94,22 @@ def test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp(pools, mesh)
     golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss="z_loss"), mesh)
 
 
-def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_refused_under_dp():
-    """``ce + logits.amax()``: the largest logit of the whole batch is no sum of the ranks' parts. Refused before any
-    collective, naming the op."""
+def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_gathered_under_dp(pools):
+    """``ce + logits.amax()``: the largest logit of the whole batch is no sum of the ranks' parts. Under dp alone the
+    logits it reads are gathered from every dp rank (``passes.batch_gather``): exact; under microbatches, refused
+    before any collective, naming the op."""
     import autoshard
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
 
     from models import build
 
+    golden.check(pools.get(2).run(golden.golden, "gpt", {"dp": 2}, loss="amax"))
     case = build("gpt")
-
-    def loss_fn(output, target):
-        return golden._cross_entropy()(output, target) + 1e-3 * output.amax()
-
+    loss_fn, target = golden.LOSSES["amax"](case.target)
     with pytest.raises(ValueError, match=r"amax.*reads the rows of the whole batch"):
-        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(), target=case.target,
-                             loss_fn=loss_fn)
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(microbatches=2),
+                             target=target, loss_fn=loss_fn)
 
 
 def test_a_batch_sum_divided_by_the_batchs_size_held_as_a_tensor_is_refused_under_dp():
