@@ -360,7 +360,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     a sum over the samples (the parts' losses added, where the runtime would average a mean's)."""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
         return False, {}, False
-    from autoshard.passes import batch_split, batch_statistics
+    from autoshard.passes import batch_split
     from autoshard.passes.loss import is_token_mean
     from autoshard.passes.placements import Partial, R
     from autoshard.passes.propagate import redistributions
@@ -405,14 +405,7 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         return False, {}, False
     if mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1 and prop is not None \
             and not recaptured:
-        try:
-            if captured.recapture is None:
-                raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
-            sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
-        except batch_statistics.BatchStatisticsError as e:
-            reason = str(e)
-        else:
-            reason = batch_statistics.refusal(gm, batch, mesh.dp, sizes)
+        sizes, reason = _whole_batch_trial(captured, gm, batch, mesh.dp)
         if reason is not None:
             raise ValueError(f"the loss holds {what} (here at {where}), and dp={mesh.dp} cannot take it over the "
                              f"whole batch: {reason}")
@@ -466,6 +459,20 @@ def _sums_over_samples(captured: Captured, source: Captured, gm: fx.GraphModule,
     return kind == batch_split.SUM
 
 
+def _whole_batch_trial(captured: Captured, gm: fx.GraphModule, batch: int, dp: int) -> tuple[dict, str | None]:
+    """The numbers of the capture that are sizes of the batch, and why ``passes.batch_statistics`` would refuse to
+    take the loss over the whole batch on a copy of ``gm`` (None where it would not)."""
+    from autoshard.passes import batch_statistics
+
+    try:
+        if captured.recapture is None:
+            raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
+        sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
+    except batch_statistics.BatchStatisticsError as e:
+        return {}, str(e)
+    return sizes, batch_statistics.refusal(gm, batch, dp, sizes)
+
+
 def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int, coupled: list,
                     notes: list[str] | None) -> tuple[bool, dict[str, list]]:
     """dp alone: the rows a coupled loss term reads gathered over the dp ranks (``passes.batch_gather``), or
@@ -473,14 +480,7 @@ def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int,
     from autoshard.passes import batch_statistics
 
     found = "; ".join(f.describe() for f in coupled[:3])
-    try:
-        if captured.recapture is None:
-            raise batch_statistics.BatchStatisticsError("this capture cannot be taken again at another batch size")
-        sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
-    except batch_statistics.BatchStatisticsError as e:
-        reason = str(e)
-    else:
-        reason = batch_statistics.refusal(gm, batch, dp, sizes)
+    sizes, reason = _whole_batch_trial(captured, gm, batch, dp)
     if reason is not None:
         raise ValueError(f"the loss is not a sum over the batch's samples: {found}; dp={dp} cannot gather the rows "
                          f"it reads: {reason}")

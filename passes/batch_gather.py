@@ -85,20 +85,27 @@ def batch_gather_pass(gm: fx.GraphModule, prop: Propagation, region: set[fx.Node
             raise CoupledTermError(f"{value.name} at {meta.source_line(value) or value.name} is split in blocks where "
                                    "a loss term reads the whole batch's rows; keep the batch whole (dp=1) or pass "
                                    "batch_statistics='local'")
-        name = f"dp_dataallgather_{len(gathered)}"
-        module = DataAllGather(dim=placement.dim, group=group, size=size, rank=rank)
-        module.axis = "dp"
-        gm.add_submodule(name, module)
-        with gm.graph.inserting_after(value):
-            whole = gm.graph.call_module(name, (value,))
-        whole.meta.update(value.meta)
-        whole.meta[meta.AXIS] = "dp"
-        for reader in [u for u in value.users if u in region]:
-            reader.replace_input_with(value, whole)
+        insert_dp_collective(gm, value, f"dp_dataallgather_{len(gathered)}",
+                             DataAllGather(dim=placement.dim, group=group, size=size, rank=rank),
+                             [u for u in value.users if u in region])
         gathered.append(value.name)
     gm.graph.lint()
     gm.recompile()
     return gathered
+
+
+def insert_dp_collective(gm: fx.GraphModule, value: fx.Node, name: str, module: _ParallelOp,
+                         readers: list[fx.Node]) -> fx.Node:
+    """``module`` (a collective over dp) run on ``value`` as submodule ``name``, read by ``readers`` in its place."""
+    module.axis = "dp"
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_after(value):
+        node = gm.graph.call_module(name, (value,))
+    node.meta.update(value.meta)
+    node.meta[meta.AXIS] = "dp"
+    for reader in readers:
+        reader.replace_input_with(value, node)
+    return node
 
 
 def _gathered_rule(node: fx.Node, ctx) -> object:

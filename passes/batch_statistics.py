@@ -42,6 +42,7 @@ from torch import fx, nn
 
 from autoshard import meta
 from autoshard.passes.axis import Axis, Outputs
+from autoshard.passes.batch_gather import insert_dp_collective
 from autoshard.passes.collectives import _all_reduce, _ParallelOp
 from autoshard.passes.loss import _TOKEN_LOSSES, is_token_mean
 from autoshard.passes.placements import Partial, R, Shard
@@ -187,16 +188,9 @@ def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: in
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = [v for v in output.all_input_nodes if isinstance(prop.of(v), Partial)]
     for index, value in enumerate(dict.fromkeys([r.value for r in whole] + returned)):
-        name = f"dp_dataallreduce_{index}"
-        module = DataAllReduce(group=group, size=size, rank=rank)
-        module.axis = "dp"
-        gm.add_submodule(name, module)
-        with gm.graph.inserting_after(value):
-            summed = gm.graph.call_module(name, (value,))
-        summed.meta.update(value.meta)
-        summed.meta[meta.AXIS] = "dp"
-        for reader in [r.consumer for r in whole if r.value is value] + ([output] if value in returned else []):
-            reader.replace_input_with(value, summed)
+        readers = [r.consumer for r in whole if r.value is value] + ([output] if value in returned else [])
+        insert_dp_collective(gm, value, f"dp_dataallreduce_{index}", DataAllReduce(group=group, size=size, rank=rank),
+                             readers)
         plan.sums.append(value.name)
     _take_whole_sizes(gm, region, sizes or {}, size, plan)
     for node in [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target),
