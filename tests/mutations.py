@@ -103,7 +103,7 @@ MUTANTS = (
            "every dp rank trains on the first dp rank's slice of the batch",
            (f"{DP}test_golden_data_parallel[gpt-dp2-m1]",)),
     Mutant("mse-normaliser", "autoshard/runtime/parallel_model.py",
-           "return float(self.options.microbatches * self.mesh.dp)", "return float(self.options.microbatches)",
+           "else float(self.options.microbatches * self.mesh.dp)", "else float(self.options.microbatches)",
            "a mean loss without token counts is divided by the microbatches only, not by dp too",
            (f"{DP}test_golden_data_parallel[mlp-dp2-m1]",)),
     Mutant("token-count-per-shard", "autoshard/runtime/parallel_model.py",
