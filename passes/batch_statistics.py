@@ -43,6 +43,7 @@ from torch import fx, nn
 from autoshard import meta
 from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.batch_gather import insert_dp_collective
+from autoshard.passes.batch_split import _FULL  # full reductions -> by dims
 from autoshard.passes.collectives import _all_reduce, _ParallelOp
 from autoshard.passes.loss import _TOKEN_LOSSES, is_token_mean
 from autoshard.passes.placements import Partial, R, Shard
@@ -51,7 +52,6 @@ from autoshard.passes.propagate import Propagation, propagate, redistributions
 aten = torch.ops.aten
 
 _SUM = 2  # cross_entropy's reduction code for a sum
-_FULL = {aten.mean.default: aten.mean.dim, aten.sum.default: aten.sum.dim_IntList}  # full reductions -> by dims
 # reductions of split values that are sums (a histogram counts; a scatter into zeros adds): their parts are summands
 _SUMMING = {aten.histc.default, aten.bincount.default, aten.scatter_add.default, aten.scatter_add_.default,
             aten.index_add.default, aten.index_add_.default}
