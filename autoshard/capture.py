@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoshard import meta
+from autoshard.functions import KeptFunctionError, kept_whole
 from autoshard.passes.causal_mask import causal_attention_pass
 from autoshard.passes.grouped_experts import grouped_experts_pass
 
@@ -150,11 +151,20 @@ def capture(
 
 
 def _export(model: nn.Module, wrapper: nn.Module, args: tuple, training: bool):
-    with _no_kv_cache(model), _mode(model, training):
+    with _no_kv_cache(model), _mode(model, training), kept_whole():
         try:
             return torch.export.export(wrapper, args, strict=False)
         except Exception as e:  # noqa: BLE001 - every export failure is re-raised with the model's line
+            refused = next((c for c in _chain(e) if isinstance(c, KeptFunctionError)), None)
+            if refused is not None:
+                raise CaptureError(str(refused)) from e
             raise CaptureError(_explain_failure(model, e)) from e
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def _finish(gm: fx.GraphModule, model: nn.Module, args: tuple, training: bool, start: float, *,

@@ -176,7 +176,7 @@ class RankBuild:
         gm = codegen.prepare(self.captured, self.plan.splits)  # without export's shape guards
         batch = next((s[0] for s in self.captured.input_shapes if isinstance(s, tuple) and s), None)
         seeds = {n.target: Shard(0) for n in gm.graph.nodes if n.op == "placeholder" and _leading_dim(n) == batch}
-        prop = propagate(gm, seeds, Axis("dp", max(self.mesh.dp, 2)), outputs=Outputs.KEPT)
+        prop = propagate(gm, seeds, Axis("dp", max(self.mesh.dp, 2), samples=True), outputs=Outputs.KEPT)
         if any(not _broadcast_over_batch(r) for r in redistributions(prop)):
             return None  # some op needs the whole batch: computing slices would be wrong
         output = next(n for n in gm.graph.nodes if n.op == "output")

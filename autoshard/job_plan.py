@@ -434,7 +434,7 @@ def _batch_propagation(gm: fx.GraphModule, batch: int):
     seeds = {n.target: Shard(0) for n in gm.graph.nodes
              if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
              and meta.val(n).shape[0] == batch}
-    prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
+    prop = propagate(gm, seeds, Axis("dp", 2, pending_sums=True, samples=True), outputs=Outputs.PARTIAL)
     return prop, batch_split.unproven(gm, prop)
 
 

@@ -41,6 +41,9 @@ class Axis:
     # A split may be blocked (consecutive blocks split separately: a fused q, k, v): a head split may, a sequence
     # split in contiguous chunks (cp) may not.
     blocked_splits: bool = False
+    # The split is of the batch's samples (dp's analyses): a call kept whole (a custom autograd Function) may run
+    # on each rank's rows where proven per-sample (``autoshard.functions.per_sample``)
+    samples: bool = False
     attention: Attention = Attention.GATHER  # how attention over a split sequence runs (cp's choice)
     sequence: int = 0  # the length of the sequence the axis splits, when it splits one (a split dim holds whole ones)
     # how the axis moves data

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from autoshard import meta
+from autoshard.functions import kept_of
 from autoshard.passes.loss import is_token_mean
 from autoshard.passes.placements import Partial, R, Shard
 from autoshard.passes.propagate import Propagation, redistributions
@@ -52,6 +53,9 @@ class Finding:
 
     def describe(self) -> str:
         op = getattr(self.node.target, "_opname", None) or getattr(self.node.target, "__name__", str(self.node.target))
+        if kept_of(self.node) is not None:  # a call kept whole: proven per-sample on its trace, or it is not
+            return (f"the custom autograd Function {kept_of(self.node).name} at {self.where} is not proven to keep the "
+                    "samples apart (its forward or backward reads other rows, or it holds a size of the batch)")
         if self.kind == COUPLED:
             return f"{op} at {self.where} reads the rows of the whole batch (it couples the samples)"
         if self.kind == UNKNOWN:

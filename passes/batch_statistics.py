@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import meta
+from autoshard.functions import KEPT_OP, kept_of
 from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.batch_gather import insert_dp_collective
 from autoshard.passes.batch_split import _FULL  # full reductions -> by dims
@@ -118,7 +119,7 @@ def _propagate(gm: fx.GraphModule, batch: int) -> Propagation:
     seeds = {n.target: Shard(0) for n in gm.graph.nodes
              if n.op == "placeholder" and isinstance(meta.val(n), torch.Tensor) and meta.val(n).dim() > 0
              and meta.val(n).shape[0] == batch}
-    return propagate(gm, seeds, Axis("dp", 2, pending_sums=True), outputs=Outputs.PARTIAL)
+    return propagate(gm, seeds, Axis("dp", 2, pending_sums=True, samples=True), outputs=Outputs.PARTIAL)
 
 
 def _where(node: fx.Node) -> str:
@@ -138,6 +139,8 @@ def batch_sizes(small: fx.GraphModule, large: fx.GraphModule, factor: int) -> di
     for x, y in zip(a, b, strict=True):
         pairs = [*enumerate(zip(x.args, y.args, strict=False)),
                  *((k, (v, y.kwargs.get(k))) for k, v in x.kwargs.items())]
+        if x.target is KEPT_OP:  # its key names the call; the call's own numbers are held beside the graph
+            pairs = [] if kept_of(x).leaves == kept_of(y).leaves else [(None, (0, 1))]
         for position, (u, v) in pairs:
             if isinstance(u, (int, float)) and not isinstance(u, bool) and isinstance(v, (int, float)) and u != v:
                 found.setdefault(x.name, []).append((position, u if v == u * factor else None))
@@ -331,6 +334,11 @@ def _take_whole_sizes(gm: fx.GraphModule, region: set[fx.Node], sizes: dict[str,
             continue
         args, kwargs = list(node.args), dict(node.kwargs)
         for position, value in sizes[node.name]:
+            if value is None and kept_of(node) is not None:
+                raise BatchStatisticsError(
+                    f"the custom autograd Function {kept_of(node).name} at {kept_of(node).where} is passed a number "
+                    "that changes with the batch's size: run on the whole batch, it would still be given this rank's; "
+                    "pass it no size of the batch (read it from its tensors' shapes) or keep the batch whole (dp=1)")
             if value is None:
                 raise BatchStatisticsError(f"{node.name} at {_where(node)} reads a value that changes with the "
                                            "batch's size, not in proportion to it or held as a tensor: its whole "

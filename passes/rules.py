@@ -253,7 +253,7 @@ _POINTWISE = (
     "dropout", "detach", "lift_fresh_copy", "reciprocal", "square", "maximum", "minimum", "fill", "zeros_like",
     "ones_like", "full_like", "native_dropout", "hardtanh", "leaky_relu", "elu", "softplus", "mish",
     "expm1", "log1p", "sign", "floor", "clamp_min", "clamp_max", "logical_and", "logical_or", "lerp", "addcmul",
-    "expand_as",
+    "expand_as", "round", "ceil", "trunc", "frac", "empty_like",
 )
 _IN_PLACE = ("add_", "sub_", "mul_", "div_", "masked_fill_", "copy_")
 
@@ -394,18 +394,24 @@ def _index_add(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p, {v: p for v in (x, source) if ctx.of(v) != p})
 
 
-@rule(aten.scatter_add.default)
+@rule(aten.scatter_add.default, aten.scatter_add_.default)
 def _scatter_add(node: fx.Node, ctx: Context) -> Decision:
     """``x.scatter_add(dim, index, source)`` (torchtitan's experts' outputs added back at their tokens' rows, onto the
     shared expert's): ``x`` plus ``source`` placed by ``index``, linear in ``(x, source)`` together. Pending sums of
     both stay one pending sum, reduced once after (each rank's ``x`` and ``source`` a summand); a pending ``source``
-    added into zeros stays pending too. Any other pending sum is reduced first; a split replicates."""
+    added into zeros stays pending too. Any other pending sum is reduced first. All three split alike along another
+    dim than ``dim``, at one size there (a cross-entropy's gradient, rows split): each rank scatters into its own
+    rows. Any other split replicates."""
     x, index, source = node.args[0], node.args[2], node.args[3]
     px, ps = ctx.of(x), ctx.of(source)
     if ctx.axis.pending_sums and isinstance(ps, Partial) and ctx.of(index) == R and (
             isinstance(px, Partial) or (isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1)):
         return Decision(Partial())
-    if any(isinstance(ctx.of(v), Shard) for v in (x, index, source) if isinstance(v, fx.Node)):
+    values = [v for v in (x, index, source) if isinstance(v, fx.Node)]
+    if len(values) == 3 and isinstance(px, Shard) and px.blocks is None and all(ctx.of(v) == px for v in values) \
+            and px.dim != _dim(node.args[1], len(ctx.shape(x))) and len({ctx.shape(v)[px.dim] for v in values}) == 1:
+        return Decision(px)
+    if any(isinstance(ctx.of(v), Shard) for v in values):
         return replicate_all(node, ctx)
     return Decision(R, {v: R for v in (x, source) if isinstance(v, fx.Node) and isinstance(ctx.of(v), Partial)})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard.functions import KEPT_OP, kept_of, per_sample
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import (
     MATCHERS,
@@ -154,6 +155,20 @@ def _elementwise_loss(node: fx.Node, ctx: Context) -> Decision:
     """``mse_loss`` and its kind: element-wise with reduction='none'; reduced, every input whole. (The batch split's
     analysis reads a reduced one as reduction='none' and then a mean or a sum: ``passes.batch_split``.)"""
     return _pointwise(node, ctx) if arg(node, "reduction") == 0 else replicate_all(node, ctx)
+
+
+@rule(KEPT_OP)
+def _kept(node: fx.Node, ctx: Context) -> Decision:
+    """A custom autograd Function (or an op export cannot fake) kept whole: opaque, its inputs whole, except on an
+    axis that splits the batch's samples where the call is proven per-sample (``autoshard.functions``)."""
+    placements = [ctx.of(t) for t in node.args[0]]
+    if ctx.axis.samples and all(p == R or isinstance(p, Shard) for p in placements) and any(p != R for p in placements):
+        proven = per_sample(node, placements, ctx.size)
+        if proven is not None:
+            return Decision(*proven)
+    kept = kept_of(node)
+    return replicate_all(node, ctx, reason=f"{kept.name} (kept whole, as its own forward and backward) at {kept.where}"
+                         " is opaque: it runs on whole inputs")
 
 
 @rule(aten.gather.default)

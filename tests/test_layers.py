@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 # module (as installed) -> layer; a package's modules take the package's layer unless named
 LAYERS = {
     "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice"),
-    "passes": ("passes", "plan"),  # plan: the tp plan, made by passes.tensor_parallel
+    "passes": ("passes", "plan", "functions"),  # plan: the tp plan, made by passes.tensor_parallel; functions: the
+    # kept calls, whose rule (passes.rules_nn) proves them per-sample on their trace
     "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot"),
     "runtime": ("runtime",),
     "api": ("api", "verify", "inspect_cli", "cli", "planner", "hf", "accelerate", "__init__"),

@@ -301,6 +301,11 @@ PER_SAMPLE_CASES = [
                      "gather-over-split-gathers", shard={0: Shard(0)}),
     _per_sample_case(aten.gather.default, (rand(4, 6), 1, torch.tensor([[1], [0]])), R,
                      "gather-fewer-rows-gathers", shard={0: Shard(0)}),
+    _per_sample_case(aten.scatter_add.default, (rand(4, 6), 1, torch.tensor([[1, 5], [0, 0], [5, 2], [2, 3]]),
+                                                rand(4, 2, seed=1)), Shard(0), "scatter-add-rows",
+                     shard={0: Shard(0), 1: Shard(0), 2: Shard(0)}),
+    _per_sample_case(aten.scatter_add.default, (rand(4, 6), 0, torch.tensor([[1, 3], [0, 0]]), rand(2, 2, seed=1)),
+                     R, "scatter-add-over-split-gathers", shard={0: Shard(0)}),
     _per_sample_case(aten.mse_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0), Shard(0), "mse-none"),
     _per_sample_case(aten.mse_loss.default, (rand(4, 6), rand(4, 6, seed=1)), R, "mse-mean-gathers"),
     _per_sample_case(aten.l1_loss.default, (rand(4, 6), rand(4, 6, seed=1), 0), Shard(0), "l1-none"),
@@ -485,7 +490,8 @@ def test_topk_keeps_each_rows_k_where_the_batch_is_split():
 def test_experts_row_products_scattered_onto_a_pending_shared_expert_are_summed_once():
     """torchtitan's combine: the experts' rows (a pending sum under tp) scatter-added onto the shared expert's output
     (a pending sum too, or zeros) stay one pending sum, reduced once after; onto a whole tensor, the rows are summed
-    first; a split operand replicates; only tp leaves sums pending."""
+    first; operands split alike along another dim stay split, one split alone replicates; only tp leaves sums
+    pending."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from autoshard.passes.rules import Context, decide
@@ -501,7 +507,9 @@ def test_experts_row_products_scattered_onto_a_pending_shared_expert_are_summed_
     assert decide(into_zeros, Context(tensor_axis(2), {rows: P})).out == P
     whole = decide(onto, Context(tensor_axis(2), {rows: P}))
     assert whole.out == R and whole.want == {rows: R}
-    assert decide(onto, Context(tensor_axis(2), {shared: Shard(1), rows: Shard(1), idx: Shard(1)})).out == R
+    # split alike along another dim than the scatter's: each rank scatters its own columns
+    assert decide(onto, Context(tensor_axis(2), {shared: Shard(1), rows: Shard(1), idx: Shard(1)})).out == Shard(1)
+    assert decide(onto, Context(tensor_axis(2), {shared: Shard(1), rows: Shard(1)})).out == R
     assert decide(onto, Context(Axis("cp", 2), {shared: P, rows: P})).out != P
 
 

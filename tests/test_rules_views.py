@@ -274,6 +274,10 @@ POINTWISE_CASES = [  # (op, args, kwargs, shard): the output keeps the input's s
     (aten.sigmoid.default, (x3,), {}, {0: Shard(1)}),
     (aten.gelu.default, (x3,), {"approximate": "tanh"}, {0: Shard(1)}),
     (aten.gelu.default, (x3,), {}, {0: Shard(2)}),
+    (aten.round.default, (x3 * 4,), {}, {0: Shard(1)}),
+    (aten.ceil.default, (x3 * 4,), {}, {0: Shard(2)}),
+    (aten.trunc.default, (x3 * 4,), {}, {0: Shard(0)}),
+    (aten.frac.default, (x3 * 4,), {}, {0: Shard(1)}),
     (aten.silu.default, (x3,), {}, {0: Shard(1)}),
     (aten.relu.default, (x3,), {}, {0: Shard(1)}),
     (aten.cos.default, (x3,), {}, {0: Shard(1)}),
@@ -311,6 +315,8 @@ IN_PLACE_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.masked_fill_.Scalar, (x3, mask, -1.0), {}, {0: Shard(1)}, Shard(1)),
     (aten.index_put_.default, (x3, [mask], torch.tensor(-1.0)), {}, {0: Shard(1)}, Shard(1)),
     (aten.copy_.default, (x3, yb), {}, {0: Shard(2)}, Shard(2)),
+    (aten.scatter_add_.default, (rand(4, 6), 1, torch.tensor([[1, 5], [0, 0], [5, 2], [2, 3]]), rand(4, 2, seed=1)),
+     {}, {0: Shard(0), 1: Shard(0), 2: Shard(0)}, Shard(0)),
     # the written tensor whole, the other split: splitting it would write into a copy that the model's state
     # (here a parameter) never sees, so the split operand is gathered instead
     (aten.add_.Tensor, (x3, x3 * 2), {}, {1: Shard(1)}, R),
@@ -370,12 +376,19 @@ def _covered() -> set:
         ops |= {case.values[0] for case in table}
     ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default,
             aten._assert_tensor_metadata.default,  # test_a_metadata_check_passes_any_placement
-            aten.topk.default}  # dp's only: test_topk_keeps_each_rows_k_where_the_batch_is_split
+            aten.topk.default,  # dp's only: test_topk_keeps_each_rows_k_where_the_batch_is_split
+            aten.empty_like.default}  # its values are none: test_empty_like_keeps_the_split_of_its_input
+    from autoshard.functions import KEPT_OP  # a Function kept whole: golden at every axis in test_functions.py
     from autoshard.passes.context_parallel import split_sequence
 
     assert loss.CE_CASES and layers.ATTENTION_CASES
     # split_sequence is cp's only: golden through real collectives in test_context_parallel (the patch ViT)
-    return ops | {op.overloadpacket for op in ops} | {split_sequence}
+    return ops | {op.overloadpacket for op in ops} | {split_sequence, KEPT_OP}
+
+
+def test_empty_like_keeps_the_split_of_its_input():
+    out = simulate(aten.empty_like.default, (x3,), {}, shard={0: Shard(1)})
+    assert out.placement == Shard(1)
 
 
 def test_every_op_of_the_rule_table_has_differential_cases():
