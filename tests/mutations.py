@@ -805,9 +805,9 @@ MUTANTS = (
     Mutant("function-proof-ignores-mixed-rows", "autoshard/functions.py",
            "        return (None if mixed else [prop.of(v) for v in _outputs(gm)]), prop",
            "        return [prop.of(v) for v in _outputs(gm)], prop",
-           "a Function whose backward reads other rows is taken as per-sample: dp splits what it mixes",
+           "a Function that reads a sum over its rows (x - x.mean(0)) is taken as per-sample: dp splits what it mixes",
            ("tests/test_functions.py::test_a_function_not_proven_per_sample_is_gathered_under_dp_and_refused_under_"
-            "microbatches[_MixesRowsBackward]",)),
+            "microbatches[_MixesRowsForward]",)),
     Mutant("scaled-loss-a-mean-per-part", "passes/loss.py",
            "    node = _unscaled(node) if isinstance(node, fx.Node) else node",
            "    node = node",
