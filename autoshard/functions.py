@@ -203,10 +203,12 @@ def per_sample(node: fx.Node, placements: list, size: int):
         return _declared(node, kept.rows, placements)
     key = (tuple(placements), size)
     if key not in kept.proofs:
-        try:
-            kept.proofs[key] = _prove(kept, node, placements, size)
-        except Exception:  # noqa: BLE001 - a call that cannot be traced is not proven: it is replicated
-            kept.proofs[key] = None
+        kept.proofs[key] = None
+        for level in (True, False):  # traced as export traces (matmul, linear), then as autograd runs it (mm, views)
+            with contextlib.suppress(Exception):  # a call that cannot be traced is not proven: it is replicated
+                kept.proofs[key] = _prove(kept, node, placements, size, level)
+            if kept.proofs[key] is not None:
+                break
     return kept.proofs[key]
 
 
@@ -230,7 +232,7 @@ def _declared(node: fx.Node, rows: tuple[int, ...], placements: list):
     return (Shard(rows[-1]),), want
 
 
-def _prove(kept: Kept, node: fx.Node, placements: list, size: int):
+def _prove(kept: Kept, node: fx.Node, placements: list, size: int, pre_dispatch: bool):
     from autoshard import meta
     from autoshard.passes import batch_split
     from autoshard.passes.axis import Axis, Outputs
@@ -257,13 +259,14 @@ def _prove(kept: Kept, node: fx.Node, placements: list, size: int):
            for v, p in zip(inputs, placements, strict=True)):
         return None
     axis = Axis("samples", size, pending_sums=True, samples=True)
-    forward, _ = placed(_trace(kept, [v.shape for v in inputs], inputs), placements)
+    forward, _ = placed(_trace(kept, [v.shape for v in inputs], inputs, pre_dispatch=pre_dispatch), placements)
     if forward is None or any(not isinstance(p, (Shard, Partial)) for p in forward):
         return None  # (an output the same on every rank would take a gradient from each: not a part's)
     differentiable = [i for i, v in enumerate(outputs) if v.dtype.is_floating_point]
     seeds = [*placements, *(R if isinstance(forward[i], Partial) else forward[i] for i in differentiable)]
     unused: list[int] = []
-    gm = _trace(kept, [v.shape for v in inputs], inputs, [outputs[i] for i in differentiable], differentiable, unused)
+    gm = _trace(kept, [v.shape for v in inputs], inputs, [outputs[i] for i in differentiable], differentiable, unused,
+                pre_dispatch=pre_dispatch)
     grads, prop = placed(gm, seeds)
     if grads is None:
         return None
@@ -276,7 +279,7 @@ def _prove(kept: Kept, node: fx.Node, placements: list, size: int):
     # in the call as a number (its rows, whatever their count, are run as the rows they are)
     twice = _trace(kept, [grown(v.shape, p) for v, p in zip(inputs, placements, strict=True)], inputs,
                    [torch.empty(grown(outputs[i].shape, forward[i]), dtype=outputs[i].dtype, device=outputs[i].device)
-                    for i in differentiable], differentiable, [])
+                    for i in differentiable], differentiable, [], pre_dispatch=pre_dispatch)
     pairs = list(zip(gm.graph.nodes, twice.graph.nodes, strict=False))
     if len(gm.graph.nodes) != len(twice.graph.nodes) or any(
             a.target != b.target or _shape(b) != (grown(_shape(a), prop.of(a)) if _shape(a) is not None else None)
@@ -298,7 +301,7 @@ def _outputs(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _trace(kept: Kept, shapes: list, like: list, grads: list | None = None, differentiable: list[int] | None = None,
-           unused: list[int] | None = None) -> fx.GraphModule:
+           unused: list[int] | None = None, *, pre_dispatch: bool = True) -> fx.GraphModule:
     """The call traced (on fake tensors of ``shapes``, with the dtypes and devices of ``like``): its forward, or
     with ``grads`` (of the outputs at ``differentiable``) its forward then its backward, returning the outputs and
     the gradients of its floating inputs; the positions of those it gives no gradient go into ``unused``."""
@@ -318,6 +321,6 @@ def _trace(kept: Kept, shapes: list, like: list, grads: list | None = None, diff
 
     examples = [torch.empty(s, dtype=v.dtype, device=v.device) for s, v in zip(shapes, like, strict=True)]
     if grads is None:
-        return make_fx(forward, tracing_mode="fake")(*examples)
+        return make_fx(forward, tracing_mode="fake", pre_dispatch=pre_dispatch)(*examples)
     examples += [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
-    return make_fx(joint, tracing_mode="fake")(*examples)
+    return make_fx(joint, tracing_mode="fake", pre_dispatch=pre_dispatch)(*examples)

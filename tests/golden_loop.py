@@ -280,8 +280,8 @@ class _Recompute(torch.autograd.Function):
 
 
 class HiddenFromCapture(nn.Module):
-    """Two layers whose computation the capture sees only as gradient-free: the eager model trains, the graph
-    could not."""
+    """Two layers whose forward runs without gradients inside a custom autograd Function with its own backward
+    (reversible layers' way): export alone would see no gradient path; kept whole, the Function's backward trains."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -291,18 +291,14 @@ class HiddenFromCapture(nn.Module):
         return _Recompute.apply(torch.tanh(_Recompute.apply(x, self.first)), self.second)
 
 
-def hidden_from_capture(mesh_kwargs: dict, **options) -> str:
-    """This rank's error: every rank refuses alike, before any collective."""
+def hidden_from_capture(mesh_kwargs: dict, **options) -> dict:
+    """``autoshard.verify`` of the model: losses, gradients and parameters after two steps."""
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     mesh = autoshard.Mesh(**mesh_kwargs)
-    try:
-        pm = autoshard.parallelize(HiddenFromCapture(), mesh, example_inputs=(x,), loss_fn=F.mse_loss, target=x,
-                                   groups=groups_for(mesh), **options)
-        pm.step(x, target=x)
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return "accepted"
+    report = autoshard.verify(HiddenFromCapture(), mesh, (x,), F.mse_loss, target=x, steps=2,
+                              groups=groups_for(mesh), **options)
+    return {"ok": report.ok, "report": str(report), "compared": len(report.differences)}
 
 
 def _t5() -> nn.Module:
@@ -369,6 +365,31 @@ def optimizer_groups(name: str, mesh_kwargs: dict, **options) -> dict:
     full = pm.full_parameters()
     worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     return {"names": len(names), "unknown": unknown, "worst": worst}
+
+
+def optimizer_over_the_model(name: str, mesh_kwargs: dict, before: bool, **options) -> dict:
+    """An optimizer over the user's ``model.parameters()`` (built before ``parallelize`` or after, as FSDP2 users
+    write it): refused at its first step where the rank trains other tensors for them (the message), else it
+    trains as one over ``pm.parameters()`` would (the worst parameter's difference from the unsharded run)."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.1) if before else None
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    opt = opt or torch.optim.SGD(case.model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            pm.step(*case.inputs, target=case.target)
+            case.loss_fn(reference(*case.inputs), case.target).backward()
+            opt.step()
+            ref_opt.step()
+    except ValueError as e:
+        return {"refused": str(e)}
+    full = pm.full_parameters()
+    return {"worst": max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())}
 
 
 def padded_batch(name: str, mesh_kwargs: dict, **options) -> dict:

@@ -95,6 +95,23 @@ def test_optimizer_groups_built_from_named_parameters_use_the_model_s_names(pool
         assert result["worst"] < 1e-5, result
 
 
+@pytest.mark.parametrize("mesh,before", [({"tp": 2}, False), ({"tp": 2}, True), ({"dp": 2, "fsdp": True}, False)],
+                         ids=["tp2-after", "tp2-before", "fsdp2-after"])
+def test_an_optimizer_over_the_users_model_is_refused_where_the_rank_trains_other_tensors(pools, mesh, before):
+    """At tp2 an optimizer over ``model.parameters()`` stepped only the replicated parameters (the loss went 4.960,
+    4.956 where eager gives 4.776): now its first step raises on every rank, naming the parameters and the fix."""
+    options = {"data_parallel": "fsdp"} if mesh.pop("fsdp", False) else {}
+    for result in pools.get(2).run(golden_loop.optimizer_over_the_model, "gpt", mesh, before, **options):
+        assert "refused" in result, result
+        assert "which this rank does not train" in result["refused"] and "pm.parameters()" in result["refused"]
+
+
+def test_an_optimizer_over_the_users_model_trains_where_the_rank_trains_the_models_own_tensors(pools):
+    """Under dp alone each rank trains the model's own tensors: the user's optimizer is the right one."""
+    for result in pools.get(2).run(golden_loop.optimizer_over_the_model, "gpt", {"dp": 2}, False):
+        assert result.get("worst", 1.0) < 1e-5, result
+
+
 @pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}),
                                           ({"cp": 2}, {}), ({"cp": 2}, {"cp_attention": "ring"}),
                                           ({"cp": 2}, {"cp_attention": "alltoall", "cp_load_balance": True})],
@@ -113,12 +130,11 @@ def test_parameters_the_loss_gets_no_gradient_from_train_under_data_parallelism(
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2})],
                          ids=["dp2", "tp2", "pp2"])
-def test_a_model_that_hides_its_computation_from_the_capture_is_refused_on_every_rank(pools, mesh, options):
-    """A custom autograd Function whose forward runs without gradients (reversible layers): the captured loss
-    depends on no parameter. Refused at compile time on every rank; under pp it used to stall one rank."""
-    results = pools.get(2).run(golden_loop.hidden_from_capture, mesh, **options)
-    assert results[0] == results[1], results
-    assert results[0].startswith("ValueError") and "does not depend on its parameters" in results[0], results[0]
+def test_a_function_whose_forward_runs_without_gradients_trains_exactly(pools, mesh, options):
+    """A custom autograd Function whose forward runs without gradients and whose backward is its own (reversible
+    layers): it used to be refused (the capture saw a loss depending on no parameter); kept whole, it is exact."""
+    for rank, result in enumerate(pools.get(2).run(golden_loop.hidden_from_capture, mesh, **options)):
+        assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
 
 
 @pytest.mark.parametrize("options", [{"pipeline_starts": ["blocks.2"]}, {"pipeline_starts": ["blocks.2"],
