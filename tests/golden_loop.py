@@ -392,6 +392,29 @@ def optimizer_over_the_model(name: str, mesh_kwargs: dict, before: bool, **optio
     return {"worst": max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())}
 
 
+def torch_clip(name: str, mesh_kwargs: dict, **options) -> dict:
+    """``torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm)`` in the loop, as PyTorch loops write it, against
+    the same call on the unsharded model: the norms it returns and the parameters after two steps."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    norms = []
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pm.step(*case.inputs, target=case.target)
+        case.loss_fn(reference(*case.inputs), case.target).backward()
+        norms.append((torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05).item(),
+                      torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()))
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    return {"norms": norms,
+            "worst": max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())}
+
+
 def padded_batch(name: str, mesh_kwargs: dict, **options) -> dict:
     """A HuggingFace model given a right-padded batch and its ``attention_mask``, padding targets ignored."""
     case = build(name)

@@ -808,6 +808,18 @@ MUTANTS = (
            "a Function that reads a sum over its rows (x - x.mean(0)) is taken as per-sample: dp splits what it mixes",
            ("tests/test_functions.py::test_a_function_not_proven_per_sample_is_gathered_under_dp_and_refused_under_"
             "microbatches[_MixesRowsForward]",)),
+    Mutant("torch-clip-local-norm", "autoshard/runtime/habits.py",
+           "        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_",
+           "        pass",
+           "torch's clip_grad_norm_ over pm.parameters() clips each rank by its own shards' norm",
+           ("tests/test_training_loop.py::test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_"
+            "norm[tp2]",)),
+    Mutant("optimizer-over-the-model-unchecked", "autoshard/runtime/habits.py",
+           "        if found:",
+           "        if False:",
+           "an optimizer over the user's model.parameters() at tp2 steps only the replicated parameters, silently",
+           ("tests/test_training_loop.py::test_an_optimizer_over_the_users_model_is_refused_where_the_rank_trains_"
+            "other_tensors[tp2-after]",)),
     Mutant("scaled-loss-a-mean-per-part", "passes/loss.py",
            "    node = _unscaled(node) if isinstance(node, fx.Node) else node",
            "    node = node",

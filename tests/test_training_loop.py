@@ -106,6 +106,17 @@ def test_an_optimizer_over_the_users_model_is_refused_where_the_rank_trains_othe
         assert "which this rank does not train" in result["refused"] and "pm.parameters()" in result["refused"]
 
 
+@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}), ({"dp": 2}, {})],
+                         ids=["tp2", "pp2", "dp2"])
+def test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_norm(pools, mesh, options):
+    """``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` had clipped each rank by its own shards' norm at tp2
+    and pp2: now the norm it returns and the parameters after two clipped steps are the unsharded model's."""
+    for result in pools.get(2).run(golden_loop.torch_clip, "gpt", mesh, **options):
+        for got, expected in result["norms"]:
+            assert abs(got - expected) <= 1e-4 * expected, result["norms"]
+        assert result["worst"] < 1e-5, result
+
+
 def test_an_optimizer_over_the_users_model_trains_where_the_rank_trains_the_models_own_tensors(pools):
     """Under dp alone each rank trains the model's own tensors: the user's optimizer is the right one."""
     for result in pools.get(2).run(golden_loop.optimizer_over_the_model, "gpt", {"dp": 2}, False):

@@ -30,7 +30,7 @@ from autoshard.job_plan import plan_job
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
-from autoshard.runtime import gather, inference, stale
+from autoshard.runtime import gather, habits, inference
 from autoshard.runtime.anomaly import Finding
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
@@ -71,7 +71,7 @@ class ParallelModel(nn.Module):
         if groups is not None and mesh.ep > 1 and mesh.expert_replicas > 1:
             self.sync.experts_group = groups.group("ep_replicas")
         self._check_batch(example_inputs)
-        stale.watch(self)  # an optimizer over the user's model instead of this one is refused at its first step
+        habits.watch(self)  # torch's habits over the user's model or this one: refused, or made exact
         if target is not None:
             self._check_kinds((*example_inputs, target))  # the example's kinds are what steps must pass
             self._training_build(*self.microbatch_views(example_inputs, target)[0])
