@@ -46,6 +46,17 @@ def test_a_checkpoint_round_trips_its_records_as_plain_data(tmp_path):
     assert extra["step"] == 3 and extra["scheduler"]["step_size"] == 2 and torch.equal(extra["seen"], torch.arange(4))
 
 
+@pytest.mark.parametrize("typed", ["ckpt/", "./ckpt//", "~/ckpt"])
+def test_a_checkpoint_path_as_users_type_it_saves_and_loads(tmp_path, monkeypatch, typed):
+    """A trailing slash had rank 0 rename the checkpoint into itself (EINVAL) and every rank die; ``~`` is the home."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    pm, opt = _model()
+    pm.save_checkpoint(typed, optimizer=opt, extra={"step": 1})
+    pm.save_checkpoint(typed, optimizer=opt, extra={"step": 2})
+    assert pm.load_checkpoint(typed, optimizer=opt)["step"] == 2 and os.listdir(tmp_path) == ["ckpt"]
+
+
 @pytest.mark.parametrize("where", ["record", "value", "metadata"])
 def test_a_checkpoint_that_would_run_code_is_refused_and_runs_none(tmp_path, monkeypatch, where):
     pm, opt = _model()

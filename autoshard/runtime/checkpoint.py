@@ -65,6 +65,7 @@ def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, as
     group of its own so that training's collectives are not interleaved with it): returns a future whose
     ``result()`` waits for the write (and, on rank 0, puts the checkpoint in place).
     """
+    path = committed.as_typed(path)
     final = committed.target(path, keep, pm.steps)
     partial = committed.begin(final, pm.rank)
     with spread.of(pm).whole(pm.store, optimizer):  # the view keeps the whole tensors; training swaps in others

@@ -27,8 +27,15 @@ MANIFEST = "autoshard.manifest.json"
 _STEP = re.compile(r"step-(\d+)$")
 
 
+def as_typed(path) -> str:
+    """A path as users type it (``ckpt/``, ``~/runs/a``, a ``pathlib.Path``) as the one directory it names: a trailing
+    slash would have the rename put the checkpoint inside itself."""
+    return os.path.normpath(os.path.expanduser(os.fspath(path)))
+
+
 def target(path: str, keep: int | None, steps: int) -> str:
     """Where this save goes: ``path``, or under the root ``path`` with ``keep``."""
+    path = as_typed(path)
     if keep is None:
         return path
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
@@ -90,6 +97,7 @@ def exists(path: str) -> bool:
 
 def resolve(path: str) -> str:
     """The complete checkpoint to load at ``path`` (see the module doc), its files checked; refuses the rest."""
+    path = as_typed(path)
     if os.path.isfile(os.path.join(path, MANIFEST)):
         chosen = path
     elif steps := _steps(path):

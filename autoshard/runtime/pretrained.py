@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from autoshard.passes.collectives import _pieces
 from autoshard.passes.placements import Shard
-from autoshard.runtime import spread, state
+from autoshard.runtime import committed, spread, state
 
 INDEX = "model.safetensors.index.json"
 
@@ -32,7 +32,7 @@ INDEX = "model.safetensors.index.json"
 def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> None:
     """Write ``pm``'s model into ``directory`` as ``transformers``' ``save_pretrained`` does (a collective: every
     rank calls it)."""
-    limit = _bytes(max_shard_size)
+    limit, directory = _bytes(max_shard_size), committed.as_typed(directory)
     config = getattr(pm.model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):  # said on every rank, before any collective
         raise ValueError(f"save_pretrained writes HuggingFace's format, and {type(pm.model).__name__} has no "
@@ -72,6 +72,7 @@ def load_pretrained(pm, directory: str) -> int:
     """Fill this rank's parameters (and the buffers the files hold) from HuggingFace's format in ``directory``,
     reading only this rank's part of each tensor; returns the bytes this rank read. Refuses a directory that lacks
     a parameter or holds one of another shape, naming them, before changing anything. No collective."""
+    directory = committed.as_typed(directory)
     try:
         from safetensors import safe_open
     except ImportError as e:
