@@ -104,6 +104,7 @@ class Trainer(transformers.Trainer):
                  parallel_options: dict | None = None, **kwargs) -> None:
         if model is None:
             raise ValueError("autoshard.hf.Trainer needs the model itself (model_init is not supported)")
+        _check_loss_is_ours(type(self), kwargs.get("compute_loss_func"))
         self.mesh = mesh
         self.loss_fn = loss_fn or default_loss(model)
         self.parallel_options = dict(parallel_options or {})
@@ -111,6 +112,12 @@ class Trainer(transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # every rank reads the whole batch: the labels counted on one rank are those of the batch
         self.args.average_tokens_across_devices = False
+        # the Trainer's switches that autoshard runs as its own options (its checkpointing recomputes each stage's
+        # activations in backward, the whole program's without pp)
+        if self.args.gradient_checkpointing or getattr(model, "is_gradient_checkpointing", False):
+            self.parallel_options.setdefault("activation_checkpointing", True)
+        if self.args.torch_compile:
+            self.parallel_options.setdefault("compile", True)
 
     # ------------------------------------------------------------------------------------------ the model
 
@@ -202,6 +209,19 @@ class Trainer(transformers.Trainer):
 
     def _optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
+
+
+def _check_loss_is_ours(trainer: type, compute_loss_func) -> None:
+    """A ``compute_loss`` override or a ``compute_loss_func`` would be silently replaced by the compiled loss:
+    refused, saying how to give that loss."""
+    overridden = trainer.compute_loss is not transformers.Trainer.compute_loss
+    if overridden or compute_loss_func is not None:
+        what = f"{trainer.__name__}.compute_loss" if overridden else "compute_loss_func"
+        raise ValueError(
+            f"{what} is not what autoshard.hf.Trainer trains: the model is compiled with its loss as one graph, "
+            "loss_fn(output, labels), and the Trainer's compute_loss is never called. Pass that loss as "
+            "loss_fn=... (label smoothing, for one: loss_fn=lambda output, labels: F.cross_entropy(output.logits"
+            "[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, label_smoothing=0.1))")
 
 
 def positional_inputs(model: nn.Module, inputs: dict) -> tuple[tuple, torch.Tensor | None]:

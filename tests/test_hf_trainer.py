@@ -12,6 +12,9 @@ import functools
 
 import golden_hf
 import pytest
+import transformers
+
+from autoshard import hf
 
 STEPS = 20
 CELLS = [
@@ -83,3 +86,39 @@ def test_an_accelerate_loop_changed_by_one_line_trains_as_in_one_process(pools, 
     expected = _accelerate_reference("llama")
     results = pools.get(_world(mesh)).run(golden_hf.accelerate_loop, "llama", mesh, STEPS // 2, **options)
     golden_hf.check(expected, results)
+
+
+class _SmoothedTrainer(hf.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("how", ["override", "compute_loss_func"])
+def test_a_loss_the_trainer_would_never_call_is_refused_at_construction(tmp_path, how):
+    """A ``compute_loss`` override (label smoothing, a custom objective) or ``compute_loss_func`` had been silently
+    replaced by the default next-token loss: refused, saying to pass it as ``loss_fn``."""
+    model, data = golden_hf.build("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, **golden_hf.ARGS)
+    trainer, extra = (_SmoothedTrainer, {}) if how == "override" else (hf.Trainer, {"compute_loss_func": len})
+    with pytest.raises(ValueError, match="is not what autoshard.hf.Trainer trains.*loss_fn="):
+        trainer(model=model, args=args, train_dataset=data, **extra)
+
+
+def test_gradient_checkpointing_and_torch_compile_become_autoshards_options(tmp_path):
+    """``gradient_checkpointing=True`` (or the model's own switch) and ``torch_compile=True`` had changed nothing:
+    they are autoshard's activation checkpointing and ``compile=True``; trained in one process, the losses are the
+    plain Trainer's."""
+    model, data = golden_hf.build("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, gradient_checkpointing=True,
+                                          **golden_hf.ARGS)
+    trainer = golden_hf._Trainer(model=model, args=args, train_dataset=data[golden_hf.EVAL:])
+    trainer.losses = []
+    trainer.train()
+    assert trainer.pm.options.activation_checkpointing
+    expected = golden_hf.reference("llama", str(tmp_path / "plain"), 2)
+    assert trainer.losses == pytest.approx(expected["losses"], rel=1e-5)
+    model.gradient_checkpointing_enable()
+    assert hf.Trainer(model=model, args=args, train_dataset=data).parallel_options["activation_checkpointing"]
+    compiled = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, torch_compile=True,
+                                              **golden_hf.ARGS)
+    assert hf.Trainer(model=model, args=compiled, train_dataset=data).parallel_options["compile"]
