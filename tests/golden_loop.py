@@ -354,17 +354,24 @@ def optimizer_groups(name: str, mesh_kwargs: dict, **options) -> dict:
     names = [n for n, _ in pm.named_parameters()]
     unknown = sorted(set(names) - {n for n, _ in reference.named_parameters(remove_duplicate=False)})
     opt = torch.optim.SGD(groups(pm.named_parameters()), lr=0.1)
-    ref_opt = torch.optim.SGD(groups(reference.named_parameters()), lr=0.1)
-    for _ in range(2):
+    worst = _steps_beside(pm, case, reference, opt, torch.optim.SGD(groups(reference.named_parameters()), lr=0.1))
+    return {"names": len(names), "unknown": unknown, "worst": worst}
+
+
+def _steps_beside(pm, case, reference, opt, ref_opt, between=None, steps: int = 2) -> float:
+    """``steps`` steps of ``pm`` with ``opt`` beside the unsharded ``reference`` with ``ref_opt`` (``between()`` after
+    each backward, before the optimizers step); the worst parameter's difference after them."""
+    for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
         pm.step(*case.inputs, target=case.target)
         case.loss_fn(reference(*case.inputs), case.target).backward()
+        if between is not None:
+            between()
         opt.step()
         ref_opt.step()
     full = pm.full_parameters()
-    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    return {"names": len(names), "unknown": unknown, "worst": worst}
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
 
 
 def optimizer_over_the_model(name: str, mesh_kwargs: dict, before: bool, **options) -> dict:
@@ -377,19 +384,10 @@ def optimizer_over_the_model(name: str, mesh_kwargs: dict, before: bool, **optio
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), **options)
     opt = opt or torch.optim.SGD(case.model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     try:
-        for _ in range(2):
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            pm.step(*case.inputs, target=case.target)
-            case.loss_fn(reference(*case.inputs), case.target).backward()
-            opt.step()
-            ref_opt.step()
+        return {"worst": _steps_beside(pm, case, reference, opt, torch.optim.SGD(reference.parameters(), lr=0.1))}
     except ValueError as e:
         return {"refused": str(e)}
-    full = pm.full_parameters()
-    return {"worst": max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())}
 
 
 def torch_clip(name: str, mesh_kwargs: dict, **options) -> dict:
@@ -399,20 +397,14 @@ def torch_clip(name: str, mesh_kwargs: dict, **options) -> dict:
     mesh = autoshard.Mesh(**mesh_kwargs)
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), **options)
-    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
     norms = []
-    for _ in range(2):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        pm.step(*case.inputs, target=case.target)
-        case.loss_fn(reference(*case.inputs), case.target).backward()
+
+    def clip():
         norms.append((torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.05).item(),
                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item()))
-        opt.step()
-        ref_opt.step()
-    full = pm.full_parameters()
-    return {"norms": norms,
-            "worst": max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())}
+    worst = _steps_beside(pm, case, reference, torch.optim.SGD(pm.parameters(), lr=0.5),
+                          torch.optim.SGD(reference.parameters(), lr=0.5), between=clip)
+    return {"norms": norms, "worst": worst}
 
 
 def padded_batch(name: str, mesh_kwargs: dict, **options) -> dict:
