@@ -57,6 +57,7 @@ def prepare(accelerator, *objects, mesh=None, loss_fn=None, **options):
         else:
             prepared.append(accelerator.prepare(obj))
     _clip_globally(accelerator, parallel)
+    _state_as_autoshard_saves_it(accelerator, parallel)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
@@ -95,6 +96,24 @@ class ParallelModule(nn.Module):
                                      "model.named_parameters()")
                 held = [shards.get(names[id(p)]) for p in group["params"]]
                 group["params"] = list({id(p): p for p in held if p is not None}.values())
+
+    def _parallel(self, what: str):
+        if self.pm is None:
+            raise ValueError(f"{what} before the model's first call: the model is parallelized then (call it on a "
+                             "batch first)")
+        return self.pm
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature
+        """The model's ``state_dict()``: its keys, every parameter at full shape (a collective: every rank calls)."""
+        return self._parallel("state_dict()").state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ARG002
+        return self._parallel("load_state_dict()").load_state_dict(state_dict, strict=strict)
+
+    def save_pretrained(self, directory: str, *, max_shard_size: int | str = "5GB", **kwargs) -> None:  # noqa: ARG002
+        """HuggingFace's format, as ``unwrap_model(model).save_pretrained(...)`` writes it (every rank calls; rank
+        0 writes; accelerate's ``is_main_process``, ``save_function`` and ``state_dict`` are not needed)."""
+        self._parallel("save_pretrained()").save_pretrained(directory, max_shard_size=max_shard_size)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         if self.pm is None:
@@ -151,3 +170,24 @@ def _clip_globally(accelerator, parallel: ParallelModule) -> None:
         return original(parameters, max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _state_as_autoshard_saves_it(accelerator, parallel: ParallelModule) -> None:
+    """``get_state_dict(model)`` gives the model's full state dict; ``save_state``/``load_state`` would write no
+    weights and only rank 0's optimizer shards (accelerate knows nothing of this rank's shards): refused, saying
+    what saves the run."""
+    get_state_dict = accelerator.get_state_dict
+
+    def state_dict(model, unwrap: bool = True):
+        return parallel.state_dict() if model is parallel else get_state_dict(model, unwrap)
+
+    def refused(*args, **kwargs):
+        raise ValueError(
+            "accelerator.save_state/load_state would save no weights of the parallel model and only rank 0's "
+            "optimizer shards: save the run with model.pm.save_checkpoint(path, optimizer=optimizer, "
+            "extra={'scheduler': scheduler.state_dict()}) and resume it (under any mesh) with "
+            "model.pm.load_checkpoint(path, optimizer=optimizer); unwrap_model(model).save_pretrained(dir) writes "
+            "the model in HuggingFace's format")
+
+    accelerator.get_state_dict = state_dict
+    accelerator.save_state = accelerator.load_state = refused

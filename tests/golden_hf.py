@@ -9,6 +9,7 @@ Trainer's sharding of the batches is what autoshard undoes. Both record each ``t
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import transformers
@@ -196,7 +197,16 @@ def accelerate_loop(kind: str, mesh_kwargs: dict | None, steps: int, **options) 
     model.eval()
     with torch.no_grad():
         eval_loss = sum(float(model(**batch).loss) for batch in evaluation) / len(evaluation)
-    state = model.pm.state_dict() if mesh_kwargs is not None else model.state_dict()
+    state = accelerator.get_state_dict(model)  # accelerate's idiom: the full state dict
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return {"losses": losses, "eval_loss": eval_loss, "logged": [],
-            "state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None}
+    result = {"losses": losses, "eval_loss": eval_loss, "logged": [],
+              "state": {k: v.detach().clone() for k, v in state.items()} if rank == 0 else None}
+    if mesh_kwargs is not None:
+        with tempfile.TemporaryDirectory() as directory:
+            accelerator.unwrap_model(model).save_pretrained(directory, is_main_process=rank == 0)
+            result["pretrained"] = sorted(os.listdir(directory)) if rank == 0 else None
+            try:
+                accelerator.save_state(os.path.join(directory, "state"))
+            except ValueError as e:
+                result["save_state"] = str(e)
+    return result
