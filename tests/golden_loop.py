@@ -597,3 +597,55 @@ def spread_loop(name: str, mesh_kwargs: dict, **options) -> dict:
     size = lambda p: p.numel() * p.element_size()  # noqa: E731
     share = sum(size(p) for p in pm.parameters()) / sum(size(p) for p in reference.parameters())
     return {**worst, "share": share, "spread": len(pm.latest.spread)}
+
+
+class _FailsWhenAsked(torch.autograd.Function):
+    """Identity; raises in its forward while ``ASKED["fail"]`` (a stage's own error, on the rank that runs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if ASKED["fail"]:
+            raise ValueError("the stage's own error")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+ASKED = {"fail": False}
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 3:
+                x = _FailsWhenAsked.apply(x)
+        return x
+
+
+def stage_failure(mesh_kwargs: dict, **options) -> dict:
+    """A step in which the last stage's forward raises: how long each rank took to end the step, and its error."""
+    import time
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(_Stack(), mesh, example_inputs=(x,), loss_fn=F.mse_loss, target=x,
+                               groups=groups_for(mesh), **options)
+    pm.step(x, target=x)
+    ASKED["fail"] = True
+    start = time.perf_counter()
+    try:
+        pm.step(x, target=x)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        ASKED["fail"] = False
+    return {"seconds": time.perf_counter() - start, "error": error}

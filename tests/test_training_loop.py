@@ -155,3 +155,15 @@ def test_a_stage_that_updates_a_received_activation_in_place_is_exact(pools, opt
     value is a leaf that requires grad, which refuses in-place updates."""
     for rank, result in enumerate(pools.get(2).run(golden_loop.in_place_at_the_cut, {"pp": 2}, **options)):
         assert result["ok"] and result["compared"] > 0, f"rank {rank}:\n{result['report']}"
+
+
+@pytest.mark.parametrize("options", [{"microbatches": 2}, {"microbatches": 4, "schedule": "zbv"}],
+                         ids=["1f1b", "zbv"])
+def test_a_stages_failure_ends_the_step_on_its_peer_at_once_with_its_error(pools, options):
+    """The last stage's forward raises on its rank: its peer, waiting for gradients, had waited out the 120-s
+    collective timeout; now the failing rank hands its peers what they wait for (zeros, no gradient) and says why in
+    the job's store, so every rank ends the step within seconds naming the failing rank's error."""
+    results = pools.get(2).run(golden_loop.stage_failure, {"pp": 2}, **options)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None and "the stage's own error" in result["error"], (rank, result)
+        assert result["seconds"] < 10, (rank, result)

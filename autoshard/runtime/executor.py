@@ -20,6 +20,7 @@ end time, from which the real timeline and bubble are measured.
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -29,12 +30,35 @@ import torch.distributed as dist
 from autoshard.codegen import RankProgram
 from autoshard.kinds import ActionKind
 from autoshard.passes.pipeline_split import TensorSpec
+from autoshard.runtime.failures import is_peer_failure
 from autoshard.runtime.split_backward import WeightGradients, input_gradients
 from autoshard.schedules import Action, rank_of
 
 
 class PipelineStall(RuntimeError):
     """A pipeline action failed or timed out; the message names the rank, step and action."""
+
+
+_EXECUTORS = itertools.count()  # made in the same order on every rank: one name for one pipeline in the store
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+
+
+def _announce(key: str, message: str) -> None:
+    """Tell every rank that this one failed in the run ``key`` names (the job's store: no collective, no wait); the
+    first failure is the one said (a peer that then fails on the zeros it was given does not overwrite it)."""
+    store = _store()
+    if store is not None:
+        store.compare_set(key, "", message)
+
+
+def _raise_announced(key: str, rank: int, step: int) -> None:
+    """Raise here what a peer announced it failed with: every rank ends that step with that rank's error."""
+    store = _store()
+    if store is not None and store.check([key]):
+        raise PipelineStall(f"pp rank {rank} ended step {step}: {store.get(key).decode()}")
 
 
 @dataclass
@@ -85,6 +109,7 @@ class PipelineExecutor:
         self.timeout = timeout
         self.device = device or torch.device("cpu")  # where received activations and the loss live
         self.records: list[Record] = []
+        self.name, self.runs = f"autoshard/pipeline/{next(_EXECUTORS)}", 0
 
     def run(self, actions: list[Action], microbatches: list[tuple[tuple, torch.Tensor]], divisor, step: int,
             call=None, reducer=None):
@@ -99,21 +124,47 @@ class PipelineExecutor:
         pending: list = []
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         self.records = []
+        self.runs += 1
+        key = f"{self.name}/{self.runs}/failed"
+        failed: PipelineStall | None = None
         for index, action in enumerate(actions):
             start = time.perf_counter()
+            if failed is not None:  # this rank failed: its peers are given what they wait for, and told why
+                self._drain(action, state, microbatches, pending)
+                continue
             try:
                 total = total + self._do(action, state, microbatches, divisor, pending)
-            except RuntimeError as e:
+            except Exception as e:
                 peer = (f", exchanging with rank {self.pp_ranks[action.peer(self.p, self.placement)]}"
                         if not action.is_compute else "")
-                raise PipelineStall(
-                    f"pp rank {self.rank} failed in step {step} at action {index} ({action}{peer}): "
-                    f"{str(e).splitlines()[0]}"
-                ) from e
+                failed = PipelineStall(f"pp rank {self.rank} failed in step {step} at action {index} ({action}{peer}): "
+                                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                failed.__cause__ = e
+                if not action.is_compute or is_peer_failure(e):
+                    raise failed from e  # a peer stalled or died: nothing to drain
+                _announce(key, str(failed))
+                continue
             self.records.append(Record(action, start, time.perf_counter()))
         for work in pending:
             work.wait()
+        if failed is not None:
+            raise failed from failed.__cause__
+        _raise_announced(key, self.rank, step)
         return total
+
+    def _drain(self, action: Action, state, microbatches, pending) -> None:
+        """After this rank failed: no compute; every receive its peers send, and zeros for every send they wait
+        for (no gradient, by its flags), so each peer ends its step and reads the failure."""
+        runner = self.runners.get(action.stage)
+        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            self._do(action, state, microbatches, 1.0, pending)
+        elif action.kind == ActionKind.SEND_F:
+            zeros = [spec.allocate(self.device)[0].zero_() for spec in runner.send_specs]
+            pending += self._send(zeros, action.stage + 1)
+        elif action.kind == ActionKind.SEND_B:
+            zeros = [torch.zeros(spec.shape, dtype=spec.dtype, device=self.device) for spec in runner.receive_specs]
+            flags = torch.zeros(len(zeros), dtype=torch.uint8, device=self.device)
+            pending += self._send([*zeros, flags], action.stage - 1)
 
     def _do(self, action: Action, state, microbatches, divisor, pending) -> torch.Tensor:
         key = (action.microbatch, action.stage)
