@@ -130,7 +130,10 @@ class PipelineExecutor:
         for index, action in enumerate(actions):
             start = time.perf_counter()
             if failed is not None:  # this rank failed: its peers are given what they wait for, and told why
-                self._drain(action, state, microbatches, pending)
+                try:
+                    self._drain(action, state, microbatches, pending)
+                except Exception:  # noqa: BLE001 - a peer that failed too: this rank's own error is the one said
+                    raise failed from failed.__cause__  # noqa: B904
                 continue
             try:
                 total = total + self._do(action, state, microbatches, divisor, pending)
