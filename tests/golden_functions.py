@@ -152,7 +152,32 @@ def ctc_batch(batch: int = 4, frames: int = 12, features: int = 12, labels: int 
     return (torch.randn(batch, frames, features, generator=gen),), target
 
 
-MODELS = {"lm": (FunctionsLM, lm_batch, vocab_cross_entropy), "ctc": (CTCModel, ctc_batch, ctc_loss)}
+def wav2vec2():
+    """transformers' ``Wav2Vec2ForCTC`` at a tiny size (its conv feature encoder, a transformer layer, the CTC head),
+    random draws off (dropout, LayerDrop, time masking) so that runs compare."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, feat_extract_norm="group", pad_token_id=0, layerdrop=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0)
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+def wav2vec2_batch(batch: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(1, 12, (batch, 5), generator=gen)
+    labels[1, 3:] = 0
+    return (torch.randn(batch, 400, generator=gen),), labels
+
+
+def wav2vec2_ctc_loss(output, labels):
+    return ctc_loss(output.logits.log_softmax(-1), labels)
+
+
+MODELS = {"lm": (FunctionsLM, lm_batch, vocab_cross_entropy), "ctc": (CTCModel, ctc_batch, ctc_loss),
+          "wav2vec2": (wav2vec2, wav2vec2_batch, wav2vec2_ctc_loss)}
 
 
 def functions_golden(name: str, mesh_kwargs: dict, *, steps: int = 2, **options) -> dict:

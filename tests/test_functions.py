@@ -174,7 +174,8 @@ GOLDENS = [("lm", {"dp": 2}, {}), ("lm", {"tp": 2}, {}), ("lm", {"pp": 2}, {"mic
            ("lm", {"pp": 2}, {"microbatches": 2, "schedule": "zbv"}), ("lm", {"cp": 2}, {}),
            ("lm", {"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
            ("ctc", {"dp": 2}, {"microbatches": 2}), ("ctc", {"tp": 2}, {}), ("ctc", {"pp": 2}, {"microbatches": 2}),
-           ("lm", {"tp": 2}, {"compile": True})]
+           ("lm", {"tp": 2}, {"compile": True}), ("wav2vec2", {"dp": 2}, {"microbatches": 2}),
+           ("wav2vec2", {"tp": 2}, {}), ("wav2vec2", {"pp": 2}, {"microbatches": 2})]
 
 
 def _id(name, mesh, options):
