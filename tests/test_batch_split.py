@@ -122,11 +122,11 @@ def test_a_contrastive_loss_is_exact_under_dp_and_tp(pools, mesh, loss):
     check(pools.get(world).run(coupled_golden, loss, mesh))
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
-def test_preference_pairs_are_exact_under_dp_and_tp(pools, mesh):
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"cp": 2}], ids=["dp2", "tp2", "cp2"])
+def test_preference_pairs_are_exact_under_dp_tp_and_cp(pools, mesh):
     """DPO's pairs over a concatenated batch on the zoo's HF Llama: under dp each rank's per-row log-probabilities
     are gathered (pair ``i`` is rows ``i`` and ``i + n`` of the whole batch), and ``logp[:n]`` cuts at the whole
-    batch's ``n``."""
+    batch's ``n``; tp and cp keep the batch whole (cp's sequence split summed in each row's log-probability)."""
     from golden_batch import preference_golden
 
     from golden import check
