@@ -147,7 +147,10 @@ def _record(name: str, call: Callable, args: tuple, kwargs: dict, fake: Callable
 def _model_line() -> str:
     frames = [f for f in traceback.extract_stack()[:-3]
               if "/torch/" not in f.filename and "/autoshard/" not in f.filename]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    if not frames:
+        return "?"
+    where = frames[-1].filename.rpartition("site-packages/")[2]  # a library's file by its package path
+    return f"{where}:{frames[-1].lineno}"
 
 
 def _kept_apply(cls, *args, **kwargs):

@@ -159,12 +159,15 @@ def _elementwise_loss(node: fx.Node, ctx: Context) -> Decision:
 
 @rule(KEPT_OP)
 def _kept(node: fx.Node, ctx: Context) -> Decision:
-    """A custom autograd Function (or an op export cannot fake) kept whole: opaque, its inputs whole, except on an
-    axis that splits the batch's samples where the call is proven per-sample (``autoshard.functions``)."""
+    """A custom autograd Function (or an op export cannot fake) kept whole: opaque, its inputs whole, except where
+    its traced forward and backward prove a split keeps its values apart (``autoshard.functions.per_sample``): on an
+    axis that splits the batch's samples, per sample; on any axis, every input split alike (element-wise)."""
     placements = [ctx.of(t) for t in node.args[0]]
-    if ctx.axis.samples and all(p == R or isinstance(p, Shard) for p in placements) and any(p != R for p in placements):
+    samples = ctx.axis.samples and all(p == R or isinstance(p, Shard) for p in placements)
+    alike = len(set(placements)) == 1 and isinstance(placements[0], Shard)  # an element-wise Function, on any axis
+    if (samples or alike) and any(p != R for p in placements):
         proven = per_sample(node, placements, ctx.size)
-        if proven is not None:
+        if proven is not None and (samples or all(isinstance(p, Shard) for p in proven[0])):
             return Decision(*proven)
     kept = kept_of(node)
     return replicate_all(node, ctx, reason=f"{kept.name} (kept whole, as its own forward and backward) at {kept.where}"
