@@ -356,7 +356,8 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     (``passes.batch_statistics``): exact. Elsewhere it is refused; with ``batch_statistics="local"`` each part
     computes it from its own samples (DDP's and gradient accumulation's loss), said in ``notes``. (BatchNorm is
     ``check_batch_norm``'s; cp and tp keep the batch whole.) A loss that couples the samples (``passes.batch_split``)
-    is gathered under dp alone (``passes.batch_gather``) and refused elsewhere. The third value: whether the loss is
+    is gathered over dp with one microbatch and no pp or cp, beside tp and ep too (``passes.batch_gather``), and
+    refused elsewhere. The third value: whether the loss is
     a sum over the samples (the parts' losses added, where the runtime would average a mean's)."""
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
         return False, {}, False
@@ -381,8 +382,8 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         whole = [f.node for f in findings if f.kind == batch_split.STATISTIC] + \
             [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
     coupled = [f for f in findings if f.kind != batch_split.STATISTIC]
-    dp_alone = mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1
-    if coupled and (options.batch_statistics == "local" or not dp_alone or mesh.tp > 1 or mesh.ep > 1 or recaptured):
+    gathers = mesh.dp > 1 and options.microbatches == 1 and mesh.pp == 1 and mesh.cp == 1  # beside tp and ep too
+    if coupled and (options.batch_statistics == "local" or not gathers or recaptured):
         _refuse_coupled(coupled, over, options, notes)
         return False, {}, False
     if coupled:
@@ -475,7 +476,7 @@ def _whole_batch_trial(captured: Captured, gm: fx.GraphModule, batch: int, dp: i
 
 def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int, coupled: list,
                     notes: list[str] | None) -> tuple[bool, dict[str, list]]:
-    """dp alone: the rows a coupled loss term reads gathered over the dp ranks (``passes.batch_gather``), or
+    """dp with one microbatch (no pp or cp): the rows a coupled loss term reads gathered over the dp ranks (``passes.batch_gather``), or
     refused, before any collective, saying why."""
     from autoshard.passes import batch_statistics
 
@@ -509,9 +510,9 @@ def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: li
         f"the loss is not a sum over the batch's samples: {found}. {over} would run each part of the batch alone, "
         "and no rank sees another part's rows: each part would train its own loss (a contrastive loss over its own "
         "samples, preference pairs split apart), a different objective from the model run on the whole batch. Keep "
-        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use dp alone with "
-        "one microbatch (no pp, cp, tp or ep: the rows the term reads are then gathered over dp, exact), or pass "
-        "batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")
+        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use dp with one "
+        "microbatch and no pp or cp (beside tp or ep too: the rows the term reads are then gathered over dp, exact), "
+        "or pass batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")
 
 
 def _where(node: fx.Node) -> str:

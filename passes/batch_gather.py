@@ -14,8 +14,12 @@ gradients it sums over dp. The gather's backward sums the gradient of the gather
 this rank's rows (a reduce-scatter): ``sum_r (1/dp) dL/dG`` at this rank's rows is ``dL/dG`` there, so the sum over
 ranks of each rank's parameter gradient is the unsharded model's.
 
-dp alone (one microbatch, no pp, cp, tp or ep): the region runs at the whole batch's sizes, which other axes' passes
-would read from shapes recorded at this rank's. Elsewhere the job plan refuses, naming the term and what works.
+dp with one microbatch and no pp or cp, beside tp and ep too: this pass runs first, on the graph of the rank's rows,
+and the region then runs at the whole batch's sizes. tp, sp and ep split the region's values on other dims than
+the batch's (the gather is element-wise to them: a tp shard or a pending tp sum of each row is gathered as it is),
+and their passes localize the region's views by those dims alone. Under microbatches or pp a part cannot see the
+rows of later parts, and under cp the rows' sequence is split too: the job plan refuses, naming the term and what
+works.
 """
 
 from __future__ import annotations

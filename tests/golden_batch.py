@@ -60,7 +60,8 @@ def two_tower_batch(batch: int = 8):
 
 def preference_loss(output, target):
     """DPO's loss over a batch laid out as TRL's concatenated forward lays it out: chosen rows, then rejected."""
-    logits = output.logits if hasattr(output, "logits") else output[0]
+    logits = output.logits if hasattr(output, "logits") else output
+    logits = logits.view(*target.shape, -1)  # (B, T, V) where a model returns its rows flattened
     logp = torch.gather(logits[:, :-1].log_softmax(-1), 2, target[:, 1:].unsqueeze(-1)).squeeze(-1).sum(-1)
     n = logp.shape[0] // 2
     return -F.logsigmoid(0.1 * (logp[:n] - logp[n:])).mean()
@@ -97,11 +98,12 @@ def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, microbatches
             "parameters": len(list(TwoTower().named_parameters())), "steps": steps, "share": report.share}
 
 
-def preference_golden(mesh_kwargs: dict, *, steps: int = 3, **options) -> dict:
-    """``autoshard.verify`` of the zoo's HF Llama under DPO's loss over a concatenated chosen/rejected batch."""
+def preference_golden(mesh_kwargs: dict, *, steps: int = 3, name: str = "hf_llama", **options) -> dict:
+    """``autoshard.verify`` of a zoo model (the HF Llama) under DPO's loss over a concatenated chosen/rejected
+    batch."""
     from models import build
 
-    case = build("hf_llama")
+    case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
     report = autoshard.verify(case.model, mesh, case.inputs, preference_loss, target=case.inputs[0], steps=steps,
                               groups=groups_for(mesh), **options)

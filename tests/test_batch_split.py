@@ -19,9 +19,9 @@ from autoshard.options import CompileOptions
 
 aten = torch.ops.aten
 
-# where the parts run apart: microbatches, a pipeline, dp beside tp (dp alone gathers: exact, below)
-MESHES = [({}, 2), ({"dp": 2, "tp": 2, "pp": 2}, 2), ({"dp": 2, "tp": 2}, 1)]
-MESH_IDS = ["m2", "dp2xtp2xpp2-m2", "dp2xtp2"]
+# where the parts run apart: microbatches, a pipeline (dp with one microbatch gathers, beside tp too: exact, below)
+MESHES = [({}, 2), ({"dp": 2, "tp": 2, "pp": 2}, 2)]
+MESH_IDS = ["m2", "dp2xtp2xpp2-m2"]
 
 
 def _compile(model, inputs, target, loss_fn, mesh, microbatches, **options):
@@ -36,13 +36,14 @@ def _compile(model, inputs, target, loss_fn, mesh, microbatches, **options):
                          ids=["clip", "in-batch-negatives"])
 def test_a_contrastive_loss_is_refused_where_the_batch_is_split(loss_fn, what, mesh, microbatches):
     """Each part would train its own contrastive loss over its own rows (open_clip's loss read 0.7874 for 1.7906, the
-    in-batch negatives 0.0 at one sample a part): where the parts run apart (microbatches, pp) or beside an axis that
-    reads their shapes (tp), refused before any collective, naming the op, its line and what works.
+    in-batch negatives 0.0 at one sample a part): where the parts run apart (microbatches, pp), refused before any
+    collective, naming the op, its line and what works.
     The conv stem and the masked mean pooling keep samples apart (their rules say so): the refusal is the
     loss's, not theirs."""
     inputs, target = two_tower_batch()
     with pytest.raises(ValueError, match=rf"not a sum over the batch's samples: {what}.*tp, cp, and pp with one "
-                                         r"microbatch are exact.*dp alone.*gathered over dp.*batch_statistics='local'"
+                                         r"microbatch are exact.*dp with one microbatch and no pp or cp.*gathered over dp.*"
+                                         r"batch_statistics='local'"
                        ) as e:
         _compile(TwoTower(), inputs, target, loss_fn, mesh, microbatches)
     assert "conv" not in str(e.value) and "normalize" not in str(e.value)
@@ -54,7 +55,7 @@ def test_a_contrastive_loss_computed_per_part_is_said_with_local_statistics():
     assert any("couples the samples" in note and "batch_statistics='local'" in note for note in build.plan.notes)
 
 
-@pytest.mark.parametrize("mesh,microbatches", MESHES, ids=MESH_IDS)
+@pytest.mark.parametrize("mesh,microbatches", [*MESHES, ({"dp": 2, "tp": 2}, 1)], ids=[*MESH_IDS, "dp2xtp2"])
 def test_a_per_sample_loss_through_convolutions_and_pooling_passes(mesh, microbatches):
     """Every sample against its own pair, through a conv stem, a masked mean and ``F.normalize``: a mean over
     samples, which the parts add up exactly."""
@@ -62,7 +63,7 @@ def test_a_per_sample_loss_through_convolutions_and_pooling_passes(mesh, microba
     _compile(TwoTower(), inputs, target, per_sample_cosine, mesh, microbatches)
 
 
-@pytest.mark.parametrize("mesh,microbatches", MESHES[:2], ids=MESH_IDS[:2])
+@pytest.mark.parametrize("mesh,microbatches", MESHES, ids=MESH_IDS)
 def test_preference_pairs_split_across_parts_are_refused(mesh, microbatches):
     """Pair ``i`` is rows ``i`` and ``i + n``: a part holds chosen rows without their rejected ones (0.7968 for 0.9225
     before). Refused naming the slice that pairs them."""
@@ -103,7 +104,7 @@ def test_an_op_without_a_batch_rule_that_reads_the_loss_is_refused_not_guessed()
 # ----------------------------------------------------------------------------- exact under dp, and under tp
 
 GOLDEN_MESHES = [({"dp": 2}, "clip"), ({"dp": 2}, "in_batch_negatives"), ({"dp": 2}, "per_sample"),
-                 ({"tp": 2}, "clip"), ({"dp": 4}, "clip")]
+                 ({"tp": 2}, "clip"), ({"dp": 4}, "clip"), ({"dp": 2, "tp": 2}, "in_batch_negatives")]
 
 
 @pytest.mark.parametrize("mesh,loss", GOLDEN_MESHES, ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items())}-{loss}"
@@ -111,7 +112,8 @@ GOLDEN_MESHES = [({"dp": 2}, "clip"), ({"dp": 2}, "in_batch_negatives"), ({"dp":
 def test_a_contrastive_loss_is_exact_under_dp_and_tp(pools, mesh, loss):
     """Under dp alone the rows the loss reads (the scaled image embeddings and the text embeddings) are gathered from
     every dp rank, with a backward that sums their gradient and keeps each rank's rows: the loss, every gradient and
-    the parameters after three steps are the unsharded model's. tp keeps the batch whole."""
+    the parameters after three steps are the unsharded model's. tp keeps the batch whole; beside dp it splits the
+    towers' linears while the gathered rows are the whole batch's."""
     from golden_batch import coupled_golden
 
     from golden import check
@@ -122,16 +124,26 @@ def test_a_contrastive_loss_is_exact_under_dp_and_tp(pools, mesh, loss):
     check(pools.get(world).run(coupled_golden, loss, mesh))
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"cp": 2}], ids=["dp2", "tp2", "cp2"])
-def test_preference_pairs_are_exact_under_dp_tp_and_cp(pools, mesh):
+PREFERENCE_MESHES = [("hf_llama", {"dp": 2}), ("hf_llama", {"tp": 2}), ("hf_llama", {"cp": 2}),
+                     ("hf_llama", {"dp": 2, "tp": 2}), ("moe", {"dp": 2, "ep": 2})]
+
+
+@pytest.mark.parametrize("name,mesh", PREFERENCE_MESHES,
+                         ids=[f"{name}-{'x'.join(f'{k}{v}' for k, v in m.items())}" for name, m in PREFERENCE_MESHES])
+def test_preference_pairs_are_exact_under_dp_tp_cp_and_ep(pools, name, mesh):
     """DPO's pairs over a concatenated batch on the zoo's HF Llama: under dp each rank's per-row log-probabilities
     are gathered (pair ``i`` is rows ``i`` and ``i + n`` of the whole batch), and ``logp[:n]`` cuts at the whole
-    batch's ``n``; tp and cp keep the batch whole (cp's sequence split summed in each row's log-probability)."""
+    batch's ``n``; tp and cp keep the batch whole (cp's sequence split summed in each row's log-probability). Beside
+    tp (its vocab-parallel logits) and ep (the zoo's mixture of experts, its experts split over the dp ranks) the
+    gathered rows are the same."""
     from golden_batch import preference_golden
 
     from golden import check
 
-    check(pools.get(2).run(preference_golden, mesh), mesh)
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    check(pools.get(world // mesh.get("ep", 1)).run(preference_golden, mesh, name=name), mesh)
 
 
 def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
