@@ -42,8 +42,8 @@ def test_a_contrastive_loss_is_refused_where_the_batch_is_split(loss_fn, what, m
     loss's, not theirs."""
     inputs, target = two_tower_batch()
     with pytest.raises(ValueError, match=rf"not a sum over the batch's samples: {what}.*tp, cp, and pp with one "
-                                         r"microbatch are exact.*dp with one microbatch and no pp or cp.*gathered over dp.*"
-                                         r"batch_statistics='local'"
+                                         r"microbatch are exact.*dp with one microbatch and no pp or cp.*"
+                                         r"gathered over dp.*batch_statistics='local'"
                        ) as e:
         _compile(TwoTower(), inputs, target, loss_fn, mesh, microbatches)
     assert "conv" not in str(e.value) and "normalize" not in str(e.value)
