@@ -477,8 +477,7 @@ def _whole_batch_trial(captured: Captured, gm: fx.GraphModule, batch: int, dp: i
 def _gather_coupled(captured: Captured, gm: fx.GraphModule, batch: int, dp: int, coupled: list,
                     notes: list[str] | None) -> tuple[bool, dict[str, list]]:
     """dp with one microbatch (no pp or cp): the rows a coupled loss term reads gathered over the dp ranks
-    (``passes.batch_gather``), or
-    refused, before any collective, saying why."""
+    (``passes.batch_gather``), or refused, before any collective, saying why."""
     from autoshard.passes import batch_statistics
 
     found = "; ".join(f.describe() for f in coupled[:3])
