@@ -60,6 +60,7 @@ class Captured:
     recapture: Callable[[int], Captured] | None = field(default=None, compare=False, repr=False)
     # a training capture taken with ``outputs=True``: the inference graph at the same shapes, split off the same export
     inference: Captured | None = field(default=None, compare=False, repr=False)
+    first_pass: bool = False  # the first of two passes (``job_plan.two_passes``): runs under the training autocast
 
     @property
     def key(self) -> tuple:

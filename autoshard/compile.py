@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import batching, codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured, capture
-from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, tp_local_shape
+from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, tp_local_shape, two_passes
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.axis import Axis, Outputs
@@ -255,11 +255,18 @@ def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int,
     if mesh.dp > 1:
         values = batching.split(values, mesh.dp)[coords["dp"]]
     values = batching.split(values, options.microbatches)[0]
+    notes = []
     if loss_fn is not None:
         captured = capture_for_training(model, values[:-1], values[-1], loss_fn, training=model.training)
+        cut = two_passes(captured, mesh, options)
+        if cut is not None:  # a loss coupling the samples: the second pass's build (``runtime.two_passes``)
+            _, captured, passes = cut
+            notes.append(passes.note)
     else:
         captured = capture(model, values, training=model.training)
-    return compile_rank(captured, plan_job(captured, mesh, options), coords)
+    plan = plan_job(captured, mesh, options)
+    plan.notes.extend(notes)
+    return compile_rank(captured, plan, coords)
 
 
 def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.ParamStore | None) -> None:
@@ -286,8 +293,9 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.Param
 
 
 def _autocast(build: RankBuild) -> torch.dtype | None:
-    """The dtype the training programs run under autocast to, or None."""
-    return torch.bfloat16 if build.options.mixed_precision == "bf16" and build.captured.with_loss else None
+    """The dtype the training programs (and the first of two passes) run under autocast to, or None."""
+    trains = build.captured.with_loss or build.captured.first_pass
+    return torch.bfloat16 if build.options.mixed_precision == "bf16" and trains else None
 
 
 def _check_loss_trains(captured: Captured, model: nn.Module) -> None:

@@ -424,6 +424,53 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
         "output_router_logits=False; for a cross-entropy, return it alone, scaled by a number or not)")
 
 
+def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple[Captured, Captured, object] | None:
+    """A loss that couples the samples where the parts of the batch run apart (microbatches, pp): the captures of
+    the two passes (``passes.batch_two_passes``: the first pass's, up to the values the coupled term reads, and the
+    second's, fed their gradients) and the cut, or None where the loss needs none (no coupled term, or dp gathers
+    its rows). Refused, before any collective, where they do not apply; ``check_batch_split`` says the rest."""
+    from autoshard.passes import batch_split, batch_statistics
+    from autoshard.passes.batch_two_passes import TwoPassesError, cut
+
+    parts = options.microbatches > 1 or mesh.pp > 1
+    if not captured.with_loss or captured.token_loss is not None or not parts or mesh.cp > 1 \
+            or options.batch_statistics == "local":
+        return None
+    batch = next((s[0] for s in captured.input_shapes if isinstance(s, tuple) and s), None)
+    if not batch or batch < 2:
+        return None  # one sample a part: check_batch_split tells the rows apart at two, and refuses
+    gm = codegen.prepare(captured, None)
+    if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
+        return None
+    prop, findings = _batch_propagation(gm, batch)
+    coupled = [f for f in findings if f.kind != batch_split.STATISTIC]
+    if not coupled:
+        return None
+    found = "; ".join(f.describe() for f in coupled[:3])
+    try:
+        if captured.recapture is None:
+            raise TwoPassesError("this capture cannot be taken again at another batch size")
+        sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
+        passes = cut(gm, prop, batch_split.coupled_region(gm, prop), sizes, mesh.dp * options.microbatches, _where)
+    except (TwoPassesError, batch_statistics.BatchStatisticsError) as e:
+        raise ValueError(f"the loss is not a sum over the batch's samples: {found}. Under microbatches and pp it is "
+                         f"taken in two passes over the batch, which cannot run it: {e}. Keep the batch whole (dp=1 "
+                         "and one microbatch), use dp with one microbatch and no pp or cp (the rows it reads are then "
+                         "gathered over dp), or pass batch_statistics='local' to train each part's own loss") from e
+    first = Captured(passes.first, False, captured.input_shapes, captured.names, training=captured.training,
+                     first_pass=True)
+    shapes = (*captured.input_shapes[:-1], *passes.gradient_shapes, captured.input_shapes[-1])
+    second = Captured(passes.surrogate, True, shapes, captured.names, training=captured.training)
+    gathered = ", ".join(b.name for b in passes.boundary if b.dim is not None)
+    passes.note = (f"the loss couples the samples of the batch ({found}): each step takes it in two passes (as "
+                   f"GradCache does): the first forwards every microbatch to the values it reads ({gathered}), "
+                   f"gathered{f' over the {mesh.dp} dp ranks' if mesh.dp > 1 else ''} into the whole batch's; the "
+                   "term and its gradient with respect to them are computed on the whole batch; the second forwards "
+                   "and backwards each microbatch fed its rows of that gradient, so the loss and every gradient are "
+                   "the model's")
+    return first, second, passes
+
+
 def _batch_propagation(gm: fx.GraphModule, batch: int):
     """The batch split (``Shard(0)`` on every input of ``batch`` rows) through ``gm``, and what it cannot prove of
     the loss (``passes.batch_split``)."""

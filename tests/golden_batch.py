@@ -39,6 +39,15 @@ def clip_loss(output, target):
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
+def clip_scaled_last(output, target):
+    """CLIP's loss with the learnt temperature applied to the similarities (open_clip's order): the term reads it
+    whole, beside the split embeddings."""
+    image, text, scale = output
+    logits = (image @ text.T) * scale
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
 def in_batch_negatives(output, target):
     image, text, scale = output
     scores = scale * image @ text.T  # every other row of the batch a negative
@@ -83,8 +92,8 @@ def mean_by_hand(output, target):
     return per_row.sum() / per_row.shape[0]  # a sum divided by the batch's size: a mean
 
 
-LOSSES = {"clip": clip_loss, "in_batch_negatives": in_batch_negatives, "per_sample": per_sample_cosine,
-          "sum": summed_cosine, "mse_sum": summed_mse, "mean_by_hand": mean_by_hand}
+LOSSES = {"clip": clip_loss, "clip_scaled_last": clip_scaled_last, "in_batch_negatives": in_batch_negatives,
+          "per_sample": per_sample_cosine, "sum": summed_cosine, "mse_sum": summed_mse, "mean_by_hand": mean_by_hand}
 
 
 def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, microbatches: int = 1, **options) -> dict:
@@ -116,14 +125,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-def coupled_bf16(loss: str, mesh_kwargs: dict) -> dict:
+def coupled_bf16(loss: str, mesh_kwargs: dict, **options) -> dict:
     """One step of the two-tower model under ``mixed_precision="bf16"`` against eager bf16 autocast: the loss and
     each gradient's worst element relative to its largest (and the same against float32, to show autocast was on)."""
     inputs, target = two_tower_batch()
     mesh = autoshard.Mesh(**mesh_kwargs)
     torch.manual_seed(0)
     pm = autoshard.parallelize(TwoTower(), mesh, example_inputs=inputs, loss_fn=LOSSES[loss], target=target,
-                               groups=groups_for(mesh), mixed_precision="bf16")
+                               groups=groups_for(mesh), mixed_precision="bf16", **options)
     value = pm.step(*inputs, target=target).item()
     grads = pm.gradients()
     errors = {}
@@ -136,3 +145,43 @@ def coupled_bf16(loss: str, mesh_kwargs: dict) -> dict:
         errors[str(dtype)] = (abs(value - expected.item()),
                               {n: _relative(grads[n], p.grad) for n, p in eager.named_parameters()})
     return {"amp": errors["torch.bfloat16"], "fp32": errors["None"]}
+
+
+def coupled_loop(loss: str, mesh_kwargs: dict, *, steps: int = 2, calls: int = 2, **options) -> dict:
+    """An ordinary training loop over the two-tower model: AdamW with groups from ``named_parameters()`` (no decay on
+    biases and the temperature), ``calls`` ``step()`` calls on other batches accumulated into each optimizer step
+    (``loss_scale=1/calls``, as each accumulated call's loss is a mean), beside the same loop unsharded. The losses'
+    and the parameters' worst differences."""
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    torch.manual_seed(0)
+    model = TwoTower()
+    torch.manual_seed(0)
+    reference = TwoTower()
+    batches = [two_tower_batch() for _ in range(calls)]
+    gen = torch.Generator().manual_seed(1)
+    batches = [((images + i * torch.randn(images.shape, generator=gen), tokens, mask), target)
+               for i, ((images, tokens, mask), target) in enumerate(batches)]
+
+    def groups(m):
+        named = list(m.named_parameters())
+        return [{"params": [p for n, p in named if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+
+    pm = autoshard.parallelize(model, mesh, example_inputs=batches[0][0], loss_fn=LOSSES[loss], target=batches[0][1],
+                               groups=groups_for(mesh), **options)
+    opt = torch.optim.AdamW(groups(pm), lr=1e-2)  # the same groups, from the names the model gives
+    ref_opt = torch.optim.AdamW(groups(reference), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for inputs, target in batches:
+            got = pm.step(*inputs, target=target, loss_scale=1 / calls)
+            expected = LOSSES[loss](reference(*inputs), target) / calls
+            expected.backward()
+            losses.append(abs(got.item() - expected.item()))
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    return {"loss": max(losses), "param": max((full[n] - p.detach()).abs().max().item()
+                                               for n, p in reference.named_parameters())}

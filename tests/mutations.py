@@ -51,7 +51,8 @@ MUTANTS = (
            (f"{DP}test_local_batches_from_a_sharding_loader[gpt-cp2]",
             f"{DP}test_local_batches_from_a_sharding_loader[llama-dp2xcp2-balanced]")),
     Mutant("bf16-autocast-off", "autoshard/runtime/parallel_model.py",
-           'bf16 = self.options.mixed_precision == "bf16"', "bf16 = False",
+           '        if self.options.mixed_precision == "bf16":\n            return torch.autocast(',
+           '        if False:\n            return torch.autocast(',
            "mixed_precision='bf16' silently runs in fp32",
            ("tests/test_mixed_precision.py::test_bf16_matches_eager_autocast[gpt-dp2]",)),
     # ------------------------------------------------------------------------------------ tensor parallelism
@@ -790,6 +791,18 @@ MUTANTS = (
            "        mine.copy_(rows.narrow(0, ctx.rank * ctx.rows, ctx.rows))",
            "the rows gathered for a coupled loss term send back only this rank's loss's gradient (1/dp of it)",
            ("tests/test_batch_split.py::test_a_contrastive_loss_is_exact_under_dp_and_tp[dp2-clip]",)),
+    Mutant("two-passes-whole-gradient-unscaled", "autoshard/runtime/two_passes.py",
+           "                    fed[i].append((grad / rows).expand(size, *grad.shape).contiguous())",
+           "                    fed[i].append(grad.expand(size, *grad.shape).contiguous())",
+           "a whole value the coupled term reads (a learnt temperature) is fed its gradient once per row: B times it",
+           ("tests/test_batch_split.py::test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp"
+            "[dp2-clip_scaled_last-m2]",)),
+    Mutant("two-passes-other-ranks-rows", "autoshard/runtime/two_passes.py",
+           '            mine = grad.movedim(b.dim, 0).chunk(pm.mesh.dp)[pm.coord("dp")]',
+           "            mine = grad.movedim(b.dim, 0).chunk(pm.mesh.dp)[0]",
+           "every dp rank's second pass is fed the first dp rank's rows of the coupled term's gradient",
+           ("tests/test_batch_split.py::test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp"
+            "[dp2-in_batch_negatives-m2]",)),
     Mutant("summed-loss-averaged", "autoshard/runtime/parallel_model.py",
            "            return 1.0 if build.plan.loss_sum else float(self.options.microbatches * self.mesh.dp)",
            "            return float(self.options.microbatches * self.mesh.dp)",

@@ -30,23 +30,50 @@ def _compile(model, inputs, target, loss_fn, mesh, microbatches, **options):
 
 
 @pytest.mark.parametrize("mesh,microbatches", MESHES, ids=MESH_IDS)
+@pytest.mark.parametrize("loss_fn", [clip_loss, in_batch_negatives], ids=["clip", "in-batch-negatives"])
+def test_a_contrastive_loss_is_taken_in_two_passes_where_the_parts_run_apart(loss_fn, mesh, microbatches):
+    """Each part would train its own contrastive loss over its own rows (open_clip's loss read 0.7874 for 1.7906, the
+    in-batch negatives 0.0 at one sample a part). Where the parts run apart (microbatches, pp) the step takes it in
+    two passes: the build is the second pass's, fed the gradients of the two embeddings the term reads (rows first),
+    its loss a sum over the samples; the notes say so, naming the term."""
+    inputs, target = two_tower_batch()
+    build = _compile(TwoTower(), inputs, target, loss_fn, mesh, microbatches)
+    fed = [n for n in build.captured.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("two_passes_grad")]
+    rows = 8 // (mesh.get("dp", 1) * microbatches)  # a part's rows of the batch of 8
+    assert [tuple(n.meta["val"].shape) for n in fed] == [(rows, 12), (rows, 12)]
+    assert build.plan.loss_sum
+    assert any("two passes" in note and "matmul" in note and "mul_1, numpy_t" in note for note in build.plan.notes)
+
+
 @pytest.mark.parametrize("loss_fn,what", [(clip_loss, r"matmul at matmul in the loss_fn reads the rows of the whole "
                                                       r"batch"),
                                           (in_batch_negatives, r"matmul at matmul in the loss_fn reads the rows")],
                          ids=["clip", "in-batch-negatives"])
-def test_a_contrastive_loss_is_refused_where_the_batch_is_split(loss_fn, what, mesh, microbatches):
-    """Each part would train its own contrastive loss over its own rows (open_clip's loss read 0.7874 for 1.7906, the
-    in-batch negatives 0.0 at one sample a part): where the parts run apart (microbatches, pp), refused before any
-    collective, naming the op, its line and what works.
-    The conv stem and the masked mean pooling keep samples apart (their rules say so): the refusal is the
+def test_a_contrastive_loss_over_one_sample_a_part_is_refused(loss_fn, what):
+    """One sample a part: the analysis tells the rows apart on the capture at two, and the parts would each train a
+    loss over one row (0.0 for in-batch negatives). Refused before any collective, naming the op, its line and what
+    works. The conv stem and the masked mean pooling keep samples apart (their rules say so): the refusal is the
     loss's, not theirs."""
-    inputs, target = two_tower_batch()
+    inputs, target = two_tower_batch(4)
     with pytest.raises(ValueError, match=rf"not a sum over the batch's samples: {what}.*tp, cp, and pp with one "
                                          r"microbatch are exact.*dp with one microbatch and no pp or cp.*"
                                          r"gathered over dp.*batch_statistics='local'"
                        ) as e:
-        _compile(TwoTower(), inputs, target, loss_fn, mesh, microbatches)
+        _compile(TwoTower(), inputs, target, loss_fn, {"dp": 2}, 2)
     assert "conv" not in str(e.value) and "normalize" not in str(e.value)
+
+
+def test_a_coupled_loss_over_a_model_that_draws_dropout_is_refused_under_microbatches():
+    """The two passes forward each part twice: dropout would draw other masks the second time. Refused, naming it."""
+    inputs, target = two_tower_batch()
+
+    class Dropped(TwoTower):
+        def forward(self, images, tokens, mask):
+            image, text, scale = super().forward(images, tokens, mask)
+            return torch.nn.functional.dropout(image, 0.1), text, scale
+
+    with pytest.raises(ValueError, match=r"two passes over the batch, which cannot run it: .*dropout.*draws random"):
+        _compile(Dropped(), inputs, target, clip_loss, {}, 2)
 
 
 def test_a_contrastive_loss_computed_per_part_is_said_with_local_statistics():
@@ -63,20 +90,21 @@ def test_a_per_sample_loss_through_convolutions_and_pooling_passes(mesh, microba
     _compile(TwoTower(), inputs, target, per_sample_cosine, mesh, microbatches)
 
 
-@pytest.mark.parametrize("mesh,microbatches", MESHES, ids=MESH_IDS)
-def test_preference_pairs_split_across_parts_are_refused(mesh, microbatches):
-    """Pair ``i`` is rows ``i`` and ``i + n``: a part holds chosen rows without their rejected ones (0.7968 for 0.9225
-    before). Refused naming the slice that pairs them."""
+def test_preference_pairs_at_one_sample_a_part_are_refused():
+    """Pair ``i`` is rows ``i`` and ``i + n``: a part of one row holds a chosen row without its rejected one (0.7968
+    for 0.9225 before). Refused naming the slice that pairs them."""
     from models import build
 
     case = build("hf_llama")
+    inputs = tuple(v[:2] for v in case.inputs)
     with pytest.raises(ValueError, match=r"not a sum over the batch's samples: slice.*reads the rows of the whole"):
-        _compile(case.model, case.inputs, case.inputs[0], preference_loss, mesh, microbatches)
+        _compile(case.model, inputs, inputs[0], preference_loss, {}, 2)
 
 
-def test_a_batch_weighted_by_a_softmax_over_its_rows_is_refused():
+def test_a_batch_weighted_by_a_softmax_over_its_rows_is_found():
     """``(ce * softmax(-ce, dim=0)).sum()``: each row weighed against the whole batch. In the loss nothing is taken
-    back as rows of the batch, though the weights are multiplied row by row."""
+    back as rows of the batch, though the weights are multiplied row by row: taken in two passes, naming the
+    softmax."""
     inputs, target = two_tower_batch()
 
     def weighted(output, t):
@@ -84,21 +112,26 @@ def test_a_batch_weighted_by_a_softmax_over_its_rows_is_refused():
         per_row = 1 - (image * text).sum(-1)
         return (per_row * torch.softmax(-per_row.detach(), dim=0)).sum()
 
-    with pytest.raises(ValueError, match=r"softmax at softmax in the loss_fn reads the rows of the whole batch"):
-        _compile(TwoTower(), inputs, target, weighted, {}, 2)
+    build = _compile(TwoTower(), inputs, target, weighted, {}, 2)
+    assert any("softmax at softmax in the loss_fn reads the rows of the whole batch" in note and "two passes" in note
+               for note in build.plan.notes), build.plan.notes
 
 
 def test_an_op_without_a_batch_rule_that_reads_the_loss_is_refused_not_guessed():
     """``torch.cdist`` has no rule: the propagation once modelled it as a gather no rank performs and approved the
-    loss. Unknown now: refused, naming it."""
+    loss. Unknown now: what reads it runs on the whole batch (two passes under microbatches, said naming it), and
+    where no pass can (one sample a part) it is refused, naming it."""
     inputs, target = two_tower_batch()
 
     def distances(output, t):
         image, text, _ = output
         return torch.cdist(image, text).diagonal().mean()
 
+    build = _compile(TwoTower(), inputs, target, distances, {}, 2)
+    assert any("cdist" in note and "has no rule for a split batch" in note and "two passes" in note
+               for note in build.plan.notes), build.plan.notes
     with pytest.raises(ValueError, match=r"cdist.*has no rule for a split batch"):
-        _compile(TwoTower(), inputs, target, distances, {}, 2)
+        _compile(TwoTower(), *two_tower_batch(4), distances, {"dp": 2}, 2)
 
 
 # ----------------------------------------------------------------------------- exact under dp, and under tp
@@ -160,15 +193,86 @@ def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
     assert counted[("dp", "backward", "reduce_scatter", "DataAllGather")] == (2, 2 * 4 * 12 * 4)
 
 
-@pytest.mark.parametrize("loss", ["clip", "in_batch_negatives"])
-def test_a_contrastive_loss_under_dp_matches_eager_bf16_autocast(pools, loss):
+TWO_PASSES = [({}, "clip", 2), ({"pp": 2}, "clip", 2), ({"dp": 2}, "in_batch_negatives", 2),
+              ({"dp": 2}, "clip_scaled_last", 2), ({"pp": 2}, "in_batch_negatives", 4),
+              ({"dp": 2, "tp": 2, "pp": 2}, "clip", 2)]
+
+
+@pytest.mark.parametrize("mesh,loss,microbatches", TWO_PASSES,
+                         ids=[f"{'x'.join(f'{k}{v}' for k, v in m.items()) or 'one'}-{loss}-m{mb}"
+                              for m, loss, mb in TWO_PASSES])
+def test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp(pools, mesh, loss, microbatches):
+    """Where the parts of the batch run apart, the step takes the loss in two passes (as GradCache does): the first
+    forwards every microbatch to the embeddings, gathered over dp; the term and its gradient are computed on the
+    whole batch; the second forwards and backwards each microbatch fed its rows of that gradient. Where the term
+    reads the learnt temperature itself (``clip_scaled_last``), its gradient is fed as rows of ``1/B`` of it. The
+    loss, every gradient and the parameters after three steps are the unsharded model's."""
+    from golden_batch import coupled_golden
+
+    from golden import check
+
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    check(pools.get(world).run(coupled_golden, loss, mesh, microbatches=microbatches) if world > 1 else
+          [coupled_golden(loss, mesh, microbatches=microbatches)])
+
+
+@pytest.mark.parametrize("loss,mesh", [("clip", {"pp": 2}), ("clip_scaled_last", {"dp": 2})], ids=["clip-pp2",
+                                                                                                "scaled-last-dp2"])
+def test_an_ordinary_training_loop_in_two_passes(pools, loss, mesh):
+    """AdamW with groups from ``named_parameters()`` and two ``step()`` calls on other batches accumulated into each
+    optimizer step, each in two passes over two microbatches: the losses and the parameters after two optimizer
+    steps are the unsharded loop's."""
+    from golden_batch import coupled_loop
+
+    for rank, result in enumerate(pools.get(2).run(coupled_loop, loss, mesh, microbatches=2)):
+        assert result["loss"] < 1e-5 and result["param"] < 1e-5, f"rank {rank}: {result}"
+
+
+def test_a_whole_value_the_term_reads_is_fed_its_gradient_as_rows():
+    """The temperature read by the term itself is a whole boundary value: the second pass is fed its gradient as
+    one row per sample (summed over the part's rows), beside the two embeddings' rows."""
+    from golden_batch import clip_scaled_last
+
+    inputs, target = two_tower_batch()
+    build = _compile(TwoTower(), inputs, target, clip_scaled_last, {"dp": 2}, 2)
+    fed = [tuple(n.meta["val"].shape) for n in build.captured.gm.graph.nodes
+           if n.op == "placeholder" and n.name.startswith("two_passes_grad")]
+    assert sorted(fed) == [(2,), (2, 12), (2, 12)], fed
+
+
+PREFERENCE_TWO_PASSES = [{"pp": 2}, {"dp": 2, "tp": 2, "pp": 2}]
+
+
+@pytest.mark.parametrize("mesh", PREFERENCE_TWO_PASSES,
+                         ids=["x".join(f"{k}{v}" for k, v in m.items()) for m in PREFERENCE_TWO_PASSES])
+def test_preference_pairs_are_exact_in_two_passes_under_microbatches(pools, mesh):
+    """DPO's pairs on the zoo's HF Llama with two microbatches: the first pass forwards each microbatch to its rows'
+    log-probabilities (the per-token log-softmax and gather stay in the passes, summed per row: the term reads one
+    number a row), the term pairs row ``i`` with row ``i + n`` of the whole batch."""
+    from golden_batch import preference_golden
+
+    from golden import check
+
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    check(pools.get(world).run(preference_golden, mesh, microbatches=2), mesh)
+
+
+@pytest.mark.parametrize("loss,mesh,microbatches", [("clip", {"dp": 2}, 1), ("in_batch_negatives", {"dp": 2}, 1),
+                                                     ("clip", {"pp": 2}, 2)], ids=["clip", "in_batch_negatives",
+                                                                                   "clip-pp2-m2"])
+def test_a_contrastive_loss_under_dp_matches_eager_bf16_autocast(pools, loss, mesh, microbatches):
     """Under ``mixed_precision="bf16"`` the gathered embeddings are bf16 and the term is computed as eager autocast
     computes it: the loss within 1e-5 and every gradient within the bf16 bound of the mixed-precision goldens
-    (``test_mixed_precision.GRAD_RTOL``), and farther from float32's (autocast was on)."""
+    (``test_mixed_precision.GRAD_RTOL``), and farther from float32's (autocast was on). In two passes (pp2 with two
+    microbatches) the first pass runs under the same autocast as the second."""
     from golden_batch import coupled_bf16
     from test_mixed_precision import GRAD_RTOL
 
-    for rank, result in enumerate(pools.get(2).run(coupled_bf16, loss, {"dp": 2})):
+    for rank, result in enumerate(pools.get(2).run(coupled_bf16, loss, mesh, microbatches=microbatches)):
         loss_off, errors = result["amp"]
         assert loss_off <= 1e-5 and max(errors.values()) <= GRAD_RTOL, f"rank {rank}: {result}"
         assert max(result["fp32"][1].values()) > 1e-3, f"rank {rank}: autocast was off? {result}"

@@ -24,15 +24,15 @@ def forward(pm, inputs: tuple):
         build = pm.inference_build(local)
         build.check_data(inputs)
         if build.batched_outputs is not None:
-            flat = _run(pm, build, local)
+            flat = run(pm, build, local)
             flat = [_gather_batch(pm, t) if split else t for t, split in zip(flat, build.batched_outputs, strict=True)]
             return pytree.tree_unflatten(flat, build.captured.gm._out_spec)
     build = pm.inference_build(inputs)
     build.check_data(inputs)
-    return pytree.tree_unflatten(_run(pm, build, inputs), build.captured.gm._out_spec)
+    return pytree.tree_unflatten(run(pm, build, inputs), build.captured.gm._out_spec)
 
 
-def _run(pm, build, inputs: tuple) -> list:
+def run(pm, build, inputs: tuple) -> list:
     """This rank's flat outputs for ``inputs``."""
     if pm.pipeline is None:
         args = pytree.tree_leaves(build.local_inputs(inputs))

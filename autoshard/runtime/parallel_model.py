@@ -26,7 +26,7 @@ from torch import fx, nn
 from autoshard import batching, codegen
 from autoshard.capture import capture, shapes_of
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
-from autoshard.job_plan import plan_job
+from autoshard.job_plan import plan_job, two_passes
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
@@ -36,6 +36,7 @@ from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, stall_guard
 from autoshard.runtime.pipeline import Pipeline
+from autoshard.runtime.two_passes import TwoPassStep
 
 __all__ = ["ParallelModel", "StepError"]
 
@@ -60,6 +61,7 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: this rank trains the store's tensors
         self.training = model.training  # train()/eval() on the parallel model choose the mode of later captures
         self._builds: dict[tuple, RankBuild] = {}  # by (input shapes, mode, with loss)
+        self._two_passes: dict[tuple, TwoPassStep] = {}  # by the second pass's capture key
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
@@ -164,8 +166,10 @@ class ParallelModel(nn.Module):
         self._check_batch(inputs)
         microbatches = self.microbatch_views(inputs, target)
         build = self._training_build(*microbatches[0])
-        build.check_sequence((*inputs, target))
-        build.check_data((*inputs, target))
+        passes = self._two_passes.get(build.captured.key)
+        checked = passes.first if passes is not None else build
+        checked.check_sequence((*inputs, target))
+        checked.check_data((*inputs, target))
         self._steps += 1
         if divisor is not None and build.captured.count_gm is None:
             raise ValueError("step(divisor=...) replaces the count of a loss averaged over counted items (a "
@@ -173,22 +177,26 @@ class ParallelModel(nn.Module):
         divisor = self._divisor(build, inputs, target, microbatches) if divisor is None else \
             torch.as_tensor(divisor, dtype=torch.float32, device=self.device)
         divisor = divisor / loss_scale
+        if passes is not None:  # a loss coupling the samples: the first pass and the term, on the whole batch
+            with self._guard("the first of two passes (a loss that couples the samples)"):
+                microbatches, whole = passes.run(self, microbatches)
         with self.sync.fresh_gradients():
             if self.pipeline is not None:
                 loss = self._pipeline_step(build, microbatches, divisor)
             else:
-                loss = self._step(microbatches, divisor)
+                loss = self._step(microbatches, divisor, build if passes is not None else None)
         if self.anomaly is not None:
             with self._guard("detect_anomaly: what every rank found"):
                 self.anomaly.check(self, self._steps)
-        return loss
+        return loss if passes is None else whole * loss_scale
 
-    def _step(self, microbatches: list, divisor) -> torch.Tensor:
+    def _step(self, microbatches: list, divisor, fed: RankBuild | None = None) -> torch.Tensor:
+        """``fed``: the second pass's build, whose microbatches carry the first pass's gradients."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         with self._guard("setting up data parallelism"):
             module = self.sync.module()
         for index, (mb_inputs, mb_target) in enumerate(microbatches):
-            build = self._training_build(mb_inputs, mb_target)
+            build = fed or self._training_build(mb_inputs, mb_target)
             with self._guard("forward/backward", index), self.sync.microbatch(index == len(microbatches) - 1):
                 (loss,) = self.call(module, build.program.gm, *build.local_inputs((*mb_inputs, mb_target)))
                 loss = loss / (divisor * build.cp_copies)
@@ -223,18 +231,23 @@ class ParallelModel(nn.Module):
 
     def call(self, fn, *args):
         """Run a program's forward under this model's precision and activation-checkpointing options."""
-        bf16 = self.options.mixed_precision == "bf16"
         program = fn if isinstance(fn, fx.GraphModule) else args[0]
         if self.compiler is not None and fn is program:
             fn = self.compiler(program)
         elif self.anomaly is not None and fn is program:
             fn = self.anomaly.run(program)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        with self.precision():
             if self.options.activation_checkpointing:
                 state = written_state(program)
                 return torch.utils.checkpoint.checkpoint(
                     fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))
             return fn(*args)
+
+    def precision(self):
+        """The autocast of ``mixed_precision`` (a null context without it)."""
+        if self.options.mixed_precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def microbatch_views(self, inputs: tuple, target: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
         """This rank's microbatches of a global batch (of its local batch with ``local_batch``)."""
@@ -257,7 +270,13 @@ class ParallelModel(nn.Module):
             if captured.inference is not None:  # for inference at these shapes: no second trace of the model
                 self._traced[(shapes_of(mb_inputs), self.training)] = captured.inference
                 captured.inference = None
-            build = self._compile(key, captured)
+            cut = two_passes(captured, self.mesh, self.options)
+            if cut is None:
+                build = self._compile(key, captured)
+            else:  # the second pass is the step's build; the first pass is an inference build beside it
+                first, captured, passes = cut
+                build = self._compile(key, captured, notes=[passes.note])
+                self._two_passes[captured.key] = TwoPassStep(passes, self._compile(("first pass", *key), first))
             if self.pipeline is not None:
                 self._runners[captured.key] = self.pipeline.runners(build)
         return self._builds[key]
@@ -270,12 +289,13 @@ class ParallelModel(nn.Module):
             self._compile(key, captured)
         return self._builds[key]
 
-    def _compile(self, key: tuple, captured) -> RankBuild:
+    def _compile(self, key: tuple, captured, notes: list[str] = ()) -> RankBuild:
         """This rank's build of ``captured``; its warnings are said by one rank of each pipeline stage only."""
         earlier = self.builds[0].plan if self._builds else None
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             plan = plan_job(captured, self.mesh, self.options, earlier=earlier)
+            plan.notes.extend(notes)
             build = compile_rank(captured, plan, dict(self.groups.coords) if self.groups else {}, groups=self.groups,
                                  store=self.store)
         if all(self.coord(axis) == 0 for axis in ("dp", "tp", "cp")):

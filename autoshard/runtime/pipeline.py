@@ -143,6 +143,8 @@ class Pipeline:
         specs = [meta.val(n) for n in pytree.tree_leaves(output.args[0]) if isinstance(n, fx.Node)]
         if not flat_out:
             flat_out = [torch.empty(v.shape, dtype=v.dtype, device=device) for v in specs]
+        else:  # in the capture's dtypes, as every other rank receives them (under autocast, bf16 becomes float32)
+            flat_out = [t.to(v.dtype) for t, v in zip(flat_out, specs, strict=True)]
         for tensor in flat_out:
             dist.broadcast(tensor, src=owner, group=self.groups.group("pp"))
         return flat_out
