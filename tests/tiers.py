@@ -40,16 +40,19 @@ NOT_QUICK = {
         "test_every_mutants_original_text_is_in_its_file_once (a collection of the whole suite takes seconds)",
     "tests/test_planner_profile.py::test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose":
         "test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose (the same choice read from a profile)",
-    "tests/test_planner_profile.py::test_calibrate_writes_a_profile_of_this_machine":
-        "the profile's fits and readings, tested on written profiles",
+    "tests/test_inspect_cli.py::test_the_entry_point_prints_tp2_pp2_rank1":
+        "test_tensor_and_pipeline_parallel_for_two_ranks[1] (the same inspect, in process)",
+    "tests/test_cli.py::test_plan_540b_from_the_entry_point":
+        "test_plan_prints_a_ranked_table_that_fits_a_terminal (the same plan command, in process)",
+    "tests/test_cli.py::test_plan_from_a_profile_costs_the_factorys_own_programs":
+        "test_planner_profile.py's searches over written profiles (the same costing of the programs)",
+    **{f"tests/test_job_plan.py::{test}[{case}]": "the same test's vit-cp2 cell (every plan field's round trip; the "
+       "other axes' fields are the same code)"
+       for test in ("test_a_plan_round_trips_through_json_and_builds_the_same_programs",
+                    "test_compile_rank_leaves_the_capture_as_it_was")
+       for case in ("llama-cp2ring-tp2", "gpt-pp2xtp2-sp", "gpt-pp2zbv-dp2")},
     "tests/test_planner_profile.py::test_mesh_auto_under_a_memory_limit_takes_the_fastest_that_fits":
         "test_mesh_auto_under_a_memory_limit_trains_exactly_on_what_fits",
-    "tests/test_planner_profile.py::test_mesh_auto_searches_ep_for_a_mixture_of_experts":
-        "test_mesh_auto_with_a_profile_takes_the_fastest_prediction (the same search over the other axes)",
-    "tests/test_planner_profile.py::test_mesh_auto_with_this_machines_profile_takes_the_measured_best":
-        "test_mesh_auto_with_a_profile_takes_the_fastest_prediction",
-    "tests/test_partition.py::test_the_default_balance_keeps_each_stage_within_its_parameter_share_where_a_cut_allows"
-    "[kimi_linear]": "the same test's roc_bert cell",
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {
@@ -167,6 +170,29 @@ FULL_ONLY = {
                     "hf_llama-pp2-microbatches=2", "hf_llama-pp2-schedule=zbv-microbatches=2",
                     "hf_llama-cp2-cp_attention=ring-cp_load_balance=True",
                     "gpt-dp2xtp2xpp2-schedule=zbv-microbatches=2")},
+    "tests/test_hf_trainer.py::test_the_trainer_under_a_mesh_trains_as_the_plain_trainer[llama-dp2xtp2xpp2]":
+        "the Trainer's llama-dp2, bert-tp2 and llama-cp2 cells (the same Trainer over each axis), "
+        "test_composition.py's dp2 x tp2 x pp2 goldens, and the HF Llama's DPO golden at dp2 x tp2 x pp2 in "
+        "test_batch_split.py",
+    "tests/test_resume.py::test_a_fused_projection_with_kv_blocks_held_whole_moves_back_to_fewer_ranks":
+        "the fused and padded layouts' moves between tp degrees (phi3's fused qkv, gpt2's c_attn, the padded "
+        "vocabulary) in test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees",
+    "tests/test_functions.py::test_a_model_trained_through_functions_is_exact[lm-dp2xtp2xpp2-microbatches=2]":
+        "the same model's dp2, tp2, pp2 1F1B and ZBV cells (kept Functions replicated under tp, per stage under pp, "
+        "proven per-sample under dp and microbatches)",
+    "tests/test_partition.py::test_the_default_balance_keeps_each_stage_within_its_parameter_share_where_a_cut_allows"
+    "[kimi_linear]": "the same test's roc_bert cell",
+    **{f"tests/test_resume.py::test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees[{n}]":
+       "gpt2's fused c_attn and phi3's fused qkv and gate_up cells (the same blocks held per tp rank)"
+       for n in ("corpus/gpt_neox", "corpus/falcon")},
+    **{f"tests/test_planner_profile.py::{test}": covers for test, covers in (
+        ("test_calibrate_writes_a_profile_of_this_machine", "the profile's fits and readings, tested on written "
+         "profiles, and test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose (a calibration "
+         "of this machine)"),
+        ("test_mesh_auto_searches_ep_for_a_mixture_of_experts",
+         "test_mesh_auto_with_a_profile_takes_the_fastest_prediction (the same search over the other axes)"),
+        ("test_mesh_auto_with_this_machines_profile_takes_the_measured_best",
+         "test_mesh_auto_with_a_profile_takes_the_fastest_prediction"))},
     **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
        "its tp plan in test_tensor_parallel_plan.py, and the tp=4 golden cells of mixtral, qwen2_moe and whisper"
        for cell in ("mamba2-tp4", "gpt_oss-tp4", "llama4_text-tp4", "xlnet-tp4")},
@@ -184,7 +210,8 @@ def assign(items: list) -> None:
     seen: dict[object, set] = {}
     for item in items:
         nodeid = item.nodeid
-        if (item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS) and nodeid not in NOT_QUICK:
+        if (item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS) and nodeid not in NOT_QUICK \
+                and nodeid not in FULL_ONLY:
             item.add_marker(pytest.mark.quick)
         if nodeid in keep or nodeid.partition("[")[0] in keep or nodeid in QUICK_GOLDENS:  # a test named whole
             _covers(item, seen.setdefault(item.function, set()))  # counts as covering what it runs
