@@ -61,6 +61,7 @@ class Captured:
     # a training capture taken with ``outputs=True``: the inference graph at the same shapes, split off the same export
     inference: Captured | None = field(default=None, compare=False, repr=False)
     first_pass: bool = False  # the first of two passes (``job_plan.two_passes``): runs under the training autocast
+    second_pass: bool = False  # the second of two passes: its loss is a sum over the parts by construction
 
     @property
     def key(self) -> tuple:

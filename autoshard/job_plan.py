@@ -359,6 +359,8 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     is gathered over dp with one microbatch and no pp or cp, beside tp and ep too (``passes.batch_gather``), and
     refused elsewhere. The third value: whether the loss is
     a sum over the samples (the parts' losses added, where the runtime would average a mean's)."""
+    if captured.second_pass:  # a sum over the parts by construction (``two_passes``)
+        return False, {}, True
     if not captured.with_loss or captured.token_loss is not None or (mesh.dp == 1 and options.microbatches == 1):
         return False, {}, False
     from autoshard.passes import batch_split
@@ -417,11 +419,13 @@ def check_batch_split(captured: Captured, mesh: Mesh, options: CompileOptions,
     raise ValueError(
         f"the loss is not a sum over the batch's samples (it holds {what}; here at {where}): {over} would compute it "
         "on each part of the batch alone, and the sum of those would not be the model's loss; a statistic of the "
-        "whole batch cannot be taken before every part of it has run. Use dp alone with one microbatch (no pp or cp: "
-        "each statistic is then summed over the dp ranks, exact), keep the batch whole (dp=1, one microbatch: tp, cp "
-        "and pp with one microbatch are exact), pass batch_statistics='local' to compute it on each part as DDP and "
-        "gradient accumulation do, or leave that term out of the loss (for transformers' mixtures of experts, "
-        "output_router_logits=False; for a cross-entropy, return it alone, scaled by a number or not)")
+        "whole batch cannot be taken before every part of it has run (with two samples or more a part, microbatches "
+        "and pp take it in two passes; one sample a part, or cp beside dp, cannot). Use dp alone with one microbatch "
+        "(no pp or cp: each statistic is then summed over the dp ranks, exact), keep the batch whole (dp=1, one "
+        "microbatch: tp, cp and pp with one microbatch are exact), pass batch_statistics='local' to compute it on "
+        "each part as DDP and gradient accumulation do, or leave that term out of the loss (for transformers' "
+        "mixtures of experts, output_router_logits=False; for a cross-entropy, return it alone, scaled by a number or "
+        "not)")
 
 
 def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple[Captured, Captured, object] | None:
@@ -431,6 +435,9 @@ def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple
     its rows). Refused, before any collective, where they do not apply; ``check_batch_split`` says the rest."""
     from autoshard.passes import batch_split, batch_statistics
     from autoshard.passes.batch_two_passes import TwoPassesError, cut
+    from autoshard.passes.loss import is_token_mean
+    from autoshard.passes.placements import Partial, R
+    from autoshard.passes.propagate import redistributions
 
     parts = options.microbatches > 1 or mesh.pp > 1
     if not captured.with_loss or captured.token_loss is not None or not parts or mesh.cp > 1 \
@@ -443,15 +450,24 @@ def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple
     if any(n.op == "call_function" and n.target in _BATCH_NORMS for n in gm.graph.nodes):
         return None
     prop, findings = _batch_propagation(gm, batch)
+    whole = [f.node for f in findings if f.kind == batch_split.STATISTIC] + \
+        [r.value for r in redistributions(prop) if isinstance(r.src, Partial) and r.dst == R]
+    split = [n for n in gm.graph.nodes if is_token_mean(n) and isinstance(prop.of(n.args[0]), Shard)]
     coupled = [f for f in findings if f.kind != batch_split.STATISTIC]
-    if not coupled:
+    if not (coupled or whole or split):
         return None
-    found = "; ".join(f.describe() for f in coupled[:3])
+    found = "; ".join(f.describe() for f in coupled[:3]) if coupled else \
+        f"a term computed from the whole batch at once, or a mean over its counted tokens inside a larger loss, at " \
+        f"{_where([*whole, *split][0])}"
+    parts = mesh.dp * options.microbatches
     try:
         if captured.recapture is None:
             raise TwoPassesError("this capture cannot be taken again at another batch size")
         sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
-        passes = cut(gm, prop, batch_split.coupled_region(gm, prop), sizes, mesh.dp * options.microbatches, _where)
+        gm = codegen.prepare(captured, None)  # analysed afresh: token means read as sums over counted tokens
+        batch_split.reductions_by_dims(gm)
+        prop, region = batch_statistics.whole_batch_region(gm, batch, parts)
+        passes = cut(gm, prop, region, sizes, parts, _where)
     except (TwoPassesError, batch_statistics.BatchStatisticsError) as e:
         raise ValueError(f"the loss is not a sum over the batch's samples: {found}. Under microbatches and pp it is "
                          f"taken in two passes over the batch, which cannot run it: {e}. Keep the batch whole (dp=1 "
@@ -460,15 +476,21 @@ def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple
     first = Captured(passes.first, False, captured.input_shapes, captured.names, training=captured.training,
                      first_pass=True)
     shapes = (*captured.input_shapes[:-1], *passes.gradient_shapes, captured.input_shapes[-1])
-    second = Captured(passes.surrogate, True, shapes, captured.names, training=captured.training)
-    gathered = ", ".join(b.name for b in passes.boundary if b.dim is not None)
-    passes.note = (f"the loss couples the samples of the batch ({found}): each step takes it in two passes (as "
-                   f"GradCache does): the first forwards every microbatch to the values it reads ({gathered}), "
-                   f"gathered{f' over the {mesh.dp} dp ranks' if mesh.dp > 1 else ''} into the whole batch's; the "
-                   "term and its gradient with respect to them are computed on the whole batch; the second forwards "
-                   "and backwards each microbatch fed its rows of that gradient, so the loss and every gradient are "
-                   "the model's")
+    second = Captured(passes.surrogate, True, shapes, captured.names, training=captured.training, second_pass=True)
+    passes.note = _two_passes_note(passes, found, mesh)
     return first, second, passes
+
+
+def _two_passes_note(passes, found: str, mesh: Mesh) -> str:
+    over = f" over the {mesh.dp} dp ranks" if mesh.dp > 1 else ""
+    rows = ", ".join(b.name for b in passes.boundary if b.dim is not None)
+    sums = ", ".join(b.name for b in passes.boundary if b.summed)
+    reads = "; ".join(filter(None, [f"{rows}, gathered{over} into the whole batch's rows" if rows else "",
+                                    f"{sums}, each microbatch's share added up{over}" if sums else ""]))
+    return (f"the loss is not a sum over the batch's samples ({found}): each step takes it in two passes (as GradCache "
+            f"does): the first forwards every microbatch to the values the term reads ({reads}); the term and its "
+            "gradient with respect to them are computed on the whole batch; the second forwards and backwards each "
+            "microbatch fed its part of that gradient, so the loss and every gradient are the model's")
 
 
 def _batch_propagation(gm: fx.GraphModule, batch: int):
@@ -556,7 +578,9 @@ def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: li
     raise ValueError(
         f"the loss is not a sum over the batch's samples: {found}. {over} would run each part of the batch alone, "
         "and no rank sees another part's rows: each part would train its own loss (a contrastive loss over its own "
-        "samples, preference pairs split apart), a different objective from the model run on the whole batch. Keep "
+        "samples, preference pairs split apart), a different objective from the model run on the whole batch (with "
+        "two samples or more a part, microbatches and pp take it in two passes; one sample a part, or cp beside dp, "
+        "cannot). Keep "
         "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use dp with one "
         "microbatch and no pp or cp (beside tp or ep too: the rows the term reads are then gathered over dp, exact), "
         "or pass batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")

@@ -208,6 +208,29 @@ def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: in
     return plan
 
 
+def whole_batch_region(gm: fx.GraphModule, batch: int, parts: int) -> tuple[Propagation, set[fx.Node]]:
+    """For two passes (``passes.batch_two_passes``): the loss terms of ``gm`` (a part's graph, ``batch`` rows, one of
+    ``parts`` parts) that need the whole batch, made readable from what each part holds. A token mean inside a larger
+    loss becomes its sum over the tokens divided by their count, and a mean over the split rows their sum divided by
+    the whole batch's count, so each is read from sums every part contributes to. Returns the propagation after those
+    rewrites and the region: the statistics and the coupled terms, from the values they read (the sums, the split
+    rows read whole) to the loss."""
+    from autoshard.passes import batch_split
+
+    prop = _propagate(gm, batch)
+    for node in [n for n in gm.graph.nodes if is_token_mean(n) and isinstance(prop.of(n.args[0]), Shard)]:
+        _count_tokens(gm, node)
+    prop = _propagate(gm, batch)
+    for node in [n for n in _statistics(gm, prop) if n.target is aten.mean.dim and isinstance(prop.of(n), Partial)]:
+        _whole_mean(gm, node, parts)
+    gm.graph.lint()
+    gm.recompile()
+    prop = _propagate(gm, batch)
+    starts = {n for n in gm.graph.nodes if isinstance(prop.of(n), Partial)  # a sum each part contributes to
+              and any(isinstance(prop.of(v), Shard) for v in n.all_input_nodes)}
+    return prop, (_statistics(gm, prop) - starts) | batch_split.coupled_region(gm, prop)
+
+
 def _gather_coupled(gm: fx.GraphModule, batch: int, size: int, rank: int, group) -> list[str]:
     """A loss term that couples the batch's rows (``passes.batch_split``): the split values it reads gathered over
     dp (``passes.batch_gather``), so it runs on the whole batch; the names gathered."""

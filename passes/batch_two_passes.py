@@ -7,19 +7,21 @@ training graph at the region's entry, its *boundary* (the values the region read
 the per-row log-probabilities, a learnt temperature), into three graphs:
 
 - ``first``: the graph up to the boundary, which it returns. The first pass runs it on every part without
-  gradients; the boundary's split values are concatenated (and gathered over dp) into the whole batch's.
+  gradients; the boundary's split values are concatenated (and gathered over dp) into the whole batch's, and its
+  sums each part holds a share of (a cross-entropy summed over the part's counted tokens, the count, tokens per
+  expert: ``passes.batch_statistics.whole_batch_region`` cuts there) are added up over the parts.
 - ``term``: the region alone, its numbers that are sizes of the batch (``arange(B)``, ``logp[:n]``) made the whole
   batch's. It runs once per step on the whole batch's boundary values, on every rank alike: the loss, and its
   gradient with respect to each boundary value.
 - ``surrogate``: the graph up to the boundary again, its loss ``sum(value * gradient)`` over the boundary values,
-  each part fed its own rows of the gradient as inputs (after the model's, before the target). It is a sum over the
-  samples, so the parts' losses add up under microbatches, pp and dp, and by the chain rule through the boundary
-  its parameter gradients are the model's. A whole boundary value (a learnt temperature, read by every part) has
-  its gradient fed as rows of ``gradient / B``, summed over each part's rows: once over the whole batch.
+  each part fed its own rows of the gradient as inputs (after the model's, before the target). It adds up over the
+  parts under microbatches, pp and dp (``Captured.second_pass``: the batch analysis takes it as such a sum), and by
+  the chain rule through the boundary its parameter gradients are the model's. A whole boundary value (a learnt
+  temperature, read by every part) has its gradient fed as rows of ``gradient / B``, summed over each part's rows:
+  once over the whole batch; a summed one has the whole gradient fed to every part, for its share.
 
 Two passes apply where the forward up to the boundary computes the same values twice: no random op (dropout would
-draw other masks), and no pending sum of the batch among the boundary values (a count each part contributes to).
-Elsewhere ``cut`` raises ``TwoPassesError``, saying why.
+draw other masks). Elsewhere ``cut`` raises ``TwoPassesError``, saying why.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class Boundary:
     """A value the coupled region reads from outside it."""
 
     name: str
-    dim: int | None  # the batch's dim where it is split by rows; None where every part holds it whole
+    dim: int | None  # the batch's dim where it is split by rows; None where every part holds it whole (or a share)
     trained: bool  # floating and computed from the parameters: its gradient is fed to the second pass
+    summed: bool = False  # a sum each part holds its share of (a token count, a loss summed over its tokens)
 
 
 @dataclass
@@ -113,17 +116,15 @@ def _boundary(gm: fx.GraphModule, prop: Propagation, region: set[fx.Node], where
         if value.op == "get_attr" and not isinstance(_attr(gm, value.target), nn.Parameter):
             continue  # a constant: the term reads it itself
         placement, val = prop.of(value), meta.val(value)
-        if not isinstance(placement, Shard) and value.op == "call_function" and _reads_batch(value):
+        if not isinstance(placement, (Shard, Partial)) and value.op == "call_function" and _reads_batch(value):
             raise TwoPassesError(f"{value.name} at {where(value)} is computed from the whole batch where the coupled "
                                  "term reads it: no part holds it")
-        if isinstance(placement, Partial):
-            raise TwoPassesError(f"{value.name} at {where(value)} is a sum over the batch's rows that the coupled term "
-                                 "reads: each part holds only its own share of it")
         if isinstance(placement, Shard) and placement.blocks is not None:
             raise TwoPassesError(f"{value.name} at {where(value)} is split in blocks where the coupled term reads the "
                                  "whole batch's rows")
         trained = isinstance(val, torch.Tensor) and val.is_floating_point() and value.op != "placeholder"
-        found.append(Boundary(value.name, placement.dim if isinstance(placement, Shard) else None, trained))
+        found.append(Boundary(value.name, placement.dim if isinstance(placement, Shard) else None, trained,
+                              isinstance(placement, Partial)))
     return found
 
 
@@ -164,15 +165,22 @@ def _surrogate(gm: fx.GraphModule, boundary: list[Boundary], prop: Propagation):
         node.meta["val"] = target(*[meta.val(a) if isinstance(a, fx.Node) else a for a in args])
         return node
 
-    total, shapes = None, []
+    total, sums, shapes = None, None, []
     for index, b in enumerate(x for x in boundary if x.trained):
         value = nodes[b.name]
         val = meta.val(value)
-        shape = tuple(val.movedim(b.dim, 0).shape) if b.dim is not None else (batch, *val.shape)
+        if b.summed:  # the whole gradient, read by every part (one row: no rows of the batch to split)
+            shape = (1, *val.shape)
+        else:
+            shape = tuple(val.movedim(b.dim, 0).shape) if b.dim is not None else (batch, *val.shape)
         with graph.inserting_before(target):
             grad = graph.placeholder(f"two_passes_grad_{index}")
         grad.meta["val"] = val.new_empty(shape)
         shapes.append(shape)
+        if b.summed:
+            product = made(aten.sum.default, made(aten.mul.Tensor, value, made(aten.select.int, grad, 0, 0)))
+            sums = product if sums is None else made(aten.add.Tensor, sums, product)
+            continue
         rows = made(aten.movedim.int, value, b.dim, 0) if b.dim not in (0, None) else value
         product = made(aten.mul.Tensor, rows, grad)  # (rows, ...): a whole value broadcast over the part's rows
         if len(shape) > 1:
@@ -180,6 +188,8 @@ def _surrogate(gm: fx.GraphModule, boundary: list[Boundary], prop: Propagation):
         total = product if total is None else made(aten.add.Tensor, total, product)
     if total is not None:
         total = made(aten.sum.default, total)
+    if sums is not None:
+        total = sums if total is None else made(aten.add.Tensor, total, sums)
     if total is None:
         raise TwoPassesError("the coupled term reads nothing computed from the parameters: nothing to train")
     output.args = ((total,),)

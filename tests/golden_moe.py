@@ -228,8 +228,9 @@ def with_router_loss(name: str):
     return case, loss_fn
 
 
-def router_loss(name: str, mesh_kwargs: dict) -> dict:
+def router_loss(name: str, mesh_kwargs: dict, **options) -> dict:
     case, loss_fn = with_router_loss(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
-    report = autoshard.verify(case.model, mesh, case.inputs, loss_fn, target=case.target, groups=groups_for(mesh))
+    report = autoshard.verify(case.model, mesh, case.inputs, loss_fn, target=case.target, groups=groups_for(mesh),
+                              **options)
     return {"ok": report.ok, "report": str(report)}

@@ -297,7 +297,9 @@ def test_a_loss_summed_over_the_samples_adds_the_parts(pools, loss, mesh, microb
     check(pools.get(world).run(coupled_golden, loss, mesh, microbatches=microbatches))
 
 
-def test_a_sum_beside_a_mean_over_the_samples_is_refused():
+def test_a_sum_beside_a_mean_over_the_samples_is_taken_in_two_passes_or_refused():
+    """Neither the parts' sum nor their average is such a loss: in two passes the term reads the whole batch's sums
+    (where each part holds two samples or more); at one sample a part it is refused."""
     inputs, target = two_tower_batch()
 
     def mixed(output, t):
@@ -305,8 +307,10 @@ def test_a_sum_beside_a_mean_over_the_samples_is_refused():
         per_row = 1 - scale * (image * text).sum(-1)
         return per_row.sum() + per_row.detach().mean() * per_row.mean()
 
+    build = _compile(TwoTower(), inputs, target, mixed, {}, 2)
+    assert any("two passes" in note for note in build.plan.notes), build.plan.notes
     with pytest.raises(ValueError, match=r"not a sum over the batch's samples|adds a sum over the batch's samples"):
-        _compile(TwoTower(), inputs, target, mixed, {}, 2)
+        _compile(TwoTower(), *two_tower_batch(4), mixed, {"dp": 2}, 2)
 
 
 # ------------------------------------------------------------------------- the analysis against execution

@@ -61,10 +61,11 @@ def test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count(po
     golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss=loss, microbatches=microbatches), mesh)
 
 
-@pytest.mark.parametrize("mesh,microbatches", [({"dp": 2}, 4), ({}, 2)], ids=["dp2-m4", "m2"])
+@pytest.mark.parametrize("mesh,microbatches", [({"dp": 2}, 4)], ids=["dp2-m4"])
 def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_parts_run_apart(mesh, microbatches):
-    """``ce + 1e-3 * z_loss`` over microbatches: each part would average the cross-entropy over its own counted tokens.
-    Refused before any collective, naming the line and what works; with batch_statistics='local' it is said."""
+    """``ce + 1e-3 * z_loss`` over parts of one sample: each part would average the cross-entropy over its own
+    counted tokens, and no pass can read them (two passes need two samples a part to tell the rows apart). Refused
+    before any collective, naming the line and what works; with batch_statistics='local' it is said."""
     import autoshard
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
@@ -94,10 +95,24 @@ def test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp(pools, mesh)
     golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss="z_loss"), mesh)
 
 
+@pytest.mark.parametrize("mesh,microbatches", [({}, 2), ({"pp": 2}, 2), ({"dp": 2}, 2)], ids=["m2", "pp2-m2", "dp2-m2"])
+def test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes(pools, mesh, microbatches):
+    """``ce + 1e-3 * z_loss`` over microbatches, labels unevenly ignored: the first pass forwards every microbatch to
+    its cross-entropy summed over its counted tokens, its count and its z-loss's sum (each microbatch's share,
+    added over the microbatches and the dp ranks); the term divides the whole batch's sums by its counts, and the
+    second pass feeds each microbatch the term's gradient with respect to its shares."""
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    run = (lambda: pools.get(world).run(golden.golden, "gpt", mesh, loss="z_loss", microbatches=microbatches)) \
+        if world > 1 else (lambda: [golden.golden("gpt", mesh, loss="z_loss", microbatches=microbatches)])
+    golden.check(run(), mesh)
+
+
 def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_gathered_under_dp(pools):
     """``ce + logits.amax()``: the largest logit of the whole batch is no sum of the ranks' parts. Under dp alone the
-    logits it reads are gathered from every dp rank (``passes.batch_gather``): exact; under microbatches, refused
-    before any collective, naming the op."""
+    logits it reads are gathered from every dp rank (``passes.batch_gather``): exact; under microbatches of one
+    sample, refused before any collective, naming the op."""
     import autoshard
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
@@ -108,7 +123,7 @@ def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_gathered_under_dp(pool
     case = build("gpt")
     loss_fn, target = golden.LOSSES["amax"](case.target)
     with pytest.raises(ValueError, match=r"amax.*reads the rows of the whole batch"):
-        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(microbatches=2),
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2), 0, CompileOptions(microbatches=4),
                              target=target, loss_fn=loss_fn)
 
 

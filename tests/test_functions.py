@@ -134,7 +134,7 @@ def _mse(output, target):
 @pytest.mark.parametrize("function", [_MixesRowsForward, _MixesRowsBackward])
 def test_a_function_not_proven_per_sample_is_gathered_under_dp_and_refused_under_microbatches(function):
     """A Function whose forward or backward reads other rows is not proven per-sample: dp alone gathers the rows it
-    reads (exact), microbatches refuse, naming it."""
+    reads (exact); microbatches of one sample refuse, naming it (of two or more, they take it in two passes)."""
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     notes: list[str] = []
     captured = capture_for_training(_Wrapped(function), (x[:2],), y[:2], _mse)

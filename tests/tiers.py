@@ -40,6 +40,10 @@ NOT_QUICK = {
         "test_every_mutants_original_text_is_in_its_file_once (a collection of the whole suite takes seconds)",
     "tests/test_planner_profile.py::test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose":
         "test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose (the same choice read from a profile)",
+    "tests/test_partition.py::test_a_weight_held_on_two_stages_counts_on_both_and_the_balance_sees_it"
+    "[recurrent_gemma]": "the same test's gemma4_text and s2s/t5 cells",
+    "tests/test_partition.py::test_a_weight_read_on_both_sides_of_a_cut_is_held_by_both_stages":
+        "test_a_weight_held_on_two_stages_counts_on_both_and_the_balance_sees_it (a weight read on two stages)",
     "tests/test_inspect_cli.py::test_the_entry_point_prints_tp2_pp2_rank1":
         "test_tensor_and_pipeline_parallel_for_two_ranks[1] (the same inspect, in process)",
     "tests/test_cli.py::test_plan_540b_from_the_entry_point":

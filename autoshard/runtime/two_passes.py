@@ -33,7 +33,10 @@ class TwoPassStep:
         values = []
         for index, b in enumerate(self.passes.boundary):
             parts = [out[index] for out in outputs]
-            values.append(parts[0] if b.dim is None else _over_dp(pm, torch.cat(parts, b.dim), b.dim))
+            if b.summed:  # each part's share, added over the microbatches and the dp ranks
+                values.append(_sum_over_dp(pm, torch.stack(parts).sum(0)))
+            else:
+                values.append(parts[0] if b.dim is None else _over_dp(pm, torch.cat(parts, b.dim), b.dim))
         leaves = [v.detach().requires_grad_(b.trained) for v, b in zip(values, self.passes.boundary, strict=True)]
         with pm.precision():
             loss = self.passes.term(*leaves)
@@ -44,15 +47,28 @@ class TwoPassStep:
         fed = [[] for _ in microbatches]
         for (leaf, b), grad in zip(trained, grads, strict=True):
             grad = torch.zeros_like(leaf) if grad is None else grad.detach()
+            if b.summed:  # the same whole gradient for every part's share
+                for i in range(len(microbatches)):
+                    fed[i].append(grad.unsqueeze(0))
+                continue
             if b.dim is None:
                 for i, size in enumerate(sizes):
                     fed[i].append((grad / rows).expand(size, *grad.shape).contiguous())
                 continue
             mine = grad.movedim(b.dim, 0).chunk(pm.mesh.dp)[pm.coord("dp")]
-            for i, part in enumerate(mine.split(sizes)):
+            held = [out[self.passes.boundary.index(b)].shape[b.dim] for out in outputs]  # each microbatch's rows
+            for i, part in enumerate(mine.split(held)):
                 fed[i].append(part.contiguous())
         fed_in = [((*inputs, *fed[i]), target) for i, (inputs, target) in enumerate(microbatches)]
         return fed_in, loss.detach().float()
+
+
+def _sum_over_dp(pm, local: torch.Tensor) -> torch.Tensor:
+    if pm.groups is None or pm.mesh.dp == 1:
+        return local
+    local = local.clone()
+    dist.all_reduce(local, group=pm.groups.group("dp"))
+    return local
 
 
 def _over_dp(pm, local: torch.Tensor, dim: int) -> torch.Tensor:
