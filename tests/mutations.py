@@ -803,6 +803,11 @@ MUTANTS = (
            "every dp rank's second pass is fed the first dp rank's rows of the coupled term's gradient",
            ("tests/test_batch_split.py::test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp"
             "[dp2-in_batch_negatives-m2]",)),
+    Mutant("two-passes-shares-not-added-over-dp", "autoshard/runtime/two_passes.py",
+           "    if pm.groups is None or pm.mesh.dp == 1:\n        return local\n    local = local.clone()",
+           "    if True:\n        return local\n    local = local.clone()",
+           "a token count and a loss summed over its tokens are read by the term from this dp rank's microbatches only",
+           (DP + "test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes[dp2-m2]",)),
     Mutant("summed-loss-averaged", "autoshard/runtime/parallel_model.py",
            "            return 1.0 if build.plan.loss_sum else float(self.options.microbatches * self.mesh.dp)",
            "            return float(self.options.microbatches * self.mesh.dp)",
