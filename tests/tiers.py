@@ -3,9 +3,8 @@
 The CI tier is every test but those marked ``full``. A distributed matrix (a parametrized test on the worker
 pools) runs in CI as a covering set, not as its cross product: cells are taken, in collection order, while each
 adds a parameter value (a model, a mesh, a schedule, a microbatch count), or in a zoo matrix (a ``name``
-parameter) a configuration of the other parameters, that no cell of the same file taken before had, and each
-test's first cell always: every test, and in every file every model, every zoo configuration and every value,
-runs at least once; the rest of the matrix is marked ``full``. Every test a seeded
+parameter) a configuration of the other parameters, that no cell taken before had: every model, every zoo
+configuration and every value runs at least once; the rest of the matrix is marked ``full``. Every test a seeded
 bug of ``mutations.py`` names stays in the CI tier whatever the covering says, so ``make mutate`` judges the
 tier CI runs. ``FULL_ONLY`` lists the few whole tests moved out by hand, each with what in the CI tier covers
 its code path.
@@ -212,16 +211,14 @@ def mutant_tests() -> set[str]:
 def assign(items: list) -> None:
     """Mark each collected item ``quick`` or ``full`` (the CI tier is the rest)."""
     keep = mutant_tests()
-    seen: dict[object, set] = {}  # by file: the parameter values its tests have run
-    functions: set[object] = set()  # the tests that have run a cell
+    seen: dict[object, set] = {}
     for item in items:
         nodeid = item.nodeid
         if (item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS) and nodeid not in NOT_QUICK \
                 and nodeid not in FULL_ONLY:
             item.add_marker(pytest.mark.quick)
         if nodeid in keep or nodeid.partition("[")[0] in keep or nodeid in QUICK_GOLDENS:  # a test named whole
-            _covers(item, seen.setdefault(item.path, set()))  # counts as covering what it runs
-            functions.add(item.function)
+            _covers(item, seen.setdefault(item.function, set()))  # counts as covering what it runs
             continue
         if nodeid in FULL_ONLY:
             item.add_marker(pytest.mark.full)
@@ -229,9 +226,7 @@ def assign(items: list) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is None or "pools" not in item.fixturenames or nodeid.startswith(_CORPUS):
             continue  # single tests, single-process matrices and the corpus sample (one cell per family) stay
-        first = item.function not in functions
-        functions.add(item.function)
-        if not _covers(item, seen.setdefault(item.path, set())) and not first:
+        if not _covers(item, seen.setdefault(item.function, set())):
             item.add_marker(pytest.mark.full)
 
 
