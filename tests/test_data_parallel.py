@@ -95,7 +95,9 @@ def test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp(pools, mesh)
     golden.check(pools.get(world).run(golden.golden, "gpt", mesh, loss="z_loss"), mesh)
 
 
-@pytest.mark.parametrize("mesh,microbatches", [({}, 2), ({"pp": 2}, 2), ({"dp": 2}, 2)], ids=["m2", "pp2-m2", "dp2-m2"])
+@pytest.mark.parametrize("mesh,microbatches", [({}, 2), ({"pp": 2}, 2), ({"dp": 2}, 2),
+                                               ({"dp": 2, "tp": 2, "pp": 2}, 2)],
+                         ids=["m2", "pp2-m2", "dp2-m2", "dp2xtp2xpp2-m2"])
 def test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes(pools, mesh, microbatches):
     """``ce + 1e-3 * z_loss`` over microbatches, labels unevenly ignored: the first pass forwards every microbatch to
     its cross-entropy summed over its counted tokens, its count and its z-loss's sum (each microbatch's share,
