@@ -439,7 +439,7 @@ def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple
     from autoshard.passes.placements import Partial, R
     from autoshard.passes.propagate import redistributions
 
-    parts = options.microbatches > 1 or mesh.pp > 1
+    parts = options.microbatches > 1 or (mesh.pp > 1 and mesh.dp > 1)  # parts that run apart, dp cannot gather
     if not captured.with_loss or captured.token_loss is not None or not parts or mesh.cp > 1 \
             or options.batch_statistics == "local":
         return None

@@ -45,6 +45,16 @@ def test_a_contrastive_loss_is_taken_in_two_passes_where_the_parts_run_apart(los
     assert any("two passes" in note and "matmul" in note and "mul_1, numpy_t" in note for note in build.plan.notes)
 
 
+def test_a_pipeline_over_the_whole_batch_takes_no_second_pass():
+    """pp with one microbatch and no dp runs the whole batch through its stages: the term reads every row already,
+    and the step is the ordinary one (with dp beside it, the ranks' parts run apart: two passes)."""
+    inputs, target = two_tower_batch()
+    alone = _compile(TwoTower(), inputs, target, clip_loss, {"pp": 2}, 1)
+    assert not any("two passes" in note for note in alone.plan.notes)
+    beside = _compile(TwoTower(), inputs, target, clip_loss, {"dp": 2, "pp": 2}, 1)
+    assert any("two passes" in note for note in beside.plan.notes)
+
+
 @pytest.mark.parametrize("loss_fn,what", [(clip_loss, r"matmul at matmul in the loss_fn reads the rows of the whole "
                                                       r"batch"),
                                           (in_batch_negatives, r"matmul at matmul in the loss_fn reads the rows")],
@@ -195,7 +205,7 @@ def test_what_dp_gathers_for_a_coupled_term_is_said_and_counted():
 
 TWO_PASSES = [({}, "clip", 2), ({"pp": 2}, "clip", 2), ({"dp": 2}, "in_batch_negatives", 2),
               ({"dp": 2}, "clip_scaled_last", 2), ({"pp": 2}, "in_batch_negatives", 4),
-              ({"dp": 2, "tp": 2, "pp": 2}, "clip", 2)]
+              ({"dp": 2, "pp": 2}, "clip", 1), ({"dp": 2, "tp": 2, "pp": 2}, "clip", 2)]
 
 
 @pytest.mark.parametrize("mesh,loss,microbatches", TWO_PASSES,
