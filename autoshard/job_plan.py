@@ -464,9 +464,7 @@ def two_passes(captured: Captured, mesh: Mesh, options: CompileOptions) -> tuple
         if captured.recapture is None:
             raise TwoPassesError("this capture cannot be taken again at another batch size")
         sizes = batch_statistics.batch_sizes(captured.gm, captured.recapture(2).gm, 2)
-        gm = codegen.prepare(captured, None)  # analysed afresh: token means read as sums over counted tokens
-        batch_split.reductions_by_dims(gm)
-        prop, region = batch_statistics.whole_batch_region(gm, batch, parts)
+        prop, region = batch_statistics.whole_batch_region(gm, batch, parts)  # the analysed graph, its means rewritten
         passes = cut(gm, prop, region, sizes, parts, _where)
     except (TwoPassesError, batch_statistics.BatchStatisticsError) as e:
         raise ValueError(f"the loss is not a sum over the batch's samples: {found}. Under microbatches and pp it is "
@@ -580,8 +578,8 @@ def _refuse_coupled(coupled: list, over: str, options: CompileOptions, notes: li
         "and no rank sees another part's rows: each part would train its own loss (a contrastive loss over its own "
         "samples, preference pairs split apart), a different objective from the model run on the whole batch (with "
         "two samples or more a part, microbatches and pp take it in two passes; one sample a part, or cp beside dp, "
-        "cannot). Keep "
-        "the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use dp with one "
+        "cannot). Keep the batch whole (dp=1 and one microbatch: tp, cp, and pp with one microbatch are exact), use "
+        "dp with one "
         "microbatch and no pp or cp (beside tp or ep too: the rows the term reads are then gathered over dp, exact), "
         "or pass batch_statistics='local' to train each part's own loss as DDP and gradient accumulation do")
 

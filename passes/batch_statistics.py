@@ -355,22 +355,31 @@ def _take_whole_sizes(gm: fx.GraphModule, region: set[fx.Node], sizes: dict[str,
         read = node.op == "get_attr" and any(user in region for user in node.users)  # a constant the loss reads
         if not (node in region or read) or node.name not in sizes or node.target is operator.getitem:
             continue
-        args, kwargs = list(node.args), dict(node.kwargs)
-        for position, value in sizes[node.name]:
-            if value is None and kept_of(node) is not None:
-                raise BatchStatisticsError(
-                    f"the custom autograd Function {kept_of(node).name} at {kept_of(node).where} is passed a number "
-                    "that changes with the batch's size: run on the whole batch, it would still be given this rank's; "
-                    "pass it no size of the batch (read it from its tensors' shapes) or keep the batch whole (dp=1)")
-            if value is None:
-                raise BatchStatisticsError(f"{node.name} at {_where(node)} reads a value that changes with the "
-                                           "batch's size, not in proportion to it or held as a tensor: its whole "
-                                           "batch's value is unknown; keep the batch whole (dp=1) or pass "
-                                           "batch_statistics='local'")
-            held = kwargs if isinstance(position, str) else args
-            held[position] = type(held[position])(value * size)
-            plan.sizes[node.name] = held[position]
-        node.args, node.kwargs = tuple(args), kwargs
+        node.args, node.kwargs = whole_arguments(node, sizes, size)
+        for position, _ in sizes[node.name]:
+            plan.sizes[node.name] = (node.kwargs if isinstance(position, str) else node.args)[position]
+
+
+def whole_arguments(node: fx.Node, sizes: dict[str, list], size: int) -> tuple[tuple, dict]:
+    """``node``'s arguments with each number that is a size of a part's batch (``batch_sizes``) made the whole
+    batch's, ``size`` times it; raises ``BatchStatisticsError`` where the whole batch's value is unknown."""
+    if node.name not in sizes or node.target is operator.getitem:
+        return node.args, node.kwargs
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for position, value in sizes[node.name]:
+        if value is None and kept_of(node) is not None:
+            raise BatchStatisticsError(
+                f"the custom autograd Function {kept_of(node).name} at {kept_of(node).where} is passed a number "
+                "that changes with the batch's size: run on the whole batch, it would still be given this rank's; "
+                "pass it no size of the batch (read it from its tensors' shapes) or keep the batch whole (dp=1)")
+        if value is None:
+            raise BatchStatisticsError(f"{node.name} at {_where(node)} reads a value that changes with the "
+                                       "batch's size, not in proportion to it or held as a tensor: its whole "
+                                       "batch's value is unknown; keep the batch whole (dp=1) or pass "
+                                       "batch_statistics='local'")
+        held = kwargs if isinstance(position, str) else args
+        held[position] = type(held[position])(value * size)
+    return tuple(args), kwargs
 
 
 def refusal(gm: fx.GraphModule, batch: int, size: int, sizes: dict[str, list] | None) -> str | None:

@@ -27,14 +27,13 @@ draw other masks). Elsewhere ``cut`` raises ``TwoPassesError``, saying why.
 from __future__ import annotations
 
 import copy
-import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
 from autoshard import meta
-from autoshard.functions import kept_of
+from autoshard.passes.batch_statistics import _attr, whole_arguments
 from autoshard.passes.placements import Partial, Shard
 from autoshard.passes.propagate import Propagation
 
@@ -69,10 +68,6 @@ class TwoPasses:
     boundary: list[Boundary]
     gradient_shapes: list[tuple[int, ...]]  # each gradient input's shape at this capture's batch (rows first)
     note: str = ""  # what the job does, for explain()
-
-    @property
-    def trained(self) -> list[Boundary]:
-        return [b for b in self.boundary if b.trained]
 
 
 def cut(gm: fx.GraphModule, prop: Propagation, region: set[fx.Node], sizes: dict[str, list], factor: int,
@@ -213,7 +208,7 @@ def _term(gm: fx.GraphModule, region: set[fx.Node], boundary: list[Boundary], si
             env[node.name] = graph.get_attr(node.target)
         if node not in region or node.op == "output":
             continue
-        args, kwargs = _whole_sizes(node, sizes, factor, where)
+        args, kwargs = whole_arguments(node, sizes, factor)
         env[node.name] = graph.node_copy(node, lambda n: env[n.name]) if (args, kwargs) == (node.args, node.kwargs) \
             else graph.create_node(node.op, node.target, fx.map_arg(args, lambda n: env[n.name]),
                                    fx.map_arg(kwargs, lambda n: env[n.name]), node.name)
@@ -221,24 +216,3 @@ def _term(gm: fx.GraphModule, region: set[fx.Node], boundary: list[Boundary], si
     term = fx.GraphModule(gm, graph)
     term.recompile()
     return term
-
-
-def _whole_sizes(node: fx.Node, sizes: dict[str, list], factor: int, where) -> tuple[tuple, dict]:
-    """``node``'s arguments with each number that is a size of the part's batch made the whole batch's."""
-    if node.name not in sizes or node.target is operator.getitem:
-        return node.args, node.kwargs
-    args, kwargs = list(node.args), dict(node.kwargs)
-    for position, value in sizes[node.name]:
-        if value is None or kept_of(node) is not None:
-            raise TwoPassesError(f"{node.name} at {where(node)} reads a number that changes with the batch's size, not "
-                                 "in proportion to it: its whole batch's value is unknown")
-        held = kwargs if isinstance(position, str) else args
-        held[position] = type(held[position])(value * factor)
-    return tuple(args), kwargs
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    try:
-        return operator.attrgetter(target)(gm)
-    except AttributeError:
-        return None

@@ -40,13 +40,13 @@ class TwoPassStep:
         leaves = [v.detach().requires_grad_(b.trained) for v, b in zip(values, self.passes.boundary, strict=True)]
         with pm.precision():
             loss = self.passes.term(*leaves)
-        trained = [(leaf, b) for leaf, b in zip(leaves, self.passes.boundary, strict=True) if b.trained]
-        grads = torch.autograd.grad(loss, [leaf for leaf, _ in trained], allow_unused=True)
+        trained = [(i, b) for i, b in enumerate(self.passes.boundary) if b.trained]
+        grads = torch.autograd.grad(loss, [leaves[i] for i, _ in trained], allow_unused=True)
         sizes = [batching.batch_size((*inputs, target)) for inputs, target in microbatches]
         rows = sum(sizes) * pm.mesh.dp
         fed = [[] for _ in microbatches]
-        for (leaf, b), grad in zip(trained, grads, strict=True):
-            grad = torch.zeros_like(leaf) if grad is None else grad.detach()
+        for (index, b), grad in zip(trained, grads, strict=True):
+            grad = torch.zeros_like(leaves[index]) if grad is None else grad.detach()
             if b.summed:  # the same whole gradient for every part's share
                 for i in range(len(microbatches)):
                     fed[i].append(grad.unsqueeze(0))
@@ -56,7 +56,7 @@ class TwoPassStep:
                     fed[i].append((grad / rows).expand(size, *grad.shape).contiguous())
                 continue
             mine = grad.movedim(b.dim, 0).chunk(pm.mesh.dp)[pm.coord("dp")]
-            held = [out[self.passes.boundary.index(b)].shape[b.dim] for out in outputs]  # each microbatch's rows
+            held = [out[index].shape[b.dim] for out in outputs]  # each microbatch's rows
             for i, part in enumerate(mine.split(held)):
                 fed[i].append(part.contiguous())
         fed_in = [((*inputs, *fed[i]), target) for i, (inputs, target) in enumerate(microbatches)]
