@@ -21,6 +21,7 @@ norm; the scheduler steps once per optimizer step, as in one process. The loss i
 from __future__ import annotations
 
 import inspect
+import os
 import types
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 import autoshard
 from autoshard import hf
+from autoshard.runtime import habits
 
 
 def prepare(accelerator, *objects, mesh=None, loss_fn=None, **options):
@@ -57,7 +59,8 @@ def prepare(accelerator, *objects, mesh=None, loss_fn=None, **options):
         else:
             prepared.append(accelerator.prepare(obj))
     _clip_globally(accelerator, parallel)
-    _state_as_autoshard_saves_it(accelerator, parallel)
+    schedulers = [o for o in prepared if isinstance(o, AcceleratedScheduler)]
+    _state_as_autoshard_saves_it(accelerator, parallel, schedulers)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
@@ -70,6 +73,7 @@ class ParallelModule(nn.Module):
         self.accelerator, self.mesh, self.loss_fn, self.options = accelerator, mesh, loss_fn, options
         self.optimizers: list[torch.optim.Optimizer] = []
         self.pm = None
+        self.pending: str | None = None  # a checkpoint load_state gave before the model's first call
 
     def parallel_model(self, positional: tuple, labels):
         if self.pm is None:
@@ -78,24 +82,28 @@ class ParallelModule(nn.Module):
             self.pm = autoshard.parallelize(self.model, self.mesh, example_inputs=positional, loss_fn=self.loss_fn,
                                             target=labels, **options)
             self._hold_shards()
+            if self.pending is not None:
+                self.load_checkpoint(self.pending)
         return self.pm
+
+    def optimizer(self):
+        """The one optimizer a checkpoint holds the state of (None without one)."""
+        if len(self.optimizers) > 1:
+            raise ValueError(f"autoshard.accelerate: save_state/load_state with {len(self.optimizers)} optimizers; "
+                             "autoshard's checkpoint holds one optimizer's state (one over all the parameters)")
+        return self.optimizers[0] if self.optimizers else None
+
+    def load_checkpoint(self, path: str) -> None:
+        self.pending = None
+        self.pm.load_checkpoint(path, optimizer=self.optimizer())
 
     def _hold_shards(self) -> None:
         """Each optimizer built over the model's parameters holds this rank's shards of them instead."""
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        shards = dict(self.pm.named_parameters(remove_duplicate=False))
         for optimizer in self.optimizers:
             if optimizer.state:
                 raise RuntimeError("autoshard.accelerate: the optimizer stepped before the model's first call; "
                                    "call the model first (it is parallelized then)")
-            for group in optimizer.param_groups:
-                unknown = [p for p in group["params"] if id(p) not in names]
-                if unknown:
-                    raise ValueError(f"autoshard.accelerate: the optimizer holds {len(unknown)} tensors that are not "
-                                     "the model's parameters; build it over model.parameters() or "
-                                     "model.named_parameters()")
-                held = [shards.get(names[id(p)]) for p in group["params"]]
-                group["params"] = list({id(p): p for p in held if p is not None}.values())
+            habits.take_over(optimizer, self.pm)
 
     def _parallel(self, what: str):
         if self.pm is None:
@@ -172,22 +180,47 @@ def _clip_globally(accelerator, parallel: ParallelModule) -> None:
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _state_as_autoshard_saves_it(accelerator, parallel: ParallelModule) -> None:
-    """``get_state_dict(model)`` gives the model's full state dict; ``save_state``/``load_state`` would write no
-    weights and only rank 0's optimizer shards (accelerate knows nothing of this rank's shards): refused, saying
-    what saves the run."""
+def _state_as_autoshard_saves_it(accelerator, parallel: ParallelModule, schedulers: list) -> None:
+    """``get_state_dict(model)`` gives the model's full state dict; ``save_state``/``load_state`` save and load the
+    run as autoshard's checkpoint (each rank its shards of the weights and the optimizer's state, the schedulers'
+    state and accelerate's step with them), so it resumes under any mesh. Accelerate's own would write no weights
+    and only rank 0's optimizer shards."""
+    from autoshard.runtime import checkpoint
+
     get_state_dict = accelerator.get_state_dict
 
     def state_dict(model, unwrap: bool = True):
         return parallel.state_dict() if model is parallel else get_state_dict(model, unwrap)
 
-    def refused(*args, **kwargs):
-        raise ValueError(
-            "accelerator.save_state/load_state would save no weights of the parallel model and only rank 0's "
-            "optimizer shards: save the run with model.pm.save_checkpoint(path, optimizer=optimizer, "
-            "extra={'scheduler': scheduler.state_dict()}) and resume it (under any mesh) with "
-            "model.pm.load_checkpoint(path, optimizer=optimizer); unwrap_model(model).save_pretrained(dir) writes "
-            "the model in HuggingFace's format")
+    def save_state(output_dir: str | None = None, **kwargs) -> str:  # noqa: ARG001 - accelerate's signature
+        pm = parallel._parallel("save_state()")
+        directory = output_dir or _next_directory(accelerator)
+        pm.save_checkpoint(directory, optimizer=parallel.optimizer(),
+                           extra={"schedulers": [s.state_dict() for s in schedulers], "step": accelerator.step})
+        return directory
+
+    def load_state(input_dir: str | None = None, **kwargs) -> None:  # noqa: ARG001 - accelerate's signature
+        if input_dir is None:
+            raise ValueError("autoshard.accelerate: load_state(input_dir) needs the directory save_state wrote")
+        extra = checkpoint.read_extra(input_dir)  # every rank reads it; the weights wait for the model's first call
+        for scheduler, state in zip(schedulers, extra.get("schedulers", []), strict=True):
+            scheduler.load_state_dict(state)
+        accelerator.step = extra.get("step", 0)
+        parallel.pending = input_dir
+        if parallel.pm is not None:
+            parallel.load_checkpoint(input_dir)
 
     accelerator.get_state_dict = state_dict
-    accelerator.save_state = accelerator.load_state = refused
+    accelerator.save_state, accelerator.load_state = save_state, load_state
+
+
+def _next_directory(accelerator) -> str:
+    """Where accelerate's ``save_state()`` with no directory writes: ``<project_dir>/checkpoints/checkpoint_<n>``
+    under automatic checkpoint naming."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        raise ValueError("autoshard.accelerate: save_state() needs output_dir, or automatic_checkpoint_naming in "
+                         "the accelerator's ProjectConfiguration")
+    directory = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+    config.iteration += 1
+    return directory

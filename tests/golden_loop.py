@@ -375,19 +375,72 @@ def _steps_beside(pm, case, reference, opt, ref_opt, between=None, steps: int = 
 
 
 def optimizer_over_the_model(name: str, mesh_kwargs: dict, before: bool, **options) -> dict:
-    """An optimizer over the user's ``model.parameters()`` (built before ``parallelize`` or after, as FSDP2 users
-    write it): refused at its first step where the rank trains other tensors for them (the message), else it
-    trains as one over ``pm.parameters()`` would (the worst parameter's difference from the unsharded run)."""
+    """An optimizer over the user's own model (built before ``parallelize`` or after, as FSDP2 users write it), in
+    groups from ``model.named_parameters()`` (weight decay on matrices alone), stepped with
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` between, as PyTorch loops write them: the worst
+    parameter's difference from the unsharded run after two steps, and the groups' sizes as it holds them."""
     case, reference = build(name), build(name).model
+
+    def groups(model):
+        named = list(model.named_parameters())
+        return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.5},
+                {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
     mesh = autoshard.Mesh(**mesh_kwargs)
-    opt = torch.optim.SGD(case.model.parameters(), lr=0.1) if before else None
+    opt = torch.optim.AdamW(groups(case.model), lr=0.01) if before else None
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), **options)
-    opt = opt or torch.optim.SGD(case.model.parameters(), lr=0.1)
+    opt = opt or torch.optim.AdamW(groups(case.model), lr=0.01)
+
+    def clip():
+        torch.nn.utils.clip_grad_norm_(case.model.parameters(), 0.05)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    worst = _steps_beside(pm, case, reference, opt, torch.optim.AdamW(groups(reference), lr=0.01), between=clip)
+    mine = {id(p) for p in pm.parameters()}
+    return {"worst": worst, "held": [len(g["params"]) for g in opt.param_groups],
+            "all_mine": all(id(p) in mine for g in opt.param_groups for p in g["params"])}
+
+
+def optimizer_stepped_before(name: str, mesh_kwargs: dict) -> str:
+    """An optimizer that stepped the model's parameters before ``parallelize``: its state is of whole tensors."""
+    case = build(name)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=0.01)
+    case.loss_fn(case.model(*case.inputs), case.target).backward()
+    opt.step()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt.zero_grad()
+    pm.step(*case.inputs, target=case.target)
     try:
-        return {"worst": _steps_beside(pm, case, reference, opt, torch.optim.SGD(reference.parameters(), lr=0.1))}
+        opt.step()
     except ValueError as e:
-        return {"refused": str(e)}
+        return str(e)
+    return "stepped"
+
+
+def the_models_own_object(name: str, mesh_kwargs: dict, **options) -> dict:
+    """The user's model after training steps: refused when called or read (its weights are those from before),
+    then, after ``pm.update_model()``, its outputs and ``state_dict()`` are the unsharded run's."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    untouched = torch.equal(case.model(*case.inputs), reference(*case.inputs))  # before training: as it was
+    worst = _steps_beside(pm, case, reference, torch.optim.AdamW(pm.parameters(), lr=0.01),
+                          torch.optim.AdamW(reference.parameters(), lr=0.01))
+    refused = []
+    for use in (lambda: case.model(*case.inputs), lambda: case.model.state_dict()):
+        try:
+            use()
+        except RuntimeError as e:
+            refused.append(str(e))
+    pm.update_model()
+    with torch.no_grad():
+        out = (case.model(*case.inputs) - reference(*case.inputs)).abs().max().item()
+    own, ref = case.model.state_dict(), reference.state_dict()
+    state = max((own[k].float() - ref[k].float()).abs().max().item() for k in ref)
+    return {"untouched": untouched, "worst": worst, "refused": refused, "out": out, "state": state,
+            "keys": sorted(own) == sorted(ref)}
 
 
 def torch_clip(name: str, mesh_kwargs: dict, **options) -> dict:
@@ -649,3 +702,16 @@ def stage_failure(mesh_kwargs: dict, **options) -> dict:
     finally:
         ASKED["fail"] = False
     return {"seconds": time.perf_counter() - start, "error": error}
+
+
+def eager_backward(name: str, mesh_kwargs: dict, **options) -> str:
+    """The eager habit ``loss_fn(pm(x), y).backward()``: what it raises (or "trained" where it raises nothing)."""
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    try:
+        case.loss_fn(pm(*case.inputs), case.target).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "trained"

@@ -833,11 +833,22 @@ MUTANTS = (
            ("tests/test_training_loop.py::test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_"
             "norm[tp2]",)),
     Mutant("optimizer-over-the-model-unchecked", "autoshard/runtime/habits.py",
-           "        if found:",
-           "        if False:",
+           "            param = trains.get(id(param), param)",
+           "            param = param",
            "an optimizer over the user's model.parameters() at tp2 steps only the replicated parameters, silently",
-           ("tests/test_training_loop.py::test_an_optimizer_over_the_users_model_is_refused_where_the_rank_trains_"
-            "other_tensors[tp2-after]",)),
+           ("tests/test_training_loop.py::test_an_optimizer_over_the_users_model_trains_this_ranks_tensors"
+            "[tp2-after]",)),
+    Mutant("the-users-model-stale-unchecked", "autoshard/runtime/habits.py",
+           "        if stale(pm):",
+           "        if False:",
+           "the user's model after training steps computes with its weights from before, differently on each rank",
+           ("tests/test_training_loop.py::test_the_users_model_refuses_its_old_weights_until_update_model_writes_"
+            "the_trained_ones[tp2]",)),
+    Mutant("trainer-model-not-updated", "autoshard/hf.py",
+           "            self.pm.update_model()",
+           "            pass",
+           "trainer.model.generate after Trainer.train() gives other tokens on each rank",
+           ("tests/test_hf_trainer.py::test_the_trainer_under_a_mesh_trains_as_the_plain_trainer[llama-tp2]",)),
     Mutant("scaled-loss-a-mean-per-part", "passes/loss.py",
            "    node = _unscaled(node) if isinstance(node, fx.Node) else node",
            "    node = node",

@@ -95,15 +95,43 @@ def test_optimizer_groups_built_from_named_parameters_use_the_model_s_names(pool
         assert result["worst"] < 1e-5, result
 
 
-@pytest.mark.parametrize("mesh,before", [({"tp": 2}, False), ({"tp": 2}, True), ({"dp": 2, "fsdp": True}, False)],
-                         ids=["tp2-after", "tp2-before", "fsdp2-after"])
-def test_an_optimizer_over_the_users_model_is_refused_where_the_rank_trains_other_tensors(pools, mesh, before):
+@pytest.mark.parametrize("mesh,world,before,options", [
+    ({"tp": 2}, 2, False, {}), ({"tp": 2}, 2, True, {}), ({"dp": 2}, 2, False, {"data_parallel": "fsdp"}),
+    ({"pp": 2}, 2, True, {"microbatches": 2}), ({"dp": 2, "tp": 2, "pp": 2}, 8, False, {"microbatches": 2})],
+    ids=["tp2-after", "tp2-before", "fsdp2-after", "pp2-before", "dp2xtp2xpp2-after"])
+def test_an_optimizer_over_the_users_model_trains_this_ranks_tensors(pools, mesh, world, before, options):
     """At tp2 an optimizer over ``model.parameters()`` stepped only the replicated parameters (the loss went 4.960,
-    4.956 where eager gives 4.776): now its first step raises on every rank, naming the parameters and the fix."""
-    options = {"data_parallel": "fsdp"} if mesh.pop("fsdp", False) else {}
-    for result in pools.get(2).run(golden_loop.optimizer_over_the_model, "gpt", mesh, before, **options):
-        assert "refused" in result, result
-        assert "which this rank does not train" in result["refused"] and "pm.parameters()" in result["refused"]
+    4.956 where eager gives 4.776): at its first step it now holds this rank's tensors for them, group by group
+    (built from ``named_parameters()``, weight decay kept), and ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+    ...)`` clips by the global norm: AdamW's parameters after two steps are the unsharded run's."""
+    for result in pools.get(world).run(golden_loop.optimizer_over_the_model, "gpt", mesh, before, **options):
+        assert result["worst"] < 5e-5 and result["all_mine"], result
+
+
+def test_an_optimizer_that_stepped_the_model_before_parallelize_is_refused(pools):
+    """Its state is of the whole tensors, while the rank trains its shards: refused at its next step, saying why."""
+    for result in pools.get(2).run(golden_loop.optimizer_stepped_before, "gpt", {"tp": 2}):
+        assert "has already stepped parameters of the model" in result and "Build a new optimizer" in result, result
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}),
+                                          ({"dp": 2}, {"data_parallel": "fsdp"})], ids=["tp2", "pp2", "fsdp2"])
+def test_the_users_model_refuses_its_old_weights_until_update_model_writes_the_trained_ones(pools, mesh, options):
+    """The model given to ``parallelize`` kept its weights from before training, some tensors changed and others
+    not, differently on each rank: called or read after a step it now refuses, naming ``pm.update_model()``, and
+    after that its outputs and state dict are the unsharded run's."""
+    for result in pools.get(2).run(golden_loop.the_models_own_object, "gpt", mesh, **options):
+        assert result["untouched"] and result["worst"] < 5e-5, result
+        assert len(result["refused"]) == 2 and all("pm.update_model()" in e for e in result["refused"]), result
+        assert result["out"] < 5e-5 and result["state"] < 5e-5 and result["keys"], result
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"pp": 2}, {"cp": 2}, {"tp": 2}], ids=["dp2", "pp2", "cp2", "tp2"])
+def test_backward_from_the_parallel_models_outputs_says_that_step_trains(pools, mesh):
+    """``loss_fn(pm(x), y).backward()`` raised torch's "element 0 of tensors does not require grad" at dp2 and pp2,
+    and at cp2 it gave gradients off by 0.06 with no error: it now raises on every mesh, naming ``pm.step``."""
+    for result in pools.get(2).run(golden_loop.eager_backward, "gpt", mesh):
+        assert "that call is inference" in result and "pm.step(*inputs, target=target)" in result, result
 
 
 @pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}), ({"dp": 2}, {})],
@@ -118,9 +146,9 @@ def test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_norm(
 
 
 def test_an_optimizer_over_the_users_model_trains_where_the_rank_trains_the_models_own_tensors(pools):
-    """Under dp alone each rank trains the model's own tensors: the user's optimizer is the right one."""
+    """Under dp alone each rank trains the model's own tensors: the user's optimizer is the right one as it is."""
     for result in pools.get(2).run(golden_loop.optimizer_over_the_model, "gpt", {"dp": 2}, False):
-        assert result.get("worst", 1.0) < 1e-5, result
+        assert result["worst"] < 5e-5 and result["all_mine"], result
 
 
 @pytest.mark.parametrize("mesh,options", [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}),

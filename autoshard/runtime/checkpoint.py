@@ -146,10 +146,7 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
 
     Every check (the files of every rank, this model's parameters, the optimizer's kind and groups) runs
     before the first collective."""
-    path = committed.resolve(path)  # the complete checkpoint there (or the newest under a root), its files checked
-    _check_metadata_classes(path)
-    everything = dcp.FileSystemReader(path).read_metadata()
-    metadata = everything.state_dict_metadata
+    path, metadata = _metadata(path)
     _check_matches(pm, path, metadata)
     training = _read_object(path, metadata, _TRAINING)
     schema = training.get("optimizer") if training else None
@@ -163,6 +160,21 @@ def load_checkpoint(pm, path: str, optimizer=None) -> dict:
         pm.steps = training["steps"]
         _restore_rng(pm, path, metadata, training)
     return extra if extra is not None else {}
+
+
+def read_extra(path: str) -> dict:
+    """The ``extra`` a checkpoint was saved with, read by this rank alone (no model needed, no collective)."""
+    path, metadata = _metadata(path)
+    extra = _read_object(path, metadata, _EXTRA)
+    return extra if extra is not None else {}
+
+
+def _metadata(path: str) -> tuple[str, dict]:
+    """The complete checkpoint at ``path`` (or the newest under a root), its files checked, and DCP's metadata of
+    its entries, read once its classes are known to be DCP's own."""
+    path = committed.resolve(path)
+    _check_metadata_classes(path)
+    return path, dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
 def _read(pm, path: str, optimizer, schema, metadata) -> None:

@@ -17,7 +17,37 @@ from autoshard import batching
 
 
 def forward(pm, inputs: tuple):
-    """``pm(*inputs)``: what the model returns (the same output type), on every rank."""
+    """``pm(*inputs)``: what the model returns (the same output type), on every rank.
+
+    Inference: it runs without autograd, and where gradients are on, a ``backward()`` from its outputs raises,
+    saying that ``pm.step`` trains (under dp, pp and cp the outputs come from programs apart from training's, and
+    no gradient would reach the parameters right)."""
+    if not torch.is_grad_enabled():
+        return _forward(pm, inputs)
+    with torch.no_grad():
+        output = _forward(pm, inputs)
+    anchor = torch.zeros((), requires_grad=True)
+    return pytree.tree_map_only(torch.Tensor, lambda t: _Inference.apply(t, anchor) if t.is_floating_point() else t,
+                                output)
+
+
+class _Inference(torch.autograd.Function):
+    """An output of ``pm(...)``: its backward says how to train."""
+
+    @staticmethod
+    def forward(ctx, output, anchor):
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "backward() from the outputs of pm(...): that call is inference, and its outputs carry no gradient to "
+            "this rank's parameters. Train with loss = pm.step(*inputs, target=target), which runs the forward and "
+            "the backward at once (the loss_fn given to autoshard.parallelize), leaving the gradients in "
+            "pm.parameters() as loss.backward() would; then optimizer.step()")
+
+
+def _forward(pm, inputs: tuple):
     batch, dp = batching.batch_size(inputs), pm.mesh.dp
     if dp > 1 and not pm.options.local_batch and batch is not None and batch % dp == 0:
         local = batching.split(inputs, dp)[pm.coord("dp")]

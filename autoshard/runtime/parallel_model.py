@@ -308,6 +308,7 @@ class ParallelModel(nn.Module):
             self.pipeline.prepare(build, self.store, programs, self.device)
         self.sync.prepare(build)
         self._builds[key] = build
+        habits.built(self)
         return build
 
     # --------------------------------------------------------------------------------------- checks
@@ -429,6 +430,14 @@ class ParallelModel(nn.Module):
         from autoshard.runtime import state
 
         state.load_state_dict(self, state_dict, strict=strict)
+
+    def update_model(self) -> None:
+        """Write the trained weights into the model given to ``parallelize`` (gathered from every rank: every rank
+        calls it), so that ``model(x)``, ``model.generate`` and ``model.save_pretrained`` use them. Until then, once
+        this rank's tensors have changed, the model refuses to run or give its state."""
+        from autoshard.runtime import state
+
+        state.update_model(self)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over all ranks and shards (equal to the unsharded model's)."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from autoshard.passes.collectives import _pieces
 from autoshard.passes.placements import Shard
-from autoshard.runtime import committed, spread, state
+from autoshard.runtime import committed, habits, spread, state
 
 INDEX = "model.safetensors.index.json"
 
@@ -228,7 +228,9 @@ def _entries(pm) -> dict[str, tuple]:
     for name, param in pm.model.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(param), name)
     out, seen = {}, set()
-    for key, value in pm.model.state_dict(keep_vars=True).items():
+    with habits.own_use():
+        own = pm.model.state_dict(keep_vars=True)
+    for key, value in own.items():
         name = name_of.get(id(value))
         if name is None:
             out[key] = ("buffer", value)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from autoshard.passes.collectives import local_part
 from autoshard.passes.expert_parallel import expert_part
 from autoshard.passes.placements import Shard
-from autoshard.runtime import meta_buffers, spread
+from autoshard.runtime import habits, meta_buffers, spread
 
 
 def _entries(pm):
@@ -104,7 +104,8 @@ def state_dict(pm) -> dict[str, torch.Tensor]:
     name_of: dict[int, str] = {}
     for name, param in pm.model.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(param), name)
-    own = pm.model.state_dict(keep_vars=True)  # the model's tensors themselves: a parameter is known by identity
+    with habits.own_use():
+        own = pm.model.state_dict(keep_vars=True)  # the model's tensors themselves: a parameter is known by identity
     out: dict[str, torch.Tensor] = OrderedDict()
     for key, value in own.items():
         name = name_of.get(id(value), key)
@@ -136,7 +137,8 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
     As ``model.load_state_dict``: with ``strict`` a missing or an unexpected key is an error naming them all.
     """
     missing = [name for _, name, _, _ in _entries(pm) if name not in state]
-    unexpected = sorted(set(state) - set(pm.model.state_dict()))
+    with habits.own_use():
+        unexpected = sorted(set(state) - set(pm.model.state_dict()))
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"loading a state dict into {type(pm.model).__name__}: missing keys {_few(missing)}, unexpected keys "
@@ -159,6 +161,17 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
         buffers = {k: v for k, v in state.items() if k in dict(pm.model.named_buffers())}
         for key, value in buffers.items():
             _set_buffer(pm.model, key, value)
+
+
+def update_model(pm) -> None:
+    """Write the trained weights (``state_dict(pm)``, gathered: every rank calls) into the model given to
+    ``parallelize``; a model built on the meta device takes the gathered tensors themselves."""
+    if habits.trained_for(pm):  # under dp alone the model's own tensors are the trained ones
+        full = state_dict(pm)
+        on_meta = any(p.device.type == "meta" for p in pm.model.parameters())
+        with habits.own_use():
+            pm.model.load_state_dict(full, assign=on_meta)
+    habits.written(pm)
 
 
 def _few(names: list[str]) -> str:
