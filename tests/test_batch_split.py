@@ -393,7 +393,8 @@ def test_the_batch_rules_agree_with_execution_on_the_zoo(name):
 
 
 def _corpus_sample() -> list:
-    """Every fourth architecture of the corpus (about 50); three of them in the CI tier, the rest in the full one."""
+    """Every fourth architecture of the corpus (about 50); three of them left to the CI tier's covering (which runs
+    one: tests/tiers.py), the rest in the full tier."""
     from corpus.architectures import names
 
     sample = names()[::4]

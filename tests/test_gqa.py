@@ -11,8 +11,8 @@ from __future__ import annotations
 import golden_gqa
 import pytest
 
-# tp=4 first: the CI tier takes the cells that add a style, a degree or a kv count (tests/tiers.py). Heads tiled with
-# kv heads tp splits have a test of their own (below): attention is not split by heads there.
+# tp=4 first: the CI tier takes the cells that add a degree, and those a seeded bug or a note names (tests/tiers.py).
+# Heads tiled with kv heads tp splits have a test of their own (below): attention is not split by heads there.
 CELLS = [(style, tp, kv) for tp in (4, 8) for kv in (2, 4) for style in golden_gqa.STYLES
          if not (style == "tiled" and kv % tp == 0)]
 

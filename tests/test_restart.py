@@ -2,8 +2,8 @@
 
 ``restart_worker.py`` is a user's loop: ``pm.resume(root)`` before it, ``save_checkpoint(root, keep=2)`` every 2
 steps. Killed at random steps (a rank dies before the step while its peer waits on it inside the step), twice (a
-restarted run killed again) or 5 times (the full tier), it finishes with the loss curve of the run that was never
-killed, bit for bit.
+restarted run killed again) or 5 times (both in the full tier), it finishes with the loss curve of the run that was
+never killed, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,19 @@
 """Which tier each test runs in: ``quick`` (every change), the CI tier (``make test``) and ``full`` (everything).
 
-The CI tier is every test but those marked ``full``. A distributed matrix (a parametrized test on the worker
-pools) runs in CI as a covering set, not as its cross product: cells are taken, in collection order, while each
-adds a parameter value (a model, a mesh, a schedule, a microbatch count), or in a zoo matrix (a ``name``
-parameter) a configuration of the other parameters, that no cell taken before had: every model, every zoo
-configuration and every value runs at least once; the rest of the matrix is marked ``full``. Every test a seeded
-bug of ``mutations.py`` names stays in the CI tier whatever the covering says, so ``make mutate`` judges the
-tier CI runs. ``FULL_ONLY`` lists the few whole tests moved out by hand, each with what in the CI tier covers
-its code path.
+The CI tier is every test but those marked ``full``: one path per test and each axis value once; the cross products
+run in the full tier. Every parametrized test (a distributed matrix on the worker pools, a single-process matrix, the
+corpus sample alike) runs its first cell in CI, then, in collection order, each cell that runs a feature no CI cell
+before it ran, anywhere in the suite: a value of one of ``AXES`` (a mesh, an axis's degree or strategy, a pipeline
+schedule, a microbatch count; a parameter or an entry of an ``options`` parameter) or, on the worker pools, a zoo model
+(``models.ZOO_NAMES``). So every mesh, axis value, schedule and zoo model runs at least once in CI, in the first test
+that brings it. The CI tier does not run each test at each mesh, and of the architectures outside the zoo (the
+corpus sample's families, golden_gqa's styles, the mixtures of experts) it runs only those the rule or a pin keeps.
+The rest of each matrix is marked ``full``; a cell its own file marks ``full`` stays there; single tests stay in CI.
+The covering is of what was collected: ``-m "not full"`` on one file covers that file alone and runs more of it.
+Pinned to the CI tier whatever the covering says, and counted as covering what they run: every test a seeded bug of
+``mutations.py`` names (so ``make mutate`` judges the tier CI runs), the ``quick`` tier (it stays part of CI),
+``NOT_QUICK``, and ``KEEP``: the cells the notes of ``FULL_ONLY`` name as covers. ``FULL_ONLY`` lists the tests and
+cells moved out by hand, each with what in the CI tier covers its code path.
 
 ``quick`` is the single-process files (rules, planner, schedules, partition, options, CLI) plus ``QUICK_GOLDENS``:
 one golden per axis on 2 ranks, less ``NOT_QUICK``: the few tests of those files that take seconds of processes.
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import pytest
 from mutations import MUTANTS
+
+from models import ZOO_NAMES
 
 QUICK_FILES = {
     "test_rules_views.py", "test_rules_layers.py", "test_rules_embedding_loss.py", "test_schedules.py",
@@ -64,57 +72,62 @@ FULL_ONLY = {
         "every golden the check runs is an axis's golden in the CI tier (dp2, tp2, tp2 with sp, pp2 1F1B and ZBV, "
         "cp2 gathered, ring and all-to-all, the zoo at one rank) and test_compile.py's compiled programs",
     "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[50]":
-        "the axes' goldens and test_options.py's refusals (each case the fuzz draws is one of them, composed)",
+        "the axes' goldens and test_api.py's refusals (each case the fuzz draws is one of them, composed)",
     "tests/test_demo.py::test_the_hf_trainer_example_trains_saves_and_resumes_under_another_mesh":
-        "test_hf_trainer.py's Trainer cells and its run saved under tp resumed under pp (the same Trainer, "
-        "callback and checkpoint); the demo under torchrun stays in CI",
-    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[deepseek_v4-tp2]":
-        "deepseek_v4's spread pp2 cell in test_spread.py and the tp2 cells of the other mixtures of experts",
-    "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp4xep2]":
-        "the dp2xep2 cell (the same FSDP2 with experts left to ep) and test_resume.py's fsdp-ep2-to-ep4 at 4 ranks",
+        "test_hf_trainer.py's Trainer cell at llama-tp2 and its run saved under tp resumed under pp (the same "
+        "Trainer, callback and checkpoint); the demo under torchrun stays in CI",
+    **{f"tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[{mesh}]":
+       "test_resume.py's fsdp-ep2-to-ep4 cell (FSDP2 beside Mixtral's experts left to ep2, trained, saved and resumed "
+       "exactly) and test_experts_summed_over_the_ranks_that_hold_them_alike (the replicas at dp4 x ep2, without "
+       "FSDP2)"
+       for mesh in ("dp2xep2", "dp4xep2")},
     "tests/test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[dp2xtp2xpp2]":
         "the same test's pp2 (quick), tp2sp and cp2 cells: the writes are kept per stage and per axis",
     "tests/test_compile.py::test_compiled_programs_are_exact_and_compile_once[hf_llama-tp2-sequence_parallel=True]":
         "the gpt-tp2 compiled cell (the same functional collectives) and the eager sequence-parallel goldens",
     "tests/test_demo.py::test_the_example_with_fsdp_over_a_pipeline":
         "test_composition.py's FSDP2 goldens over a pipeline; the demo under torchrun stays in CI",
-    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-tp2]":
-        "the tp plan of qwen3_next in test_tensor_parallel_plan.py and its spread pp2 loop in test_spread.py",
-    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen3_next-cp2]":
-        "the cp2 cells of rwkv (a recurrence on the gathered sequence) and jetmoe, and qwen3_next's spread pp2 loop",
-    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[qwen2_moe-tp4]":
-        "the mixtral-tp4 cell (experts split four ways) and the qwen2_moe-tp2 cell (its shared expert)",
     "tests/test_spread.py::test_no_pp2_rank_stores_more_than_0_6_of_the_parameters[hrm_text-0.99]":
-        "the same test on deepseek_v4, qwen3_next, hy_v4 and mlm/albert",
+        "the same test's deepseek_v4 cell (the same spreading; the other architectures in the full tier)",
     "tests/test_training_loop.py::test_t5_with_its_embeddings_and_head_tied_is_exact[dp2xtp2xpp2]":
         "the same test at tp2xpp2 (the cross-attention's input gradient summed over tp before it is sent back), "
         "and the dp2 x tp2 x pp2 goldens of test_composition.py",
     **{f"tests/test_resume.py::test_resuming_under_the_same_mesh_is_bit_identical[{mesh}-{name}]":
-       f"the {mesh}-adamw cell (the same save and load; every optimizer's state tensors are moved alike), and "
-       f"test_other_optimizers_resume_under_another_mesh[{name}]"
+       "the tp2xpp2-adamw cell (the same save and load; every optimizer's state tensors are moved alike), "
+       "test_other_optimizers_resume_under_another_mesh[sgd]"
+       + (", and test_composition.py's FSDP2 checkpoints moved between meshes" if mesh.startswith("fsdp") else "")
        for mesh in ("tp2xpp2", "fsdp-dp2xtp2") for name in ("rmsprop", "adagrad")},
     "tests/test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[titan-tp8-kv2]":
-        "titan's tp=4 cells at one and two ranks per kv head, and the 8-rank all-to-all cp cell of sdpa_gqa",
+        "titan's tp=4 cell at two ranks per kv head, mistral's tp=8 cell (four ranks per kv head), and the 8-rank "
+        "all-to-all cp cell of sdpa_gqa",
     "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[fused]":
         "the same test's sdpa_gqa cell (8 ranks), and fused's tp=4 cell",
     "tests/test_composition.py::test_golden_dp2_tp2_pp2_on_eight_processes[llama]":
-        "the gpt cell (the same 8-rank mesh), and the HF Llama's dp2 x tp2 x pp2 cells of test_hf_trainer.py",
+        "the gpt cell (the same 8-rank mesh), and the Llama-style goldens at tp2 (test_tensor_parallel.py's "
+        "llama-2) and HF Llama's at pp2 (test_pipeline.py's hf_llama-pp2-m4-dualpipev)",
     "tests/test_composition.py::test_checkpoint_saved_under_one_mesh_loads_under_another[hf_llama]":
         "the same test's gpt cell, and test_resume.py's HF Llama run resumed under another mesh",
     "tests/test_gqa.py::test_grouped_query_attention_with_sequence_parallelism[fused]":
         "the same test's sdpa_gqa cell, and fused's tp=4 cell",
     "tests/test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[titan]":
-        "the same test's sdpa_gqa cell (8 ranks, the kv heads repeated for the all-to-all), and titan's tp=4 cells",
-    "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused[hy_v4-tp4]":
-        "the hy_v4-pp2 cell, and the tp=4 cells of the other mixtures of experts",
+        "the same test's sdpa_gqa cell (8 ranks, the kv heads repeated for the all-to-all), and titan's tp=4 cell",
     "tests/test_elastic.py::test_a_run_that_loses_a_node_goes_on_at_the_smaller_world_size":
-        "test_restart.py's kills under torchrun --max-restarts, and test_resume.py's moves between meshes",
-    "tests/test_restart.py::test_a_run_killed_again_and_again_resumes_by_itself_with_the_same_losses[5]":
-        "the same test killing the run twice (a restarted run killed again resumes from its own checkpoint)",
+        "test_resume.py's runs resumed at another world size (hf_llama-pp2-to-tp4, a single-process run moved to "
+        "eight ranks and back); the demo under torchrun stays in CI",
+    **{f"tests/test_restart.py::test_a_run_killed_again_and_again_resumes_by_itself_with_the_same_losses[{times}]":
+       "test_checkpoint_trust.py's saves killed at any point (the previous checkpoint stays loadable), "
+       "test_resume.py's runs resumed bit for bit (tp2xpp2-adamw) and the demo under torchrun; torchrun's restarts "
+       "run in the full tier"
+       for times in (2, 5)},
+    "tests/test_hash_seeds.py::test_pipeline_ranks_whose_hash_seeds_order_the_capture_differently_train_exactly":
+        "test_pipeline.py's handoff check (ranks that compiled different programs are refused before a step) and the "
+        "demo under torchrun (ranks under their own hash seeds, on a model whose capture does not depend on them); a "
+        "capture the seed reorders (Gemma 4's) runs across ranks in the full tier only",
     "tests/test_expert_parallel.py::test_compiled_programs_over_experts_split_by_ep":
         "the compiled goldens of test_compile.py (the same compiler) and the eager ep goldens (the same programs)",
     **{f"tests/test_expert_parallel.py::test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process[{name}-{mesh}]":
-       "the same architectures' SGD goldens at the same meshes, and Mixtral's AdamW loop at each of them"
+       "the jetmoe-ep2xtp2 cell (the same AdamW loop over experts split by ep), and the SGD goldens of one "
+       "architecture per mesh (Mixtral at ep2, gpt-oss at ep2 x tp2, DeepSeek-V3 at dp2 x ep2 x pp2)"
        for name in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "gpt_oss", "jetmoe")
        for mesh in ("ep2", "ep2xtp2", "dp2xep2xpp2") if (name, mesh) != ("jetmoe", "ep2xtp2")},  # explain() at tp2
     # expert parallelism: one golden per mesh on the architecture that brings the most, the seeded bugs' tests, and
@@ -126,8 +139,8 @@ FULL_ONLY = {
        for mesh in ("ep2", "ep2xtp2", "dp2xep2xpp2")
        if (name, mesh) not in {("mixtral", "ep2"), ("gpt_oss", "ep2xtp2"), ("deepseek_v3", "dp2xep2xpp2")}},
     **{f"tests/test_expert_parallel.py::test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process"
-       f"[mixtral-{mesh}]": "Mixtral's ordinary loop at ep2 (the same AdamW loop) and the SGD golden at this mesh"
-       for mesh in ("ep2", "ep2xtp2", "dp2xep2xpp2")},
+       f"[mixtral-{mesh}]": f"Mixtral's ordinary loop at ep2 (the same AdamW loop) and the SGD golden at this mesh "
+       f"({arch}'s)" for mesh, arch in (("ep2", "Mixtral"), ("ep2xtp2", "gpt-oss"), ("dp2xep2xpp2", "DeepSeek-V3"))},
     **{f"tests/test_expert_parallel.py::{test}": "the ep2 goldens (the same programs) and the axis's own goldens"
        for test in ("test_a_router_loss_is_exact_where_the_batch_stays_whole[tp2]",
                     "test_a_router_loss_is_exact_where_the_batch_stays_whole[cp2]",
@@ -135,12 +148,12 @@ FULL_ONLY = {
                     "test_ep_with_context_parallelism[dp2xcp2xep4]",
                     "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2xtp2]")},
     **{f"tests/test_expert_parallel.py::test_the_zoos_torchtitan_style_experts_split_over_ep_train_exactly[{mesh}]":
-       "the zoo MoE's ep2 golden (the same routes; more ranks and cp only change the groups, as Mixtral's ep4 and "
-       "cp2xep2 cells show)" for mesh in ("ep4", "cp2xep2")},
+       "the zoo MoE's ep2 golden (the same routes; more ranks and cp only change the groups, as Mixtral's cp2xep2 "
+       "cell and test_resume.py's fsdp-ep2-to-ep4 at ep4 show)" for mesh in ("ep4", "cp2xep2")},
     "tests/test_expert_parallel.py::test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them[ep2xtp2]":
         "the zoo MoE's SGD golden at ep2 x tp2 and its AdamW loop at ep2",
     **{f"tests/test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_is_exact_under_ep[{name}]":
-       "the Mixtral and gpt-oss cells (the same load_balancing_loss_func, copied into each family)"
+       "the Mixtral cell (the same load_balancing_loss_func, copied into each family)"
        for name in ("qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "jetmoe")},
     **{f"tests/test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_in_an_ordinary_training_loop[{c}]":
        "the mixtral-ep2 loop (the same sums; tp and more dp ranks change no statistic)"
@@ -152,23 +165,23 @@ FULL_ONLY = {
        for c in ("dp2xcp2", "cp4", "dp2xtp2-m2")},
     "tests/test_expert_parallel.py::test_a_capacity_drops_the_rows_beyond_it_as_the_model_would[ep2xtp2]":
         "the ep2 capacity cell (the same route) and the zoo mixture's ep2 x tp2 golden",
-    "tests/test_expert_parallel.py::test_fsdp_with_experts_split_by_ep[dp2xep2]":
-        "the dp4xep2 cell (the same sharding, with the experts' replicas summed as well)",
     "tests/test_resume.py::test_experts_under_fsdp_resume_under_another_split[ep2-to-fsdp-dp4xep2]":
         "the fsdp-ep2-to-ep4 cell (the same checkpoint format, read the other way)",
     "tests/test_expert_parallel.py::test_a_router_loss_computed_on_each_part_with_local_batch_statistics[dp2-m2]":
         "the ep2 cell (the same option; dp's and microbatches' loss averaging is the plain dp golden's)",
     **{f"tests/test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/gpt_oss-{pair}]":
-       "the same moves of Mixtral's experts" for pair in ("ep2-to-ep4", "ep2-to-tp2", "tp2-to-ep2xtp2",
-                                                          "cp2xep2-to-ep2", "dp2xcp2xep4-to-tp2")},
+       "Mixtral's ep2-to-tp2 cell (the same checkpoint: each ep rank's experts its rows of one tensor)"
+       for pair in ("ep2-to-ep4", "ep2-to-tp2", "tp2-to-ep2xtp2", "cp2xep2-to-ep2", "dp2xcp2xep4-to-tp2")},
     "tests/test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/mixtral-dp2xcp2xep4-to-tp2]":
-        "the cp2xep2-to-ep2 cell (experts carved from cp, written by their ep coordinate)",
+        "the ep2-to-tp2 cell (the same checkpoint, read under another split) and test_expert_parallel.py's "
+        "cp2xep2 golden (experts carved from cp)",
     "tests/test_pretrained.py::test_save_pretrained_loads_exactly_with_from_pretrained[gpt_oss-dp2xep2xpp2]":
-        "Mixtral's experts gathered from ep2 x tp2 (the same assembly, over tp as well)",
+        "test_save_pretrained_under_ep_loads_under_another_split_reading_each_ranks_experts (Mixtral's experts "
+        "gathered from dp2 x ep2 x tp2: the same assembly, over tp as well)",
     "tests/test_fuzz.py::test_random_uses_of_the_api_are_refused_alike_or_exact[500]":
-        "the same fuzz's first 50 cases",
+        "the axes' goldens and test_api.py's refusals (the first 50 cases run in the full tier too)",
     **{f"tests/test_compile.py::test_compiled_programs_are_exact_and_compile_once[{cell}]":
-       "the compiled tp2, tp2+SP, pp2 zbv and cp2 ring cells (dp's and 1F1B's programs are the same code path; the "
+       "the compiled gpt tp2, pp2 zbv and cp2 ring cells (dp's and 1F1B's programs are the same code path; the "
        "gathered and all-to-all attention are single graphs as tp's are)"
        for cell in ("gpt-dp2", "gpt-pp2-microbatches=2", "gpt-cp2", "gpt-cp2-cp_attention=alltoall", "hf_llama-tp2",
                     "hf_llama-pp2-microbatches=2", "hf_llama-pp2-schedule=zbv-microbatches=2",
@@ -176,17 +189,16 @@ FULL_ONLY = {
                     "gpt-dp2xtp2xpp2-schedule=zbv-microbatches=2")},
     "tests/test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes[dp2xtp2xpp2-m2]":
         "the same test's pp2-m2 and dp2-m2 cells (the same shares; tp splits the model before the cut alone), and "
-        "the contrastive and DPO goldens in two passes at dp2 x tp2 x pp2 in test_batch_split.py",
+        "the contrastive golden in two passes at dp2 x tp2 x pp2 in test_batch_split.py",
     "tests/test_hf_trainer.py::test_the_trainer_under_a_mesh_trains_as_the_plain_trainer[llama-dp2xtp2xpp2]":
-        "the Trainer's llama-dp2, bert-tp2 and llama-cp2 cells (the same Trainer over each axis), "
-        "test_composition.py's dp2 x tp2 x pp2 goldens, and the HF Llama's DPO golden at dp2 x tp2 x pp2 in "
-        "test_batch_split.py",
+        "the Trainer's llama-tp2 cell (the same Trainer and callback), test_composition.py's dp2 x tp2 x pp2 golden "
+        "on eight processes, and the contrastive golden in two passes at dp2 x tp2 x pp2 in test_batch_split.py",
     "tests/test_resume.py::test_a_fused_projection_with_kv_blocks_held_whole_moves_back_to_fewer_ranks":
-        "the fused and padded layouts' moves between tp degrees (phi3's fused qkv, gpt2's c_attn, the padded "
-        "vocabulary) in test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees",
+        "the fused layouts' moves between tp degrees (phi3's fused qkv, gpt2's c_attn) in "
+        "test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees",
     "tests/test_functions.py::test_a_model_trained_through_functions_is_exact[lm-dp2xtp2xpp2-microbatches=2]":
-        "the same model's dp2, tp2, pp2 1F1B and ZBV cells (kept Functions replicated under tp, per stage under pp, "
-        "proven per-sample under dp and microbatches)",
+        "the same model's dp2, tp2 and pp2 cells (kept Functions replicated under tp, per stage under pp, proven "
+        "per-sample under dp and microbatches)",
     "tests/test_partition.py::test_the_default_balance_keeps_each_stage_within_its_parameter_share_where_a_cut_allows"
     "[kimi_linear]": "the same test's roc_bert cell",
     **{f"tests/test_resume.py::test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees[{n}]":
@@ -200,11 +212,70 @@ FULL_ONLY = {
          "test_mesh_auto_with_a_profile_takes_the_fastest_prediction (the same search over the other axes)"),
         ("test_mesh_auto_with_this_machines_profile_takes_the_measured_best",
          "test_mesh_auto_with_a_profile_takes_the_fastest_prediction"))},
-    **{f"{'tests/test_corpus.py::test_corpus_cell_is_exact_or_refused'}[{cell}]":
-       "its tp plan in test_tensor_parallel_plan.py, and the tp=4 golden cells of mixtral, qwen2_moe and whisper"
-       for cell in ("mamba2-tp4", "gpt_oss-tp4", "llama4_text-tp4", "xlnet-tp4")},
 }
-_CORPUS = "tests/test_corpus.py::test_corpus_cell_is_exact_or_refused"
+# cells that stay in the CI tier whatever the covering says: each is named above as what covers a test moved out
+KEEP = {f"tests/{test}" for test in (
+    "test_data_parallel.py::test_golden_data_parallel[gpt-dp2-m2]",
+    "test_pipeline.py::test_golden_pipeline[gpt-pp2-m4-zbv]",
+    "test_pipeline.py::test_golden_pipeline[hf_llama-pp2-m4-dualpipev]",
+    "test_context_parallel.py::test_golden_context_parallel_ring[gpt-2-contiguous]",
+    "test_context_parallel.py::test_golden_context_parallel_all_to_all[gpt-2]",
+    "test_tensor_parallel.py::test_golden_tensor_parallel[llama-2]",
+    "test_hf_trainer.py::test_the_trainer_under_a_mesh_trains_as_the_plain_trainer[llama-tp2]",
+    "test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[tp2sp]",
+    "test_lost_writes.py::test_a_model_that_builds_its_mask_and_labels_by_writes_is_exact[cp2]",
+    "test_compile.py::test_compiled_programs_are_exact_and_compile_once[gpt-tp2]",
+    "test_compile.py::test_compiled_programs_are_exact_and_compile_once[gpt-pp2-schedule=zbv-microbatches=4]",
+    "test_compile.py::test_compiled_programs_are_exact_and_compile_once[gpt-cp2-cp_attention=ring]",
+    "test_composition.py::test_golden_fully_sharded_data_parallel[dp2xpp2]",
+    "test_composition.py::test_golden_fully_sharded_data_parallel[dp2xtp2xpp2]",
+    "test_composition.py::test_golden_dp2_tp2_pp2_on_eight_processes[gpt]",
+    "test_composition.py::test_checkpoint_saved_under_one_mesh_loads_under_another[gpt]",
+    "test_composition.py::test_fsdp_checkpoints_round_trip_across_meshes[gpt-fsdp-dp2xtp2-to-tp2xpp2]",
+    "test_spread.py::test_no_pp2_rank_stores_more_than_0_6_of_the_parameters[deepseek_v4-0.62]",
+    "test_training_loop.py::test_t5_with_its_embeddings_and_head_tied_is_exact[tp2xpp2]",
+    "test_resume.py::test_resuming_under_the_same_mesh_is_bit_identical[tp2xpp2-adamw]",
+    "test_resume.py::test_other_optimizers_resume_under_another_mesh[sgd]",
+    "test_resume.py::test_a_run_resumes_under_another_mesh_as_if_it_had_not_stopped[hf_llama-pp2-to-tp4]",
+    "test_resume.py::test_experts_under_fsdp_resume_under_another_split[fsdp-ep2-to-ep4]",
+    "test_resume.py::test_experts_split_over_ep_resume_under_another_split[corpus/mixtral-ep2-to-tp2]",
+    "test_resume.py::test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees[corpus/gpt2]",
+    "test_resume.py::test_state_of_fused_padded_tied_and_expert_weights_moves_between_tp_degrees[corpus/phi3]",
+    "test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[titan-tp4-kv2]",
+    "test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[mistral-tp8-kv2]",
+    "test_gqa.py::test_grouped_query_attention_is_exact_at_the_share_of_duplicated_kv_heads[fused-tp4-kv2]",
+    "test_gqa.py::test_grouped_query_attention_over_tp_and_all_to_all_cp[sdpa_gqa]",
+    "test_gqa.py::test_grouped_query_attention_with_sequence_parallelism[sdpa_gqa]",
+    "test_expert_parallel.py::test_experts_split_over_ep_train_exactly[mixtral-ep2]",
+    "test_expert_parallel.py::test_experts_split_over_ep_train_exactly[gpt_oss-ep2xtp2]",
+    "test_expert_parallel.py::test_experts_split_over_ep_train_exactly[deepseek_v3-dp2xep2xpp2]",
+    "test_expert_parallel.py::test_experts_split_over_ep_train_as_adamw_trains_them_in_one_process[jetmoe-ep2xtp2]",
+    "test_expert_parallel.py::test_an_ordinary_training_loop_over_experts_split_by_ep[ep2]",
+    "test_expert_parallel.py::test_the_zoos_torchtitan_style_experts_split_over_ep_train_exactly[ep2]",
+    "test_expert_parallel.py::test_the_zoos_torchtitan_style_experts_split_over_ep_train_exactly[ep2xtp2]",
+    "test_expert_parallel.py::test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them[ep2]",
+    "test_expert_parallel.py::test_ep_with_context_parallelism[cp2xep2]",
+    "test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_is_exact_under_ep[mixtral]",
+    "test_expert_parallel.py::test_a_router_loss_over_the_whole_batch_in_an_ordinary_training_loop[mixtral-ep2]",
+    "test_expert_parallel.py::test_a_capacity_drops_the_rows_beyond_it_as_the_model_would[ep2]",
+    "test_expert_parallel.py::test_a_router_loss_computed_on_each_part_with_local_batch_statistics[ep2]",
+    "test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_under_dp_and_cp[dp4]",
+    "test_data_parallel.py::test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count[dp4]",
+    "test_data_parallel.py::test_a_token_loss_scaled_by_a_number_is_divided_by_the_whole_batchs_count[dp2xpp2-m4]",
+    "test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes[pp2-m2]",
+    "test_data_parallel.py::test_a_token_mean_inside_a_larger_loss_is_exact_in_two_passes[dp2-m2]",
+    "test_batch_split.py::test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp"
+    "[dp2xtp2xpp2-clip-m2]",
+    "test_functions.py::test_a_model_trained_through_functions_is_exact[lm-dp2]",
+    "test_functions.py::test_a_model_trained_through_functions_is_exact[lm-tp2]",
+    "test_functions.py::test_a_model_trained_through_functions_is_exact[lm-pp2-microbatches=2]",
+    "test_partition.py::test_the_default_balance_keeps_each_stage_within_its_parameter_share_where_a_cut_allows"
+    "[roc_bert]",
+)}
+# the parameters, and the entries of an ``options`` parameter, whose values the CI tier runs each at least once: a
+# mesh, an axis's degree or strategy, a pipeline schedule and its microbatches
+AXES = {"mesh", "mesh_kwargs", "world", "dp", "tp", "pp", "cp", "load", "save", "schedule", "chunks", "microbatches",
+        "attention", "load_balance", "cp_attention", "cp_load_balance", "sequence_parallel", "data_parallel"}
 
 
 def mutant_tests() -> set[str]:
@@ -214,32 +285,49 @@ def mutant_tests() -> set[str]:
 def assign(items: list) -> None:
     """Mark each collected item ``quick`` or ``full`` (the CI tier is the rest)."""
     keep = mutant_tests()
-    seen: dict[object, set] = {}
-    for item in items:
+
+    def pinned(item) -> bool:  # stays in the CI tier and counts as covering what it runs
         nodeid = item.nodeid
-        if (item.path.name in QUICK_FILES or nodeid in QUICK_GOLDENS) and nodeid not in NOT_QUICK \
-                and nodeid not in FULL_ONLY:
+        return (nodeid in keep or nodeid.partition("[")[0] in keep or nodeid.partition("::")[0] in keep
+                or nodeid in QUICK_GOLDENS or nodeid in NOT_QUICK or nodeid in KEEP
+                or item.get_closest_marker("quick") is not None)
+
+    for item in items:
+        if (item.path.name in QUICK_FILES or item.nodeid in QUICK_GOLDENS) and item.nodeid not in NOT_QUICK \
+                and item.nodeid not in FULL_ONLY:
             item.add_marker(pytest.mark.quick)
-        if nodeid in keep or nodeid.partition("[")[0] in keep or nodeid in QUICK_GOLDENS:  # a test named whole
-            _covers(item, seen.setdefault(item.function, set()))  # counts as covering what it runs
+    seen: set = set()  # the features the CI tier's cells run
+    tests: set = set()  # the parametrized tests with a cell in the CI tier
+    for item in items:
+        if pinned(item) and hasattr(item, "callspec"):
+            seen |= _features(item)
+            tests.add(item.function)
+    for item in items:
+        if pinned(item):
             continue
-        if nodeid in FULL_ONLY:
+        if item.nodeid in FULL_ONLY:
             item.add_marker(pytest.mark.full)
             continue
-        callspec = getattr(item, "callspec", None)
-        if callspec is None or "pools" not in item.fixturenames or nodeid.startswith(_CORPUS):
-            continue  # single tests, single-process matrices and the corpus sample (one cell per family) stay
-        if not _covers(item, seen.setdefault(item.function, set())):
+        if not hasattr(item, "callspec") or item.get_closest_marker("full") is not None:
+            continue  # single tests stay; a cell its own file marks full stays there
+        features = _features(item)
+        if item.function in tests and features <= seen:
             item.add_marker(pytest.mark.full)
+            continue
+        seen |= features
+        tests.add(item.function)
 
 
-def _covers(item, seen: set) -> bool:
-    """Whether ``item`` adds a parameter value (or, in a zoo matrix, a combination of its parameters other than the
-    model) not yet in ``seen``; records what it adds."""
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    features = {(k, repr(v)) for k, v in params.items()}
-    if "name" in params:  # a zoo matrix: every configuration once, on a model that changes from cell to cell
-        features.add(("others", tuple(sorted((k, repr(v)) for k, v in params.items() if k != "name"))))
-    new = features - seen
-    seen |= features
-    return bool(new)
+def _features(item) -> set:
+    """What a cell runs that the CI tier has to run once: the value of each of its ``AXES`` (a parameter, or an entry
+    of a parameter named ``options``, ``save_options``...), and in a distributed matrix (a test on the worker pools)
+    the zoo model it trains."""
+    features = set()
+    for key, value in item.callspec.params.items():
+        if key in AXES:
+            features.add((key, repr(value)))
+        elif key.endswith("options") and isinstance(value, dict):
+            features |= {(k, repr(v)) for k, v in value.items() if k in AXES}
+    if "pools" in item.fixturenames and item.callspec.params.get("name") in ZOO_NAMES:
+        features.add(("zoo model", item.callspec.params["name"]))
+    return features
