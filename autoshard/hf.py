@@ -141,8 +141,8 @@ MAPPED = {
                               "(refused beside a loss_fn=, which is the whole loss)",
 }
 WARNED = {  # options of what MAPPED turns on that autoshard's own version does not take
-    "gradient_checkpointing_kwargs": "autoshard's activation checkpointing is non-reentrant, per stage, and takes "
-                                     "no options",
+    "gradient_checkpointing_kwargs": "autoshard's activation checkpointing is non-reentrant, by segments of each "
+                                     "stage found from its graph, and takes no options",
     "activation_checkpointing_kwargs": "autoshard's activation checkpointing takes no options",
     "torch_compile_backend": "autoshard compiles each rank's programs with torch.compile's default backend",
     "torch_compile_mode": "autoshard compiles each rank's programs with torch.compile's default mode",
@@ -212,8 +212,8 @@ class Trainer(transformers.Trainer):
         check_arguments(self.args)
         # every rank reads the whole batch: the labels counted on one rank are those of the batch
         self.args.average_tokens_across_devices = False
-        # the Trainer's switches that autoshard runs as its own options (its checkpointing recomputes each stage's
-        # activations in backward, the whole program's without pp)
+        # the Trainer's switches that autoshard runs as its own options (its checkpointing recomputes each segment of
+        # a stage's program alone in backward, as HuggingFace recomputes each layer)
         if self.args.gradient_checkpointing or self.args.activation_checkpointing or \
                 getattr(model, "is_gradient_checkpointing", False):
             self.parallel_options.setdefault("activation_checkpointing", True)

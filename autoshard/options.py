@@ -78,7 +78,8 @@ class CompileOptions:
         attention, and back; the heads each rank holds must divide by cp).
     cp_load_balance: give cp rank r sequence chunks r and 2c-1-r of 2c, so causal attention work is even.
     mixed_precision: ``"bf16"`` runs forward and backward under bfloat16 autocast (parameters stay fp32).
-    activation_checkpointing: recompute each stage's activations in backward instead of keeping them.
+    activation_checkpointing: recompute each stage's activations in backward instead of keeping them, segment by
+        segment (the program cut where the fewest bytes cross: between a stack's blocks).
     sequence_parallel: between the tensor-parallel regions, split the sequence over the tp ranks (Megatron's
         sequence parallelism): norms, residual adds and dropout run on 1/tp of the tokens, whose activations each
         rank then stores; the regions' all-reduces become a reduce-scatter and an all-gather (the same bytes).

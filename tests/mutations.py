@@ -224,9 +224,9 @@ MUTANTS = (
            "under bf16 an index_add of autocast's bf16 rows into a tensor the capture made float32 is refused",
            ("tests/test_mixed_precision.py::"
             "test_a_write_into_a_tensor_made_in_float32_takes_what_autocast_computes",)),
-    Mutant("checkpoint-recompute-updates-state-again", "autoshard/runtime/parallel_model.py",
-           "context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))",
-           "context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()))",
+    Mutant("checkpoint-recompute-updates-state-again", "autoshard/runtime/recompute.py",
+           "                tensor.copy_(value)",
+           "                pass",
            "activation checkpointing's recomputation updates BatchNorm's running statistics a second time",
            (f"{WRITES}test_batch_norm_trains_exactly_with_the_whole_batchs_statistics[pp2-checkpointed]",)),
     # ------------------------------------------------------------------------ found running the corpus at pp
@@ -844,6 +844,12 @@ MUTANTS = (
            "the user's model after training steps computes with its weights from before, differently on each rank",
            ("tests/test_training_loop.py::test_the_users_model_refuses_its_old_weights_until_update_model_writes_"
             "the_trained_ones[tp2]",)),
+    Mutant("segment-writes-not-restored", "autoshard/runtime/recompute.py",
+           "        self.written = written_state(segment)",
+           "        self.written = []",
+           "a checkpointed segment's recomputation updates BatchNorm's running statistics a second time",
+           ("tests/test_lost_writes.py::test_batch_norm_trains_exactly_with_the_whole_batchs_statistics"
+            "[dp2-checkpointed]",)),
     Mutant("trainer-model-not-updated", "autoshard/hf.py",
            "            self.pm.update_model()",
            "            pass",

@@ -134,12 +134,13 @@ def test_backward_from_the_parallel_models_outputs_says_that_step_trains(pools, 
         assert "that call is inference" in result and "pm.step(*inputs, target=target)" in result, result
 
 
-@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}), ({"dp": 2}, {})],
-                         ids=["tp2", "pp2", "dp2"])
-def test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_norm(pools, mesh, options):
+@pytest.mark.parametrize("mesh,world,options", [
+    ({"tp": 2}, 2, {}), ({"pp": 2}, 2, {"microbatches": 2}), ({"dp": 2}, 2, {}),
+    ({"dp": 2, "tp": 2, "pp": 2}, 8, {"microbatches": 2})], ids=["tp2", "pp2", "dp2", "dp2xtp2xpp2"])
+def test_torchs_clip_grad_norm_over_the_parallel_model_clips_by_the_global_norm(pools, mesh, world, options):
     """``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` had clipped each rank by its own shards' norm at tp2
     and pp2: now the norm it returns and the parameters after two clipped steps are the unsharded model's."""
-    for result in pools.get(2).run(golden_loop.torch_clip, "gpt", mesh, **options):
+    for result in pools.get(world).run(golden_loop.torch_clip, "gpt", mesh, **options):
         for got, expected in result["norms"]:
             assert abs(got - expected) <= 1e-4 * expected, result["norms"]
         assert result["worst"] < 1e-5, result

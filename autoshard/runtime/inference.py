@@ -26,7 +26,7 @@ def forward(pm, inputs: tuple):
         return _forward(pm, inputs)
     with torch.no_grad():
         output = _forward(pm, inputs)
-    anchor = torch.zeros((), requires_grad=True)
+    anchor = torch.zeros((), requires_grad=True, device=pm.device)
     return pytree.tree_map_only(torch.Tensor, lambda t: _Inference.apply(t, anchor) if t.is_floating_point() else t,
                                 output)
 

@@ -30,7 +30,7 @@ from autoshard.job_plan import plan_job, two_passes
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
-from autoshard.runtime import gather, habits, inference
+from autoshard.runtime import gather, habits, inference, recompute
 from autoshard.runtime.anomaly import Finding
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
@@ -237,11 +237,18 @@ class ParallelModel(nn.Module):
         elif self.anomaly is not None and fn is program:
             fn = self.anomaly.run(program)
         with self.precision():
-            if self.options.activation_checkpointing:
-                state = written_state(program)
-                return torch.utils.checkpoint.checkpoint(
-                    fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), _Restored(state)))
-            return fn(*args)
+            if not self.options.activation_checkpointing:
+                return fn(*args)
+            # by segments where the program runs as it is (each recomputed alone: the peak of one, as a model
+            # checkpointed per layer); whole where it runs compiled, inspected or through FSDP2's gathers
+            segments = None
+            if self.compiler is None and self.anomaly is None and not self.sync.sharded:
+                segments = recompute.segmented(program)
+            if segments is not None:
+                return segments(*args) if fn is program else fn(segments, *args[1:])
+            restored = recompute.Restored(written_state(program))
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), restored))
 
     def precision(self):
         """The autocast of ``mixed_precision`` (a null context without it)."""
@@ -511,20 +518,3 @@ class ParallelModel(nn.Module):
         from autoshard.runtime import state
 
         return state.materialize(self, device, buffers=buffers, init=init)
-
-
-class _Restored:
-    """Activation checkpointing's recomputation runs the forward again: the buffers the forward updated in place
-    (BatchNorm's running statistics, its step counter) are put back as the forward left them, not updated twice.
-    Reusable: a split backward (input, then weight gradients) may recompute more than once."""
-
-    def __init__(self, state: list[torch.Tensor]) -> None:
-        self.state, self.saved = state, []
-
-    def __enter__(self) -> None:
-        self.saved.append([t.detach().clone() for t in self.state])
-
-    def __exit__(self, *exc) -> None:
-        with torch.no_grad():
-            for tensor, value in zip(self.state, self.saved.pop(), strict=True):
-                tensor.copy_(value)
