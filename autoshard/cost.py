@@ -13,7 +13,7 @@ Terms:
 FLOP rules are a table keyed by the op's name (``aten.linear.default`` -> ``linear``):
 
 =======================================  ====================================================
-matmuls (linear, mm, bmm, matmul, ...)   ``2 * numel(out) * K`` (K the contracted size), plus
+matmuls (linear, mm, bmm, matmul, einsum, ...)   ``2 * numel(out) * K`` (K the contracted size), plus
                                          ``numel(out)`` for an added bias
 scaled_dot_product_attention             ``4 * B * H * Tq * Tk * D`` (QK^T and PV), halved for
                                          ``is_causal``; the softmax is not counted
@@ -223,7 +223,26 @@ def _convolution(node: fx.Node, shape_map: ShapeMap) -> Dim:
     return 2 * positions * _numel(weight[1:]) + (_output_numel(node, shape_map) if has_bias else 0)
 
 
+def _einsum(node: fx.Node, shape_map: ShapeMap) -> Dim:
+    """``2 * `` the product of every index's size (each output element is a dot product over the contracted
+    indices), per contraction of one more operand; an ellipsis counts as one index of its dims' product."""
+    equation, operands = node.args[0], node.args[1]
+    sizes: dict[str, Dim] = {}
+    for spec, operand in zip(equation.replace(" ", "").partition("->")[0].split(","), operands, strict=False):
+        shape = list(_shape(operand, shape_map))
+        letters = spec.replace("...", ".")
+        if "." in letters:  # the ellipsis: what the named indices leave of the shape, as one index
+            cut = letters.index(".")
+            after = len(letters) - cut - 1
+            covered = shape[cut:len(shape) - after]
+            shape = [*shape[:cut], _numel(covered), *shape[len(shape) - after:]]
+        for letter, size in zip(letters, shape, strict=False):
+            sizes[letter] = size
+    return 2 * _numel(sizes.values()) * max(1, len(operands) - 1)
+
+
 _RULES: dict[str, Callable[[fx.Node, ShapeMap], Dim]] = {
+    "einsum": _einsum,
     "linear": _linear,
     "mm": _matmul_rule(0, adds=False),
     "bmm": _matmul_rule(0, adds=False),

@@ -63,6 +63,21 @@ def test_attention_flops_count_both_matmuls_and_halve_when_causal():
     assert flops[True] == flops[False] // 2
 
 
+class _Einsum(nn.Module):
+    def forward(self, a, b):
+        return torch.einsum("bij,bjk->bik", a, b), torch.einsum("...ij,...jk", a, b), torch.bmm(a, b)
+
+
+def test_einsum_flops_are_its_matmuls():
+    """``aten.einsum`` had a sharding rule and was timed as a matmul, but had no FLOP rule: about one FLOP per output
+    element was counted. Its FLOPs are now the batched matmul's it stands for, with or without an ellipsis."""
+    gm = autoshard.capture(_Einsum(), (torch.randn(2, 3, 4), torch.randn(2, 4, 5))).gm
+    costs = cost.annotate(gm)
+    flops = [costs[n].flops for n in gm.graph.nodes if n.op == "call_function"
+             and cost.op_name(n.target) in ("einsum", "bmm")]
+    assert flops == [2 * 2 * 3 * 4 * 5] * 3, flops
+
+
 def test_gpt_forward_flops_match_the_textbook_formula():
     captured = _capture_zoo("gpt")
     total = cost.total_flops(cost.annotate(captured.gm))

@@ -387,3 +387,13 @@ def test_the_search_tries_ep_for_a_mixture_of_experts_only():
     assert all(est.split.ep == 1 for est in plan(LLAMA_7B, Cluster(gpus=8)).ranked)
     assert mesh_problems(MIXTRAL, Mesh(dp=8, ep=8)) == []
     assert mesh_problems(replace(MIXTRAL, experts=6), Mesh(dp=8, ep=4)) == ["ep=4 does not divide the 6 experts"]
+
+
+def test_dualpipev_is_linted_as_the_zero_bubble_schedule_it_is():
+    """The lint left DualPipeV out of the zero-bubble schedules: it reported three times its bubble and advised
+    switching to ZBV, which it already is in bubble. It is now linted as ZBV is (each backward split in two)."""
+    zbv = lint(Mesh(pp=4), microbatches=8, interleave=2, schedule="zbv")
+    dualpipev = lint(Mesh(pp=4), microbatches=8, interleave=2, schedule="dualpipev")
+    assert [str(f) for f in dualpipev] == [str(f) for f in zbv] and "5.9%" in str(dualpipev[0])
+    assert not any("schedule='zbv'" in f.fix for f in dualpipev)
+

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from autoshard.kinds import ScheduleName
 from autoshard.mesh import Mesh
 from autoshard.planner import units
 from autoshard.planner.config import Cluster, Split, TransformerConfig
@@ -63,7 +64,8 @@ class LintInput:
 
     @property
     def zero_bubble(self) -> bool:
-        return self.schedule in ("zb-h1", "zbv")
+        """Whether the schedule splits each backward into input and weight gradients (ZB-H1, ZBV, DualPipeV)."""
+        return self.schedule in {s.value for s in ScheduleName} and ScheduleName(self.schedule).splits_backward
 
     @property
     def gpus_per_node(self) -> int:
