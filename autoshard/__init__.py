@@ -9,10 +9,11 @@
 
 from autoshard.api import parallelize
 from autoshard.capture import CaptureError, capture
+from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.runtime.anomaly import NonFiniteError
 from autoshard.verify import VerifyReport, verify
 
-__all__ = ["CaptureError", "CompileOptions", "Mesh", "MeshGroups", "NonFiniteError", "VerifyReport", "capture",
-           "parallelize", "verify"]
+__all__ = ["AutoshardError", "CaptureError", "CompileOptions", "Mesh", "MeshGroups", "NonFiniteError", "VerifyReport",
+           "capture", "parallelize", "verify"]

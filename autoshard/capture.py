@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.functions import KeptFunctionError, kept_whole
 from autoshard.passes.causal_mask import causal_attention_pass
 from autoshard.passes.grouped_experts import grouped_experts_pass
@@ -34,7 +35,7 @@ from autoshard.passes.grouped_experts import grouped_experts_pass
 MODEL_PREFIX = "model."
 
 
-class CaptureError(RuntimeError):
+class CaptureError(AutoshardError, RuntimeError):
     """The model could not be captured as a graph; the message names the model's source line."""
 
 

@@ -28,6 +28,8 @@ from torch.nn import functional as F  # noqa: N812
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoshard.errors import AutoshardError
+
 LIB = torch.library.Library("autoshard", "FRAGMENT")
 LIB.define("kept(Tensor[] tensors, int key) -> Tensor[]")
 KEPT_OP = torch.ops.autoshard.kept.default
@@ -37,7 +39,7 @@ _ctc_loss = F.ctc_loss
 _keys = itertools.count()
 
 
-class KeptFunctionError(ValueError):
+class KeptFunctionError(AutoshardError, ValueError):
     """A Function that cannot be kept whole (it reads a tensor it is not passed): refused at capture."""
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import CHOICES, CompileOptions
 
@@ -48,7 +49,7 @@ attributes, or a bare model (inputs made from its first layer and --batch/--seq)
 """
 
 
-class InspectError(ValueError):
+class InspectError(AutoshardError, ValueError):
     """Bad input to ``autoshard inspect``: the message says what is wrong and how to fix it."""
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from autoshard.errors import AutoshardError
 from autoshard.kinds import V_CHUNKS, ActionKind, ScheduleName, StagePlacement
 
 KINDS = ActionKind.names()
@@ -72,7 +73,7 @@ def placement_of(name: str) -> str:
     return StagePlacement.V if name in V_CHUNKS else StagePlacement.LOOP
 
 
-class ScheduleError(ValueError):
+class ScheduleError(AutoshardError, ValueError):
     """A schedule that would compute the wrong thing or hang; names the rank, step and action at fault."""
 
     def __init__(self, message: str, *, rank: int | None = None, step: int | None = None,

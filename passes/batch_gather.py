@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _all_gather, _ParallelOp
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import Propagation
@@ -72,7 +73,7 @@ class DataAllGather(_ParallelOp):
         return moved, moved
 
 
-class CoupledTermError(ValueError):
+class CoupledTermError(AutoshardError, ValueError):
     """A coupled term whose inputs cannot be gathered whole; the message says which and what works."""
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.functions import KEPT_OP, kept_of
 from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.batch_gather import insert_dp_collective
@@ -59,7 +60,7 @@ _SUMMING = {aten.histc.default, aten.bincount.default, aten.scatter_add.default,
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
-class BatchStatisticsError(ValueError):
+class BatchStatisticsError(AutoshardError, ValueError):
     """A whole-batch statistic that this pass cannot make exact; the message says where and what works."""
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes.batch_statistics import _attr, whole_arguments
 from autoshard.passes.placements import Partial, Shard
 from autoshard.passes.propagate import Propagation
@@ -44,7 +45,7 @@ _RANDOM = {aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p
            aten.normal.Tensor_float, aten.uniform_.default, aten.normal_.default, aten.dropout.default}
 
 
-class TwoPassesError(ValueError):
+class TwoPassesError(AutoshardError, ValueError):
     """A coupled term the two passes cannot take; the message says why."""
 
 

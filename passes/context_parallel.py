@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.kinds import Attention
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis, Outputs
@@ -40,7 +41,7 @@ aten = torch.ops.aten
 PARTIAL_OUTPUT = meta.PARTIAL_OUTPUT  # re-exported (GraphModule.meta: the loss is this rank's partial sum)
 
 
-class ContextParallelError(ValueError):
+class ContextParallelError(AutoshardError, ValueError):
     """The sequence cannot be split as asked; the message names the input and what would work."""
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _ParallelOp
 from autoshard.passes.rules_nn import is_grouped_mm
 
@@ -50,7 +51,7 @@ _ALONG = {aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.def
           aten.narrow.default: 1}  # op -> position of its dim argument (default 0 where absent)
 
 
-class ExpertParallelError(ValueError):
+class ExpertParallelError(AutoshardError, ValueError):
     """The experts cannot be split over ep as asked; the message names the layer and the degrees that work."""
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from autoshard import cost, meta
+from autoshard.errors import AutoshardError
 from autoshard.passes.pipeline_split import activation_readers
 from autoshard.passes.propagate import reaching_output, requires_grad
 
@@ -60,7 +61,7 @@ class Partition:
         return max(self.param_bytes) / self.total_param_bytes if self.total_param_bytes else 0.0
 
 
-class PartitionError(ValueError):
+class PartitionError(AutoshardError, ValueError):
     """The graph cannot be cut as asked; the message says how many stages would work."""
 
 

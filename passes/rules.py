@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes.axis import Axis
 from autoshard.passes.loss import LOSS_SCALES
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
@@ -70,7 +71,7 @@ class Context:
         return tuple(s if isinstance(s, int) else _DataDependentSize(where) for s in val.shape)
 
 
-class DataDependentShape(ValueError):
+class DataDependentShape(AutoshardError, ValueError):
     """A value's size is known only when the graph runs: no rule can reason about that dim."""
 
 

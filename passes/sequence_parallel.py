@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import (
@@ -49,7 +50,7 @@ from autoshard.passes.sharding import IDLE_F, shard_axis
 aten = torch.ops.aten
 
 
-class SequenceParallelError(ValueError):
+class SequenceParallelError(AutoshardError, ValueError):
     """Sequence parallelism cannot split this model's sequence over tp; the message says why and what works."""
 
 

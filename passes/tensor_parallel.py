@@ -37,6 +37,7 @@ import torch
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
 from autoshard.passes.collectives import (
@@ -73,7 +74,7 @@ def _propagate(gm: fx.GraphModule, seeds: dict[str, Placement], size: int, *,
     return propagate(gm, seeds, tensor_axis(size), base=base)
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(AutoshardError, ValueError):
     """A layer cannot be split over the requested degree; the message names it and the degrees that work.
 
     ``option`` is the option and value that would keep such layers replicated instead (a front end spells it

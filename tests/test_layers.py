@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # module (as installed) -> layer; a package's modules take the package's layer unless named
 LAYERS = {
-    "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice"),
+    "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice", "errors"),
     "passes": ("passes", "plan", "functions"),  # plan: the tp plan, made by passes.tensor_parallel; functions: the
     # kept calls, whose rule (passes.rules_nn) proves them per-sample on their trace
     "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot"),
@@ -71,3 +71,22 @@ def test_every_import_goes_to_the_same_layer_or_one_below():
 def test_the_layers_name_every_module():
     for name in _modules():
         _layer(name)
+
+
+def test_every_exception_class_of_autoshard_has_one_root():
+    """``except autoshard.AutoshardError`` catches every refusal and failure autoshard raises by a class of its own;
+    each keeps its builtin base too."""
+    import importlib
+    import inspect
+
+    from autoshard import AutoshardError
+
+    loose = []
+    for name in sorted(_modules()):
+        module = importlib.import_module(name.removesuffix(".__init__"))
+        for value in vars(module).values():
+            if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == module.__name__ \
+                    and not issubclass(value, AutoshardError):
+                loose.append(f"{module.__name__}.{value.__name__}")
+    assert not loose, loose
+

@@ -20,13 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.planner import units
 
 RECOMPUTE = ("none", "full")
 
 
-class PlanError(ValueError):
+class PlanError(AutoshardError, ValueError):
     """The request cannot be planned: says what is short, by how much, and what would work."""
 
 

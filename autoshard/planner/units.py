@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from autoshard.errors import AutoshardError
+
 KINDS = ("bytes", "bandwidth", "flops", "time")
 
 _DECIMAL = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
@@ -29,7 +31,7 @@ _EXAMPLES = {
 }
 
 
-class UnitError(ValueError):
+class UnitError(AutoshardError, ValueError):
     """A quantity that cannot be read, or is negative."""
 
 

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import meta
+from autoshard.errors import AutoshardError
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(AutoshardError, FloatingPointError):
     """A NaN or infinity appeared in a step: raised on every rank, naming where it appeared first."""
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.codegen import RankProgram
+from autoshard.errors import AutoshardError
 from autoshard.kinds import ActionKind
 from autoshard.passes.pipeline_split import TensorSpec
 from autoshard.runtime.failures import is_peer_failure
@@ -35,7 +36,7 @@ from autoshard.runtime.split_backward import WeightGradients, input_gradients
 from autoshard.schedules import Action, rank_of
 
 
-class PipelineStall(RuntimeError):
+class PipelineStall(AutoshardError, RuntimeError):
     """A pipeline action failed or timed out; the message names the rank, step and action."""
 
 

@@ -11,13 +11,14 @@ import contextlib
 
 import torch.distributed as dist
 
+from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh, MeshGroups
 
 # What gloo's and NCCL's RuntimeErrors say when a peer stalled or went away (they raise no type of their own).
 _PEER_FAILURE = ("timed out", "timeout", "gloo", "nccl", "connection", "peer")
 
 
-class StepError(RuntimeError):
+class StepError(AutoshardError, RuntimeError):
     """A training step failed or stalled on one rank; the message names the rank, step and microbatch."""
 
 
