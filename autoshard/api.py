@@ -8,6 +8,7 @@ data-parallel rank takes its *local batch* (a slice along dim 0), which is cut i
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import os
 import warnings
@@ -49,6 +50,8 @@ def parallelize(
             f"example_inputs must be a tuple of the model's positional inputs, got {type(example_inputs).__name__}; "
             "for one input write example_inputs=(tokens,)"
         )
+    if loss_fn is not None:
+        _check_loss_signature(loss_fn)
     options = _one_set_of_options(options, option_fields)
     if options.autotune and not (mesh == "auto" and (options.planner_profile is not None or options.calibrate)):
         missing = " without planner_profile or calibrate" if mesh == "auto" else ""
@@ -188,6 +191,23 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
     if announce and _rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
     return mesh
+
+
+def _check_loss_signature(loss_fn: Callable) -> None:
+    """``loss_fn`` is called as ``loss_fn(output, target)``: one that cannot take that is refused here, before a
+    capture would report its TypeError as a graph it could not trace."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin that does not say
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError as e:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise TypeError(f"loss_fn is called as loss_fn(output, target), with the model's output and the target; "
+                        f"{name}{signature} cannot take that ({e}): give a function of those two, e.g. "
+                        "loss_fn=lambda output, target: F.cross_entropy(output.flatten(0, 1), target.flatten())"
+                        ) from None
 
 
 def measured_mesh(model: nn.Module, example_inputs: tuple, options: CompileOptions, *, loss_fn, target,

@@ -907,6 +907,25 @@ def one_rank_skips_a_step(seconds: float) -> str:
     return "no error"
 
 
+def only_rank_zero_gathers(seconds: float) -> str:
+    """The idiom ``if rank == 0: torch.save(pm.state_dict(), path)``: rank 0 waits in a collective its peers never
+    join; it stops within the timeout, saying every rank calls it."""
+    import datetime
+
+    case = build("gpt")
+    mesh = autoshard.Mesh(tp=2)
+    groups = mesh.create_groups(timeout=datetime.timedelta(seconds=seconds))
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups)
+    if dist.get_rank() == 1:
+        return "skipped"
+    try:
+        pm.state_dict()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def pipelined_gradient_buckets(name: str, mesh_kwargs: dict, bucket_bytes: int, **options) -> dict:
     """Pipelined dp with small gradient buckets: exact, and the buckets launch while the backward runs."""
     import copy

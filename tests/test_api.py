@@ -185,3 +185,20 @@ def test_token_ids_given_as_floats_after_integers_are_refused_naming_the_input()
         pm.step(case.inputs[0].float(), target=case.target)
     with pytest.raises(TypeError, match=r"the target holds floats"):
         pm.step(*case.inputs, target=case.target.to(torch.float32))
+
+
+def test_a_loss_fn_that_cannot_take_output_and_target_is_refused_naming_the_call():
+    """It had been reported as a graph torch.export could not capture."""
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"loss_fn is called as loss_fn\(output, target\).*<lambda>\(out\)"):
+        autoshard.parallelize(model, autoshard.Mesh(), example_inputs=(x,), loss_fn=lambda out: out.sum(), target=x)
+
+
+def test_a_step_without_its_target_by_name_says_how_to_pass_it():
+    """``pm.step(x, y)`` passed ``y`` as a second input, and Python's TypeError named no fix."""
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    pm = autoshard.parallelize(model, autoshard.Mesh(), example_inputs=(x,), loss_fn=lambda o, t: (o - t).pow(2).mean(),
+                               target=x)
+    with pytest.raises(TypeError, match=r"takes the target by name.*pm.step\(x, target=y\)"):
+        pm.step(x, x)
+

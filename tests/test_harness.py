@@ -128,6 +128,14 @@ def test_a_peer_that_never_joins_stops_the_step_with_an_error_naming_the_group(p
     assert "step 1" in message and "dp x cp [0, 1]" in message and "stalled or died" in message
 
 
+def test_a_collective_called_on_rank_zero_alone_says_every_rank_calls_it(pools):
+    """``if rank == 0: torch.save(pm.state_dict(), ...)``, as HuggingFace scripts save, had left rank 0 in gloo's
+    timeout with gloo's words: it now says which call every rank must make."""
+    message = pools.get(2).run(golden.only_rank_zero_gathers, 3.0, timeout=60)[0]
+    assert message.startswith("StepError: rank 0 waited in pm.state_dict()"), message
+    assert "not under `if rank == 0:`" in message and "tp [0, 1]" in message, message
+
+
 def test_an_empty_comparison_is_not_a_pass():
     report = VerifyReport()
     assert not report.ok and "NOTHING COMPARED" in str(report)

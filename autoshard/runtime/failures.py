@@ -18,6 +18,9 @@ from autoshard.mesh import Mesh, MeshGroups
 _PEER_FAILURE = ("timed out", "timeout", "gloo", "nccl", "connection", "peer")
 
 
+_CALLED = 0  # how deep this thread is in methods of the parallel model that exchange with every rank
+
+
 class StepError(AutoshardError, RuntimeError):
     """A training step failed or stalled on one rank; the message names the rank, step and microbatch."""
 
@@ -41,6 +44,26 @@ def stall_guard(mesh: Mesh, groups: MeshGroups | None, step: int, phase: str, mi
             f"rank {rank} ({coords}) failed in step {step}, {where}{phase}, waiting on its peers "
             f"({peers(mesh, groups)}): one of them stalled or died. {str(e).splitlines()[0]}"
         ) from e
+
+
+@contextlib.contextmanager
+def collective_guard(mesh: Mesh, groups: MeshGroups | None, what: str):
+    """``what`` (a method of the parallel model) exchanges with every rank: a peer failure while in it is most often
+    a rank that never called it, as HuggingFace's ``if rank == 0: model.save_pretrained(...)`` idiom writes it."""
+    global _CALLED
+    _CALLED += 1  # the method the user called names the failure, not the ones it calls
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_peer_failure(e) or isinstance(e, StepError) or _CALLED > 1:
+            raise
+        rank = groups.rank if groups is not None else 0
+        raise StepError(
+            f"rank {rank} waited in pm.{what}, which every rank must call (it exchanges with {peers(mesh, groups)}), "
+            f"and its peers did not join: call it on every rank, not under `if rank == 0:` (what it writes, rank 0 "
+            f"writes alone), or one of them stalled or died. {str(e).splitlines()[0]}") from e
+    finally:
+        _CALLED -= 1
 
 
 def peers(mesh: Mesh, groups: MeshGroups | None) -> str:

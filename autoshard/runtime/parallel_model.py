@@ -34,7 +34,7 @@ from autoshard.runtime import gather, habits, inference, recompute
 from autoshard.runtime.anomaly import Finding
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
-from autoshard.runtime.failures import StepError, stall_guard
+from autoshard.runtime.failures import StepError, collective_guard, stall_guard
 from autoshard.runtime.pipeline import Pipeline
 from autoshard.runtime.two_passes import TwoPassStep
 
@@ -149,7 +149,7 @@ class ParallelModel(nn.Module):
 
     # ------------------------------------------------------------------------------------- training
 
-    def step(self, *inputs, target: torch.Tensor, divisor=None, loss_scale: float = 1.0) -> torch.Tensor:
+    def step(self, *inputs, target: torch.Tensor | None = None, divisor=None, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over this rank's microbatches; returns the global batch's loss.
 
         Gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()`` between steps) and,
@@ -162,6 +162,9 @@ class ParallelModel(nn.Module):
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss: pass loss_fn=... to autoshard.parallelize")
+        if target is None:
+            raise TypeError(f"pm.step(*inputs, target=...) takes the target by name, for loss_fn(output, target); this "
+                            f"call gave {len(inputs)} positional input(s) and no target: write pm.step(x, target=y)")
         self._check_kinds((*inputs, target))
         self._check_batch(inputs)
         microbatches = self.microbatch_views(inputs, target)
@@ -265,7 +268,8 @@ class ParallelModel(nn.Module):
 
     def forward(self, *inputs):
         """Inference: the model's outputs for ``inputs``, on every rank (see ``runtime.inference``)."""
-        return inference.forward(self, inputs)
+        with self._collective("__call__ (inference)"):
+            return inference.forward(self, inputs)
 
     # ------------------------------------------------------------------------------------ compiling
 
@@ -370,6 +374,9 @@ class ParallelModel(nn.Module):
     def _guard(self, phase: str, microbatch: int | None = None):
         return stall_guard(self.mesh, self.groups, self._steps, phase, microbatch)
 
+    def _collective(self, what: str):
+        return collective_guard(self.mesh, self.groups, what)
+
     # ------------------------------------------------------------------------ the model's own face
 
     def parameters(self, recurse: bool = True):
@@ -401,11 +408,13 @@ class ParallelModel(nn.Module):
 
     def gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient at full shape, keyed by all of the original model's names."""
-        return gather.full_tensors(self, lambda p: p.grad)
+        with self._collective("gradients()"):
+            return gather.full_tensors(self, lambda p: p.grad)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter at full shape (gathered over tp), keyed by all of the original model's names."""
-        return gather.full_tensors(self, lambda p: p.detach())
+        with self._collective("full_parameters()"):
+            return gather.full_tensors(self, lambda p: p.detach())
 
     def timeline(self) -> str:
         """Under pipeline parallelism: the last step's actions on this rank as they ran, with the measured idle
@@ -430,13 +439,15 @@ class ParallelModel(nn.Module):
         """The original model's ``state_dict()``: the same keys, every parameter at full shape."""
         from autoshard.runtime import state
 
-        return state.state_dict(self)
+        with self._collective("state_dict()"):
+            return state.state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ARG002
         """Load the original model's full state dict (``strict`` as the model's own); every rank keeps its shards."""
         from autoshard.runtime import state
 
-        state.load_state_dict(self, state_dict, strict=strict)
+        with self._collective("load_state_dict()"):
+            state.load_state_dict(self, state_dict, strict=strict)
 
     def update_model(self) -> None:
         """Write the trained weights into the model given to ``parallelize`` (gathered from every rank: every rank
@@ -444,13 +455,15 @@ class ParallelModel(nn.Module):
         this rank's tensors have changed, the model refuses to run or give its state."""
         from autoshard.runtime import state
 
-        state.update_model(self)
+        with self._collective("update_model()"):
+            state.update_model(self)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over all ranks and shards (equal to the unsharded model's)."""
         from autoshard.runtime import state
 
-        return state.clip_grad_norm_(self, max_norm)
+        with self._collective("clip_grad_norm_()"):
+            return state.clip_grad_norm_(self, max_norm)
 
     def save_pretrained(self, directory: str, *, max_shard_size: int | str = "5GB") -> None:
         """Write the model as HuggingFace's ``save_pretrained`` does (config and safetensors files, an index when
@@ -458,7 +471,8 @@ class ParallelModel(nn.Module):
         A collective: every rank calls it; rank 0 writes."""
         from autoshard.runtime import pretrained
 
-        pretrained.save_pretrained(self, directory, max_shard_size)
+        with self._collective("save_pretrained()"):
+            pretrained.save_pretrained(self, directory, max_shard_size)
 
     def load_pretrained(self, directory: str) -> int:
         """Fill this rank's parameters from HuggingFace's format in ``directory`` (``save_pretrained``'s, or
@@ -466,7 +480,8 @@ class ParallelModel(nn.Module):
         ``materialize()``, a model built on ``meta`` starts from a checkpoint no rank holds whole."""
         from autoshard.runtime import pretrained
 
-        return pretrained.load_pretrained(self, directory)
+        with self._collective("load_pretrained()"):
+            return pretrained.load_pretrained(self, directory)
 
     def save_checkpoint(self, path: str, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False,
                         keep: int | None = None):
@@ -477,7 +492,8 @@ class ParallelModel(nn.Module):
         returns a future (``.result()`` waits)."""
         from autoshard.runtime import checkpoint
 
-        return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous, keep)
+        with self._collective("save_checkpoint()"):
+            return checkpoint.save_checkpoint(self, path, optimizer, extra, asynchronous, keep)
 
     def resume(self, path: str, *, optimizer=None) -> dict | None:
         """Resume from the newest complete checkpoint at ``path`` (a root saved with ``keep=``, or one checkpoint)
@@ -495,21 +511,24 @@ class ParallelModel(nn.Module):
         one); one that is not complete is refused, naming what is missing."""
         from autoshard.runtime import checkpoint
 
-        return checkpoint.load_checkpoint(self, path, optimizer)
+        with self._collective("load_checkpoint()"):
+            return checkpoint.load_checkpoint(self, path, optimizer)
 
     def optimizer_state_dict(self, optimizer) -> dict:
         """The whole optimizer's state at full shapes, keyed by the model's parameter names (a collective): what
         ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` loads into an unsharded optimizer."""
         from autoshard.runtime import optimizer_state
 
-        return optimizer_state.full_state_dict(self, optimizer)
+        with self._collective("optimizer_state_dict()"):
+            return optimizer_state.full_state_dict(self, optimizer)
 
     def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
         """Give ``optimizer`` this rank's part of a full optimizer state keyed by parameter names (what
         ``get_optimizer_state_dict(model, optimizer)`` gives for an unsharded model, or ``optimizer_state_dict``)."""
         from autoshard.runtime import optimizer_state
 
-        optimizer_state.load_full_state_dict(self, optimizer, state_dict)
+        with self._collective("load_optimizer_state_dict()"):
+            optimizer_state.load_full_state_dict(self, optimizer, state_dict)
 
     def materialize(self, device=None, *, buffers=None, init=None) -> int:
         """For a model built on ``meta``: allocate only this rank's shards on ``device``, then fill them from a
