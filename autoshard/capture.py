@@ -135,6 +135,8 @@ def capture(
     if loss_fn is not None and example_target is None:
         raise ValueError("a loss_fn needs an example target: pass target=... with the example inputs")
     args = (*example_inputs, example_target) if loss_fn is not None else example_inputs
+    if _on_meta(model):  # a model built on meta traces its inputs as meta too: only their shapes and kinds count
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
     start = time.perf_counter()
     exported = None
     if loss_fn is not None and outputs:
@@ -151,6 +153,11 @@ def capture(
                                       names=_original_names(inference, model), seconds=time.perf_counter() - split,
                                       training=training)
     return captured
+
+
+def _on_meta(model: nn.Module) -> bool:
+    params = list(model.parameters())
+    return bool(params) and all(p.device.type == "meta" for p in params)
 
 
 def _export(model: nn.Module, wrapper: nn.Module, args: tuple, training: bool):

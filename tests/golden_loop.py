@@ -563,6 +563,44 @@ def meta_hf_rotary(mesh_kwargs: dict, **options) -> dict:
     return {"loss": abs(loss.item() - expected.item()), "buffers": tables}
 
 
+def meta_route(mesh_kwargs: dict, directory: str, **options) -> dict:
+    """The meta route as a user takes it: an HF Llama built on meta and parallelized with CPU example inputs
+    (`load_pretrained` before `materialize` refused), `materialize()`, `load_pretrained` of the unsharded model's
+    files, two AdamW steps, an evaluation at the captured shape and at a new one, `save_pretrained`; against the
+    unsharded model loaded from the same files and trained alike."""
+    import os
+
+    import torch.distributed as dist
+    import transformers
+
+    case, meta_case = build("hf_llama"), build("hf_llama", device="meta")
+    if dist.get_rank() == 0:
+        case.model.save_pretrained(os.path.join(directory, "start"))
+    dist.barrier()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(meta_case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)  # CPU inputs, meta model
+    try:
+        pm.load_pretrained(os.path.join(directory, "start"))
+        early = "loaded into meta"
+    except ValueError as e:
+        early = str(e)
+    pm.materialize()
+    pm.load_pretrained(os.path.join(directory, "start"))
+    reference = type(case.model).from_pretrained(os.path.join(directory, "start"))
+    worst = _steps_beside(pm, case, reference, torch.optim.AdamW(pm.parameters(), lr=0.01),
+                          torch.optim.AdamW(reference.parameters(), lr=0.01))
+    shorter = tuple(t[:, :-3] for t in case.inputs)
+    with torch.no_grad():
+        evaluated = max((pm(*inputs).logits - reference(*inputs).logits).abs().max().item()
+                        for inputs in (case.inputs, shorter))
+    pm.save_pretrained(os.path.join(directory, "end"))
+    dist.barrier()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(directory, "end"))
+    written = max((saved.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return {"early": early, "worst": worst, "evaluated": evaluated, "written": written}
+
+
 def dropout_masks(mesh_kwargs: dict, steps: int = 2, **options) -> dict:
     """HF BERT with dropout 0.1 on its hidden states and on its attention probabilities, trained under ``mesh``
     (tp only: each rank runs the whole batch) next to the model run whole, both seeded alike before each step.

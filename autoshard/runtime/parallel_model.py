@@ -65,6 +65,7 @@ class ParallelModel(nn.Module):
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
+        self.materialized = None  # after materialize(): the device and the buffers given, for later builds
         self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
         self.pipeline = Pipeline(mesh, groups, options) if mesh.pp > 1 else None
         self.sync = gradient_sync(self.replica, data_parallel=options.data_parallel, ranks=mesh.dp * mesh.cp,
@@ -309,6 +310,10 @@ class ParallelModel(nn.Module):
             plan.notes.extend(notes)
             build = compile_rank(captured, plan, dict(self.groups.coords) if self.groups else {}, groups=self.groups,
                                  store=self.store)
+        if self.materialized is not None:  # compiled from the model still on meta: bound to this rank's tensors
+            from autoshard.runtime import state
+
+            state.materialized_build(self, [program.gm for program in build.programs.values()])
         if all(self.coord(axis) == 0 for axis in ("dp", "tp", "cp")):
             for w in said:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -73,6 +73,11 @@ def load_pretrained(pm, directory: str) -> int:
     reading only this rank's part of each tensor; returns the bytes this rank read. Refuses a directory that lacks
     a parameter or holds one of another shape, naming them, before changing anything. No collective."""
     directory = committed.as_typed(directory)
+    on_meta = [name for _, name, param, _ in state._entries(pm) if param.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"load_pretrained into parameters on the meta device ({state._few(on_meta)}), which hold no "
+                         "storage to read into: call pm.materialize() first (it allocates this rank's shards), then "
+                         "pm.load_pretrained(directory)")
     try:
         from safetensors import safe_open
     except ImportError as e:

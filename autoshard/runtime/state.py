@@ -239,11 +239,33 @@ def materialize(pm, device: str | torch.device | None = None, *, buffers: dict[s
     for gm in programs:
         store.adopt(gm)
         _rewrite_devices(gm, device)
+    for captured in pm._traced.values():  # an inference capture taken with a training one, compiled at first use
+        _rewrite_devices(captured.gm, device)
     meta_buffers.install(pm.model, programs, values, device)
+    pm.materialized = (device, dict(buffers or {}))
     if init is not None:
         with spread.of(pm).whole(store):  # each rank writes the whole weight, then keeps its rows
             _initialise(pm, device, init)
     return allocated
+
+
+def materialized_build(pm, programs: list) -> None:
+    """Programs compiled after ``materialize`` (a new shape, inference) from the model still on meta: bound to this
+    rank's real parameters and buffers, and their devices rewritten, as ``materialize`` did for the others."""
+    device, given = pm.materialized
+    values = meta_buffers.resolve(pm.model, programs, device, given)
+    for gm in programs:
+        pm.replica.store.adopt(gm)
+        _rewrite_devices(gm, device)
+    meta_buffers.install(pm.model, programs, values, device)
+
+
+def _hf_hint(model: torch.nn.Module) -> str:
+    """A HuggingFace model initialises itself by ``_init_weights``, not ``reset_parameters``: say so."""
+    if callable(getattr(model, "_init_weights", None)):
+        return (f"; {type(model).__name__} is a HuggingFace model, which initialises every module with its own "
+                "_init_weights: pm.materialize(init=model._init_weights)")
+    return ""
 
 
 def _initialise(pm, device: torch.device, init) -> None:
@@ -286,7 +308,7 @@ def _initialise(pm, device: torch.device, init) -> None:
                     raise ValueError(
                         f"materialize(init=...): {name} was not initialised ({type(module).__name__} has no "
                         "reset_parameters() and the init function did not set it): set it in the init function, "
-                        "or load a checkpoint instead"
+                        "or load a checkpoint instead" + _hf_hint(pm.model)
                     )
                 target = target_of.get(name)
                 if target in held:
