@@ -65,6 +65,17 @@ NOT_QUICK = {
        for case in ("llama-cp2ring-tp2", "gpt-pp2xtp2-sp", "gpt-pp2zbv-dp2")},
     "tests/test_planner_profile.py::test_mesh_auto_under_a_memory_limit_takes_the_fastest_that_fits":
         "test_mesh_auto_under_a_memory_limit_trains_exactly_on_what_fits",
+    "tests/test_cost.py::test_llama_7b_shape_is_annotated_on_meta_without_allocating":
+        "test_gpt_forward_flops_match_the_textbook_formula and test_symbolic_flops_evaluate_back_and_predict_another_"
+        "shape (the same annotation, at a small shape)",
+    "tests/test_cli.py::test_plan_from_a_config_gives_the_answer_of_the_typed_flags[mixtral_8x7b_config.json]":
+        "the same test's llama3_8b_config.json cell (the same reading of a config file)",
+    "tests/test_planner_profile.py::test_autotune_trains_the_predicted_fastest_and_takes_the_fastest_measured":
+        "test_mesh_auto_with_a_profile_takes_the_fastest_prediction (the same ranking, before the trials)",
+    "tests/test_planner.py::test_seed_interleaving_16_stages_4_chunks":
+        "test_seed_microbatches_for_a_5_percent_bubble (the same bubble formula, at v = 1)",
+    "tests/test_capture.py::test_one_export_gives_the_training_and_the_inference_graph_each_as_its_own_export_would"
+    "[moe]": "the same test's hf_llama and bert cells (the same one export)",
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {

@@ -27,14 +27,17 @@ from autoshard.passes.writes import aliases, written_arguments, written_state
 MIN_NODES = 8  # a segment shorter than this is not worth its boundary
 TOLERANCE = 1.05  # a point whose crossing bytes are within this of the valleys' median is a cut
 
-_SEGMENTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # program -> its segmented module, or None
+# program -> (what its segments were made from, its segmented module or None)
+_SEGMENTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def segmented(gm: fx.GraphModule) -> nn.Module | None:
-    """``gm`` run as its segments, each checkpointed (None where it has fewer than two)."""
-    if gm not in _SEGMENTED:
-        _SEGMENTED[gm] = _segmented(gm)
-    return _SEGMENTED[gm]
+    """``gm`` run as its segments, each checkpointed (None where it has fewer than two). Made again where the
+    program changed since: its code recompiled (devices rewritten by ``materialize``) or its tensors rebound."""
+    made_from = (type(gm).forward, *map(id, gm.parameters()), *map(id, gm.buffers()))
+    if gm not in _SEGMENTED or _SEGMENTED[gm][0] != made_from:
+        _SEGMENTED[gm] = (made_from, _segmented(gm))
+    return _SEGMENTED[gm][1]
 
 
 def cuts(gm: fx.GraphModule) -> list[fx.Node]:
