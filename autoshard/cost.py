@@ -82,7 +82,7 @@ def annotate(gm: fx.GraphModule) -> dict[fx.Node, NodeCost]:
     for node in gm.graph.nodes:
         cost = NodeCost(
             flops=int(node_flops(node)),
-            activation_bytes=_activation_bytes(node),
+            activation_bytes=activation_bytes(node),
             param_bytes=_param_bytes(gm, node),
         )
         node.meta[COST] = costs[node] = cost
@@ -333,7 +333,8 @@ def _arg(node: fx.Node, index: int, name: str, default: object = None) -> object
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
-def _activation_bytes(node: fx.Node) -> int:
+def activation_bytes(node: fx.Node) -> int:
+    """The bytes of the tensors ``node`` outputs, as this graph holds them."""
     if node.op in ("get_attr", "output"):
         return 0
     return sum(t.numel() * t.dtype.itemsize for t in _tensors(meta.val(node)))

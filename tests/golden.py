@@ -891,36 +891,28 @@ def checkpoint_of_another_model(path: str) -> str:
 
 def one_rank_skips_a_step(seconds: float) -> str:
     """Rank 1 never joins step 1: rank 0 stops within the timeout with an error naming its peers."""
-    import datetime
-
-    case = build("mlp")
-    mesh = autoshard.Mesh(dp=2)
-    groups = mesh.create_groups(timeout=datetime.timedelta(seconds=seconds))
-    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
-                               target=case.target, groups=groups)
-    if dist.get_rank() == 1:
-        return "skipped"
-    try:
-        pm.step(*case.inputs, target=case.target)
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    return _rank_zero_alone("mlp", {"dp": 2}, seconds, lambda pm, case: pm.step(*case.inputs, target=case.target))
 
 
 def only_rank_zero_gathers(seconds: float) -> str:
     """The idiom ``if rank == 0: torch.save(pm.state_dict(), path)``: rank 0 waits in a collective its peers never
     join; it stops within the timeout, saying every rank calls it."""
+    return _rank_zero_alone("gpt", {"tp": 2}, seconds, lambda pm, case: pm.state_dict())
+
+
+def _rank_zero_alone(name: str, mesh_kwargs: dict, seconds: float, call) -> str:
+    """``call(pm, case)`` on rank 0 alone, under groups that time out after ``seconds``: what it raises."""
     import datetime
 
-    case = build("gpt")
-    mesh = autoshard.Mesh(tp=2)
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
     groups = mesh.create_groups(timeout=datetime.timedelta(seconds=seconds))
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups)
     if dist.get_rank() == 1:
         return "skipped"
     try:
-        pm.state_dict()
+        call(pm, case)
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return f"{type(e).__name__}: {e}"
     return "no error"

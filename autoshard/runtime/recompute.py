@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import fx, nn
 
-from autoshard.meta import val
+from autoshard.cost import activation_bytes
 from autoshard.passes.writes import aliases, written_arguments, written_state
 
 MIN_NODES = 8  # a segment shorter than this is not worth its boundary
@@ -49,7 +49,7 @@ def cuts(gm: fx.GraphModule) -> list[fx.Node]:
     change = [0] * (len(order) + 2)
     for node in order:  # alive across the points after it up to its last reader (the output: to the end)
         last = max((position.get(u, len(order)) for u in node.users), default=position[node])
-        size = _bytes(val(node))
+        size = activation_bytes(node)
         change[position[node] + 1] += size
         change[last + 1] -= size
     crossing, alive = [], 0  # crossing[i]: the bytes alive across the point before order[i]
@@ -177,11 +177,3 @@ class Restored:
         with torch.no_grad():
             for tensor, value in zip(self.state, self.saved.pop(), strict=True):
                 tensor.copy_(value)
-
-
-def _bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_bytes(v) for v in value)
-    return 0
