@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard import meta
+from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _all_gather, _ParallelOp
 from autoshard.passes.placements import Shard
@@ -49,7 +49,7 @@ class _GatherRows(torch.autograd.Function):
             return grad, None, None, None, None
         rows = grad.movedim(ctx.dim, 0).contiguous()  # (size * rows, ...)
         mine = torch.empty((ctx.rows, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        dist.reduce_scatter_tensor(mine, rows, group=ctx.group)
+        peers.run(dist.reduce_scatter_tensor, mine, rows, group=ctx.group)
         return mine.movedim(0, ctx.dim), None, None, None, None
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard import meta
+from autoshard import meta, peers
 from autoshard.passes.collectives import ProcessGroup, _all_reduce, _ParallelOp
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ class _GatherStats(torch.autograd.Function):
         if group is None:
             return stats[None]
         parts = [torch.empty_like(stats) for _ in range(size)]
-        dist.all_gather(parts, stats.contiguous(), group=group)
+        peers.run(dist.all_gather, parts, stats.contiguous(), group=group)
         return torch.stack(parts)
 
     @staticmethod

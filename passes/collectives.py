@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from autoshard import peers
+
 ProcessGroup = dist.ProcessGroup
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -129,7 +131,7 @@ def local_part(full: torch.Tensor, placement, rank: int, size: int) -> torch.Ten
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:  # noqa: A002
     """``dist.reduce_scatter_single`` (a sum), as torch >= 2.12 names it (it warns that ``reduce_scatter_tensor`` is
     deprecated); looked up at the call, so a simulation that replaces it is seen."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)
+    peers.run(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, output, input, group=group)
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -137,7 +139,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
     if group is None:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=op, group=group)
+    peers.run(dist.all_reduce, out, op=op, group=group)
     return out
 
 
@@ -147,7 +149,7 @@ def _all_gather(x: torch.Tensor, dim: int, size: int, blocks: tuple[int, ...] | 
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
+    peers.run(dist.all_gather, parts, x, group=group)
     return unshard(parts, dim, blocks, whole)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from autoshard import meta
+from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.kinds import Attention
 from autoshard.passes import localize
@@ -584,7 +584,7 @@ class _SequenceOp(nn.Module):
             pad[dim] = most - local.shape[dim]
             local = torch.cat([local, local.new_zeros(pad)], dim=dim)
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local, group=self.group)
+        peers.run(dist.all_gather, parts, local, group=self.group)
         shape = list(local.shape)
         shape[dim] = n
         out = local.new_empty(shape)
@@ -655,7 +655,7 @@ class _HeadExchange(_ParallelOp):
         if group is None:
             return parts
         out = torch.empty_like(parts)
-        dist.all_to_all_single(out, parts.contiguous(), group=group)
+        peers.run(dist.all_to_all_single, out, parts.contiguous(), group=group)
         return out
 
     def _check(self, x: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard import meta
+from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _ParallelOp
 from autoshard.passes.rules_nn import is_grouped_mm
@@ -286,7 +286,7 @@ class Route:
 
 def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((out_rows, *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    peers.run(dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -357,7 +357,7 @@ class ExpertRoute(_ParallelOp):
             rows = int(self.dropped[1])  # a second read back, under a capacity only
             counts = kept
         every = counts.new_empty(self.size * self.experts)
-        dist.all_gather_into_tensor(every, counts, group=group)
+        peers.run(dist.all_gather_into_tensor, every, counts, group=group)
         every = every.view(self.size, self.experts)  # (source rank, expert): every rank's rows per expert
         recv = every[:, self.rank * per:(self.rank + 1) * per]  # (source rank, local expert)
         send = counts.view(self.size, per)

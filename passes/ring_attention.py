@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from autoshard import peers
 from autoshard.passes.collectives import _ParallelOp, on_host
 
 _KV_TAG, _GRAD_TAG = 71, 72  # p2p tags of the key/value blocks and of their travelling gradients
@@ -189,6 +190,7 @@ class _Ring:
         received = [torch.empty_like(t) for t in sends]
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t in received]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag) for t in sends]
+        peers.issued(self.group)
         return dist.batch_isend_irecv(ops), received
 
 
@@ -228,7 +230,7 @@ def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 def _wait(works: list) -> None:
     for work in works:
-        work.wait()
+        peers.wait(work)
 
 
 # ------------------------------------------------------------------------------------------- block math

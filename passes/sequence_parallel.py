@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard import meta
+from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
@@ -56,7 +56,7 @@ class SequenceParallelError(AutoshardError, ValueError):
 
 def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    peers.run(dist.all_gather, parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 

@@ -9,13 +9,14 @@ three uses on different pipeline stages, and a model whose cheapest cut leaves a
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import autoshard
 from autoshard.verify import compare
 
-from golden import groups_for
+from golden import GROUP_TIMEOUT, groups_for
 from models import VOCAB, build, token_data, token_loss
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -691,11 +692,12 @@ def spread_loop(name: str, mesh_kwargs: dict, **options) -> dict:
 
 
 class _FailsWhenAsked(torch.autograd.Function):
-    """Identity; raises in its forward while ``ASKED["fail"]`` (a stage's own error, on the rank that runs it)."""
+    """Identity; raises in its forward on the ranks in ``ASKED["fail"]`` (a stage's own error, on a rank that runs
+    it)."""
 
     @staticmethod
     def forward(ctx, x):
-        if ASKED["fail"]:
+        if dist.is_initialized() and dist.get_rank() in ASKED["fail"]:
             raise ValueError("the stage's own error")
         return x.view_as(x)
 
@@ -704,7 +706,7 @@ class _FailsWhenAsked(torch.autograd.Function):
         return grad
 
 
-ASKED = {"fail": False}
+ASKED = {"fail": ()}
 
 
 class _Stack(nn.Module):
@@ -720,17 +722,35 @@ class _Stack(nn.Module):
         return x
 
 
-def stage_failure(mesh_kwargs: dict, **options) -> dict:
-    """A step in which the last stage's forward raises: how long each rank took to end the step, and its error."""
+class _Attending(nn.Module):
+    """Causal attention over (batch, 8 tokens, 16) and a projection, then the failing identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16)
+        return _FailsWhenAsked.apply(torch.tanh(self.out(y)))
+
+
+def stage_failure(mesh_kwargs: dict, failing: tuple[int, ...] | None = None, attention: bool = False,
+                  **options) -> dict:
+    """A step in which the model's forward raises on the ranks ``failing`` (every rank: None): how long each rank
+    took to end the step, and its error; then what a next step says (``after``). Under groups of its own: a rank that
+    gave up a collective leaves them out of step."""
     import time
 
     torch.manual_seed(0)
-    x = torch.randn(8, 16)
+    x = torch.randn(2, 8, 16) if attention else torch.randn(8, 16)
     mesh = autoshard.Mesh(**mesh_kwargs)
-    pm = autoshard.parallelize(_Stack(), mesh, example_inputs=(x,), loss_fn=F.mse_loss, target=x,
-                               groups=groups_for(mesh), **options)
+    pm = autoshard.parallelize(_Attending() if attention else _Stack(), mesh, example_inputs=(x,),
+                               loss_fn=F.mse_loss, target=x, groups=mesh.create_groups(timeout=GROUP_TIMEOUT),
+                               **options)
     pm.step(x, target=x)
-    ASKED["fail"] = True
+    ASKED["fail"] = tuple(range(dist.get_world_size())) if failing is None else failing
     start = time.perf_counter()
     try:
         pm.step(x, target=x)
@@ -738,8 +758,14 @@ def stage_failure(mesh_kwargs: dict, **options) -> dict:
     except Exception as e:  # noqa: BLE001 - the error is the result
         error = f"{type(e).__name__}: {e}"
     finally:
-        ASKED["fail"] = False
-    return {"seconds": time.perf_counter() - start, "error": error}
+        ASKED["fail"] = ()
+    seconds = time.perf_counter() - start
+    try:
+        pm.step(x, target=x)
+        after = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        after = f"{type(e).__name__}: {e}"
+    return {"seconds": seconds, "error": error, "after": after}
 
 
 def eager_backward(name: str, mesh_kwargs: dict, **options) -> str:

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # module (as installed) -> layer; a package's modules take the package's layer unless named
 LAYERS = {
-    "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice", "errors"),
+    "foundation": ("meta", "kinds", "mesh", "options", "cost", "schedules", "batching", "spread_choice", "errors",
+                   "peers"),
     "passes": ("passes", "plan", "functions"),  # plan: the tp plan, made by passes.tensor_parallel; functions: the
     # kept calls, whose rule (passes.rules_nn) proves them per-sample on their trace
     "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot"),

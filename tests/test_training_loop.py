@@ -196,3 +196,21 @@ def test_a_stages_failure_ends_the_step_on_its_peer_at_once_with_its_error(pools
     for rank, result in enumerate(results):
         assert result["error"] is not None and "the stage's own error" in result["error"], (rank, result)
         assert result["seconds"] < 10, (rank, result)
+        assert result["after"] is None, (rank, result)  # the drained pipeline's groups are in step: it trains on
+
+
+@pytest.mark.parametrize("mesh,attention,options", [
+    ({"tp": 2}, False, {}), ({"dp": 2}, False, {}), ({"cp": 2}, True, {}), ({"cp": 2}, True, {"cp_attention": "ring"})],
+    ids=["tp2", "dp2", "cp2", "cp2-ring"])
+def test_a_ranks_failure_ends_the_step_on_its_peers_at_once_and_later_steps_are_refused(pools, mesh, attention,
+                                                                                        options):
+    """Rank 1's forward raises; rank 0 waits in a collective of that step (tp's all-reduce, DDP's bucket, cp's
+    gathers or ring): it had waited out the group's timeout. Now it ends within seconds with rank 1's error. Rank 0
+    then holds a collective rank 1 never joined: the next step pairs them wrongly (rank 1's step had "succeeded" on
+    rank 0's stale data), so it is refused on both ranks, naming the group and the counts that differ."""
+    results = pools.get(2).run(golden_loop.stage_failure, mesh, (1,), attention, **options)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None and "the stage's own error" in result["error"], (rank, result)
+        assert rank == 1 or result["error"].startswith("PeerFailed: rank 1"), (rank, result)
+        assert result["seconds"] < 10, (rank, result)
+        assert result["after"] is not None and "out of step" in result["after"], (rank, result)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autoshard import codegen
+from autoshard import codegen, peers
 
 # Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
 _NO_BUFFER_SYNC = (
@@ -259,8 +259,8 @@ def gradient_sync(replica: Replica, *, data_parallel: str, ranks: int, group, pi
 
 def _sum_hook(group, bucket):
     """DDP communication hook that sums gradients (DDP's default divides by the group size)."""
-    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return future.then(lambda f: f.value()[0])
+    future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+    return peers.watched(future, group) if bucket.buffer().device.type == "cpu" else future
 
 
 def _has_unused_parameters(build, replica: Replica) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autoshard import peers
 from autoshard.codegen import RankProgram
 from autoshard.errors import AutoshardError
 from autoshard.kinds import ActionKind
@@ -43,23 +44,11 @@ class PipelineStall(AutoshardError, RuntimeError):
 _EXECUTORS = itertools.count()  # made in the same order on every rank: one name for one pipeline in the store
 
 
-def _store():
-    return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-
-
-def _announce(key: str, message: str) -> None:
-    """Tell every rank that this one failed in the run ``key`` names (the job's store: no collective, no wait); the
-    first failure is the one said (a peer that then fails on the zeros it was given does not overwrite it)."""
-    store = _store()
-    if store is not None:
-        store.compare_set(key, "", message)
-
-
 def _raise_announced(key: str, rank: int, step: int) -> None:
     """Raise here what a peer announced it failed with: every rank ends that step with that rank's error."""
-    store = _store()
-    if store is not None and store.check([key]):
-        raise PipelineStall(f"pp rank {rank} ended step {step}: {store.get(key).decode()}")
+    message = peers.announced(key)
+    if message is not None:
+        raise PipelineStall(f"pp rank {rank} ended step {step}: {message}")
 
 
 @dataclass
@@ -146,7 +135,8 @@ class PipelineExecutor:
                 failed.__cause__ = e
                 if not action.is_compute or is_peer_failure(e):
                     raise failed from e  # a peer stalled or died: nothing to drain
-                _announce(key, str(failed))
+                peers.announce(str(failed), key)  # to the pp peers, which end the step at its end
+                peers.announce(str(failed))  # to those waiting in a collective in this step (tp, cp, ep)
                 continue
             self.records.append(Record(action, start, time.perf_counter()))
         for work in pending:

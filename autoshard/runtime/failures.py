@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh, MeshGroups
+from autoshard.peers import PeerFailed
 
 # What gloo's and NCCL's RuntimeErrors say when a peer stalled or went away (they raise no type of their own).
 _PEER_FAILURE = ("timed out", "timeout", "gloo", "nccl", "connection", "peer")
@@ -26,6 +27,9 @@ class StepError(AutoshardError, RuntimeError):
 
 
 def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's own failure (a peer stalled or died), not a peer's announced error."""
+    if isinstance(error, PeerFailed):
+        return False
     if isinstance(error, dist.DistError):
         return True
     return isinstance(error, RuntimeError) and any(word in str(error).lower() for word in _PEER_FAILURE)

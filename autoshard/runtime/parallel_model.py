@@ -15,6 +15,7 @@ otherwise), so every gradient reduction (microbatches, dp) is a plain sum.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from autoshard import batching, codegen
+from autoshard import batching, codegen, peers
 from autoshard.capture import capture, shapes_of
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
 from autoshard.job_plan import plan_job, two_passes
@@ -40,6 +41,8 @@ from autoshard.runtime.two_passes import TwoPassStep
 
 __all__ = ["ParallelModel", "StepError"]
 
+
+_MODELS = itertools.count()  # parallel models are made in the same order on every rank
 
 class ParallelModel(nn.Module):
     """This rank's part of the parallel program. Use ``step()`` to train and call it for inference."""
@@ -65,6 +68,7 @@ class ParallelModel(nn.Module):
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
+        self._name, self._exchanges = f"autoshard/exchanges/{next(_MODELS)}", itertools.count(1)  # alike on every rank
         self.materialized = None  # after materialize(): the device and the buffers given, for later builds
         self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
         self.pipeline = Pipeline(mesh, groups, options) if mesh.pp > 1 else None
@@ -166,6 +170,10 @@ class ParallelModel(nn.Module):
         if target is None:
             raise TypeError(f"pm.step(*inputs, target=...) takes the target by name, for loss_fn(output, target); this "
                             f"call gave {len(inputs)} positional input(s) and no target: write pm.step(x, target=y)")
+        with self._running(f"step {self._steps + 1}"):
+            return self._train(inputs, target, divisor, loss_scale)
+
+    def _train(self, inputs: tuple, target: torch.Tensor, divisor, loss_scale: float) -> torch.Tensor:
         self._check_kinds((*inputs, target))
         self._check_batch(inputs)
         microbatches = self.microbatch_views(inputs, target)
@@ -269,7 +277,7 @@ class ParallelModel(nn.Module):
 
     def forward(self, *inputs):
         """Inference: the model's outputs for ``inputs``, on every rank (see ``runtime.inference``)."""
-        with self._collective("__call__ (inference)"):
+        with self._collective("__call__ (inference)"), self._running("an inference call (pm(x))"):
             return inference.forward(self, inputs)
 
     # ------------------------------------------------------------------------------------ compiling
@@ -373,8 +381,17 @@ class ParallelModel(nn.Module):
         if self.mesh.dp * self.mesh.cp == 1:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.groups.group("data"))
+        peers.run(dist.all_reduce, value, group=self.groups.group("data"))
         return value
+
+    def _running(self, what: str):
+        """One exchange with every rank (a step, an inference call) under a key every rank names alike: a failure
+        on one rank ends it on every rank within seconds, with that rank's error (``autoshard.peers``)."""
+        if self.groups is None:
+            return contextlib.nullcontext()
+        who = f"rank {self.groups.rank} ({dict(self.groups.coords)}) in {what}"
+        ranks = list(range(self.mesh.world_size))
+        return peers.running(self._name, next(self._exchanges), ranks, self.groups.rank, who, self.groups.timeout)
 
     def _guard(self, phase: str, microbatch: int | None = None):
         return stall_guard(self.mesh, self.groups, self._steps, phase, microbatch)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard import peers
 from autoshard.schedules import Action
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -103,7 +104,7 @@ class GradientReducer:
         _launch(rest, self.group)
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                peers.wait(bucket.work)
                 for grad, summed in zip(bucket.grads, torch._utils._unflatten_dense_tensors(bucket.flat, bucket.grads),
                                         strict=True):
                     grad.copy_(summed)
@@ -132,6 +133,7 @@ def _launch(bucket: _Bucket, group) -> None:
     bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
     if bucket.grads:
         bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
+        peers.issued(group)
         bucket.work = dist.all_reduce(bucket.flat, group=group, async_op=True)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard import peers
 from autoshard.passes.collectives import reduce_scatter_single
 
 
@@ -79,7 +80,7 @@ class Spread:
         for indices in _by_dtype(rows):
             flat = torch.cat([rows[i].reshape(-1) for i in indices])
             parts = [torch.empty_like(flat) for _ in range(self.p)]
-            dist.all_gather(parts, flat, group=self.group)
+            peers.run(dist.all_gather, parts, flat, group=self.group)
             offset = 0
             for i in indices:
                 n = rows[i].numel()
@@ -122,7 +123,7 @@ class Spread:
             return
         params = self._params(store)
         some = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-        dist.all_reduce(some, group=self.group)
+        peers.run(dist.all_reduce, some, group=self.group)
         found = [p for p, flag in zip(params, some.tolist(), strict=True) if flag]
         grads = self._reduce_scatter([p.grad if p.grad is not None else torch.zeros_like(p) for p in found])
         grad_of = {id(p): g for p, g in zip(found, grads, strict=True)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autoshard import batching
+from autoshard import batching, peers
 from autoshard.runtime import inference
 
 
@@ -67,7 +67,7 @@ def _sum_over_dp(pm, local: torch.Tensor) -> torch.Tensor:
     if pm.groups is None or pm.mesh.dp == 1:
         return local
     local = local.clone()
-    dist.all_reduce(local, group=pm.groups.group("dp"))
+    peers.run(dist.all_reduce, local, group=pm.groups.group("dp"))
     return local
 
 
@@ -76,5 +76,5 @@ def _over_dp(pm, local: torch.Tensor, dim: int) -> torch.Tensor:
     if pm.groups is None or pm.mesh.dp == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(pm.mesh.dp)]
-    dist.all_gather(parts, local.contiguous(), group=pm.groups.group("dp"))
+    peers.run(dist.all_gather, parts, local.contiguous(), group=pm.groups.group("dp"))
     return torch.cat(parts, dim)
