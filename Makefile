@@ -48,7 +48,7 @@ corpus: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/corpus.py $(CORPUS_ARGS)
 
 lint: setup
-	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard passes tests examples bench
+	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard tests examples bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -278,7 +278,7 @@ def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.Param
         build.partition = partition(codegen.prepare(build.captured, plan.splits), build.num_stages,
                                     cut_after=plan.cut_after)
     placement = schedules.placement_of(options.schedule)
-    mine = [s for s in range(build.num_stages) if schedules.rank_of(s, p, placement) == build.coords["pp"]]
+    mine = [s for s in range(build.num_stages) if schedules.stage_rank(s, p, placement) == build.coords["pp"]]
     autocast = _autocast(build)  # what crosses a cut has the dtype autocast gives it
     build.stages, build.programs, build.local_specs = codegen.build_stages(
         build.captured, sharding, build.partition.stage_of, build.num_stages, mine, store=store, autocast=autocast)

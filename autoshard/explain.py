@@ -284,10 +284,10 @@ def _pipeline_rows(build, index: int, stage: str) -> list[tuple]:
     rows, p = [], build.mesh.pp
     placement = schedules.placement_of(build.options.schedule)
     received, sent = build.local_specs[index]
-    here = schedules.rank_of(index, p, placement)
-    for specs, peer, there, back in ((received, schedules.rank_of(index - 1, p, placement) if index else 0, "recv",
+    here = schedules.stage_rank(index, p, placement)
+    for specs, peer, there, back in ((received, schedules.stage_rank(index - 1, p, placement) if index else 0, "recv",
                                       "send"),
-                                     (sent, schedules.rank_of(min(index + 1, build.num_stages - 1), p, placement),
+                                     (sent, schedules.stage_rank(min(index + 1, build.num_stages - 1), p, placement),
                                       "send", "recv")):
         if not specs or peer == here:  # the V's tip hands over in memory
             continue

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard import schedules
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.options import CHOICES, CompileOptions
@@ -123,7 +124,7 @@ def _options(args: argparse.Namespace) -> tuple[Mesh, int, CompileOptions]:
             raise InspectError(f"--{flag} {getattr(args, flag)}: it must be at least 1")
     if args.chunks > 1 and mesh.pp == 1:
         raise InspectError(f"--chunks {args.chunks} needs a pipeline: add pp=2 or more to --mesh")
-    schedule = args.schedule or ("interleaved" if args.chunks > 1 else "1f1b")
+    schedule = args.schedule or str(schedules.named(args.chunks))
     if schedule not in CHOICES["schedule"]:
         raise InspectError(f"--schedule {schedule!r} is not a schedule: use one of {', '.join(CHOICES['schedule'])} "
                            "(and put MODULE:FACTORY before --schedule)")
@@ -328,8 +329,8 @@ def inspect_rank(case: Case, *, mesh: Mesh, rank: int = 0, options: CompileOptio
 
 def report(case: Case, build, *, timeline: bool = False) -> str:
     """What ``autoshard inspect`` prints: the case's global batch, then the report ``pm.explain(code=True)`` gives."""
-    from autoshard.api import lint_findings
     from autoshard.explain import render
+    from autoshard.planner.auto import lint_findings
 
     made_up = " (made up from the first layer: the factory returned a bare model)" if case.made_up_inputs else ""
     target = f", target {_shapes((case.target,))}" if build.training else ""

@@ -182,7 +182,7 @@ def holders_of(stages: list, plan: JobPlan) -> dict[str, frozenset[int]]:
     holders: dict[str, set[int]] = {}
     for stage in stages:
         for name in stage.parameters:
-            holders.setdefault(name, set()).add(schedules.rank_of(stage.index, plan.mesh.pp, placement))
+            holders.setdefault(name, set()).add(schedules.stage_rank(stage.index, plan.mesh.pp, placement))
     return {name: frozenset(ranks) for name, ranks in holders.items()}
 
 

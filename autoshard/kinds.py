@@ -38,7 +38,7 @@ class Attention(Kind):
 
 
 class ScheduleName(Kind):
-    """The pipeline schedules (``schedule``); ``autoshard.schedules`` builds each."""
+    """The pipeline schedules (``schedule``); ``autoshard.schedules.SPECS`` records and builds each."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -47,29 +47,12 @@ class ScheduleName(Kind):
     ZBV = "zbv"  # two chunks per rank in a V, backward split likewise
     DUALPIPEV = "dualpipev"  # the V, a forward of one chunk paired with a backward of the other
 
-    @property
-    def v_chunks(self) -> int | None:
-        """The chunks per rank of a schedule that places its stages in a V; None for one placed in a loop."""
-        return V_CHUNKS.get(self)
-
-    @property
-    def placement(self) -> StagePlacement:
-        return StagePlacement.V if self.v_chunks else StagePlacement.LOOP
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the schedule runs each backward as input (I) and weight (W) gradients (zero bubble)."""
-        return self in (ScheduleName.ZB_H1, ScheduleName.ZBV, ScheduleName.DUALPIPEV)
-
 
 class StagePlacement(Kind):
     """Where the pipeline's stages sit on the pp ranks: in a loop (stage s on rank s mod p) or in a V."""
 
     LOOP = "loop"
     V = "v"
-
-
-V_CHUNKS = {ScheduleName.ZBV: 2, ScheduleName.DUALPIPEV: 2}  # the schedules placed in a V, and their chunks per rank
 
 
 class ActionKind(Kind):

@@ -13,7 +13,8 @@ import datetime
 import difflib
 from dataclasses import dataclass
 
-from autoshard.kinds import V_CHUNKS, Attention, DataParallel, ScheduleName
+from autoshard import schedules
+from autoshard.kinds import Attention, DataParallel, ScheduleName
 from autoshard.mesh import Mesh
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
@@ -172,11 +173,12 @@ class CompileOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not valid: it must be an integer >= 1")
-        if self.schedule in V_CHUNKS:
-            if self.chunks not in (1, V_CHUNKS[self.schedule]):
-                raise ValueError(f"schedule={self.schedule!r} runs {V_CHUNKS[self.schedule]} chunks per pipeline rank "
+        runs = schedules.spec(self.schedule)
+        if runs.placement == "v":
+            if self.chunks not in (1, runs.chunks):
+                raise ValueError(f"schedule={self.schedule!r} runs {runs.chunks} chunks per pipeline rank "
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
-            object.__setattr__(self, "chunks", V_CHUNKS[self.schedule])
+            object.__setattr__(self, "chunks", runs.chunks)
         for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile",
                      "detect_anomaly", "calibrate"):
             value = getattr(self, name)

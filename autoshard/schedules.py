@@ -35,20 +35,24 @@ Builders (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``, 
 ``dual_pipe_v``, ``schedule``)
 return ``dict[rank, list[Action]]``;
 ``validate`` checks a schedule, ``simulate`` times it, ``render`` draws it as a grid of ranks by time.
+
+``SPECS`` is the one record of what autoshard knows of each schedule (its builder, the chunks per rank it runs,
+its placement, whether it splits the backward, its bubble formula); options, lint, explain, the planner and the
+search read it through ``spec(name)``. A new schedule is a builder and one ``ScheduleSpec``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoshard.errors import AutoshardError
-from autoshard.kinds import V_CHUNKS, ActionKind, ScheduleName, StagePlacement
+from autoshard.kinds import ActionKind, ScheduleName, StagePlacement
 
 KINDS = ActionKind.names()
 SCHEDULES = ScheduleName.names()
 PLACEMENTS = StagePlacement.names()
-V_SCHEDULES = V_CHUNKS  # the schedules whose stages are placed in a V, and the chunks per rank they run
 
 Schedule = dict[int, list["Action"]]
 
@@ -57,7 +61,7 @@ _CELL_PREFIX = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": ">F", "RECV_F"
                 "RECV_B": "<B"}
 
 
-def rank_of(stage: int, p: int, placement: str = "loop") -> int:
+def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
     """The pp rank that holds ``stage`` (see Placement above)."""
     if placement == "loop":
         return stage % p
@@ -70,7 +74,15 @@ def rank_of(stage: int, p: int, placement: str = "loop") -> int:
 
 def placement_of(name: str) -> str:
     """The placement the schedule called ``name`` runs its stages in."""
-    return StagePlacement.V if name in V_CHUNKS else StagePlacement.LOOP
+    return spec(name).placement
+
+
+def named(chunks: int = 1, zero_bubble: bool = False) -> ScheduleName:
+    """The schedule a pipeline of ``chunks`` per rank runs when none is named: 1F1B, interleaved over more chunks;
+    with ``zero_bubble``, ZB-H1 for one chunk and ZBV for two."""
+    if zero_bubble:
+        return ScheduleName.ZBV if chunks == 2 else ScheduleName.ZB_H1
+    return ScheduleName.INTERLEAVED if chunks > 1 else ScheduleName.ONE_F_ONE_B
 
 
 class ScheduleError(AutoshardError, ValueError):
@@ -124,14 +136,14 @@ class Action:
 
     def rank(self, p: int, placement: str = "loop") -> int:
         """The pp rank that runs this action."""
-        return rank_of(self.stage, p, placement)
+        return stage_rank(self.stage, p, placement)
 
     def peer(self, p: int, placement: str = "loop") -> int:
         """The pp rank a send goes to or a receive comes from."""
         if self.is_compute:
             raise ValueError(f"{self} is a compute action and has no peer rank")
         downstream = self.kind in ("SEND_F", "RECV_B")
-        return rank_of(self.stage + (1 if downstream else -1), p, placement)
+        return stage_rank(self.stage + (1 if downstream else -1), p, placement)
 
     def partner(self) -> Action:
         """The receive that matches this send, or the send that matches this receive."""
@@ -306,36 +318,65 @@ def _dual_pipe_v_order(r: int, p: int, m: int) -> list[Action]:
     return order
 
 
-def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule called ``name`` (one of ``SCHEDULES``) for p ranks, m microbatches and v chunks per rank."""
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What autoshard knows of one pipeline schedule."""
+
+    name: ScheduleName
+    build: Callable[..., Schedule]  # (p, m) for a fixed number of chunks, (p, m, v) for any
+    chunks: int | None  # chunks (stages) per rank it runs; None: any number given (interleaved)
+    placement: StagePlacement
+    splits_backward: bool  # each backward as input (I) and weight (W) gradients (the zero-bubble schedules)
+    bubble: str  # the idle fraction it is known for, in p, m and v (F, I and W of equal cost where it splits)
+    fraction: Callable[[int, int, int], float]  # that formula, of (p, m, v)
+
+
+def _one(p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+def _v(p: int, m: int, v: int) -> float:
+    return (p - 1) / (6 * m + p - 1)
+
+
+SPECS: dict[ScheduleName, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec(ScheduleName.GPIPE, gpipe, 1, StagePlacement.LOOP, False, "(p-1)/(m+p-1)", _one),
+    ScheduleSpec(ScheduleName.ONE_F_ONE_B, one_f_one_b, 1, StagePlacement.LOOP, False, "(p-1)/(m+p-1)", _one),
+    ScheduleSpec(ScheduleName.INTERLEAVED, interleaved_1f1b, None, StagePlacement.LOOP, False, "(p-1)/(v*m+p-1)",
+                 lambda p, m, v: (p - 1) / (v * m + p - 1)),
+    ScheduleSpec(ScheduleName.ZB_H1, zero_bubble_h1, 1, StagePlacement.LOOP, True, "(p-1)/(3m+p-1)",
+                 lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+    ScheduleSpec(ScheduleName.ZBV, zero_bubble_v, 2, StagePlacement.V, True, "(p-1)/(6m+p-1)", _v),  # m >= 2p-1
+    ScheduleSpec(ScheduleName.DUALPIPEV, dual_pipe_v, 2, StagePlacement.V, True, "(p-1)/(6m+p-1)", _v),
+)}
+
+
+def spec(name: str) -> ScheduleSpec:
+    """The record of the schedule called ``name``."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid names are {', '.join(map(repr, SCHEDULES))}")
-    if name == "interleaved":
-        return interleaved_1f1b(p, m, v)
-    if name in V_SCHEDULES:
-        if v != V_SCHEDULES[name]:
-            raise ValueError(f"the {name!r} schedule runs {V_SCHEDULES[name]} chunks per rank in a V, got v={v}; "
-                             f"use chunks={V_SCHEDULES[name]}")
-        return zero_bubble_v(p, m) if name == "zbv" else dual_pipe_v(p, m)
-    if v != 1:
+    return SPECS[ScheduleName(name)]
+
+
+def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule called ``name`` (one of ``SCHEDULES``) for p ranks, m microbatches and v chunks per rank."""
+    found = spec(name)
+    if found.chunks is None:
+        return found.build(p, m, v)
+    if v != found.chunks:
+        if found.placement == StagePlacement.V:
+            raise ValueError(f"the {name!r} schedule runs {found.chunks} chunks per rank in a V, got v={v}; "
+                             f"use chunks={found.chunks}")
         raise ValueError(f"the {name!r} schedule runs one chunk per rank, got v={v}; use v=1, 'interleaved' or "
                          f"'zbv'")
-    return _ONE_CHUNK[name](p, m)
-
-
-_ONE_CHUNK = {ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b, ScheduleName.ZB_H1: zero_bubble_h1}
+    return found.build(p, m)
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> tuple[str, float]:
     """The idle fraction the schedule ``name`` is known for (F, I and W of equal cost for the zero-bubble ones;
     ZBV's with at least 2p-1 microbatches), as text and value; ``simulate`` gives the same (tests)."""
-    if name == "zb-h1":
-        return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)
-    if name in V_SCHEDULES:
-        return "(p-1)/(6m+p-1)", (p - 1) / (6 * m + p - 1)
-    if name == "interleaved":
-        return "(p-1)/(v*m+p-1)", (p - 1) / (v * m + p - 1)
-    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+    found = spec(name)
+    return found.bubble, found.fraction(p, m, v)
 
 
 def _check_sizes(p: int, m: int, v: int) -> None:
@@ -484,7 +525,7 @@ def _check_complete(actions: Schedule, p: int, v: int, where: dict[Action, tuple
                 raise _fail(actions, p, *where[present[0]], f"microbatch {j} never runs forward ({f}) on stage "
                             f"{stage}")
             if f not in where:
-                rank = rank_of(stage, p, placement)
+                rank = stage_rank(stage, p, placement)
                 raise ScheduleError(f"rank {rank}: stage {stage} never runs microbatch {j} ({f}, {b} missing); "
                                     f"microbatches 0..{m - 1} appear elsewhere", rank=rank)
 
@@ -506,7 +547,7 @@ def _needs(action: Action, p: int, last: int, placement: str, where) -> list[Act
     j, s = action.microbatch, action.stage
 
     def local(other: int) -> bool:
-        return rank_of(other, p, placement) == rank_of(s, p, placement)
+        return stage_rank(other, p, placement) == stage_rank(s, p, placement)
 
     def backward(stage: int) -> Action:  # what computes a stage's input gradients
         return Action("I", j, stage) if Action("I", j, stage) in where else Action("B", j, stage)

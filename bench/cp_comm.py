@@ -7,8 +7,8 @@ the payload and the bytes this rank *sends* under the algorithm gloo uses on CPU
 all-reduce: ``2 (n-1)/n`` of the tensor; ring all-gather: ``(n-1)`` local blocks; point-to-point: exactly what
 is sent). Each call is filed under the phase it ran in (``forward``: outside autograd's backward,
 ``backward``: inside it) and under who made it: ``attention`` when the call comes from the graph's
-context-parallel collectives (``passes/context_parallel.py``, ``passes/ring_attention.py``,
-``passes/collectives.py``), ``data`` otherwise (the gradient all-reduce of DistributedDataParallel over
+context-parallel collectives (``autoshard/passes/context_parallel.py``, ``autoshard/passes/ring_attention.py``,
+``autoshard/passes/collectives.py``), ``data`` otherwise (the gradient all-reduce of DistributedDataParallel over
 dp x cp, the loss and token-count sums of ``pm.step``).
 """
 

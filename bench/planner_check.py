@@ -47,7 +47,7 @@ sys.path[:0] = [str(BENCH.parent / "tests"), str(BENCH)]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import autoshard  # noqa: E402
-from autoshard.planner.predict import Compiler, predict  # noqa: E402
+from autoshard.planner.predict import CandidateCompiler, predict  # noqa: E402
 from autoshard.planner.profile import calibrate  # noqa: E402
 
 BATCH, SEQ, HIDDEN, LAYERS, VOCAB = 8, 128, 256, 4, 2048
@@ -85,9 +85,9 @@ def build(name: str):
 def candidates(world: int, moe: bool) -> list[tuple[autoshard.Mesh, dict]]:
     """Every mesh with the option variants ``mesh="auto"`` searches (ring and all-to-all attention under cp; a
     pipeline runs the most microbatches the batch allows, up to 4), and ep for the mixture."""
-    from autoshard.api import _variants
     from autoshard.mesh import _meshes_of
     from autoshard.options import CompileOptions
+    from autoshard.planner.auto import _variants
 
     out = []
     for mesh in _meshes_of(world):
@@ -197,7 +197,7 @@ def main() -> None:
         choices = candidates(world, name == "mixtral-like")
         predictions = []
         if rank == 0:
-            compiler = Compiler(model, (tokens,), target, hf_token_loss)
+            compiler = CandidateCompiler(model, (tokens,), target, hf_token_loss)
             predictions = [predict(compiler, mesh, profile, **opts) for mesh, opts in choices]
         shared = [predictions]
         dist.broadcast_object_list(shared, src=0)

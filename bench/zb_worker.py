@@ -100,7 +100,7 @@ class LlamaStage(nn.Module):
 def torch_runner(model, tokens, target, m: int, schedule: str, split: list[range]) -> Runner:
     rank, p, stages_n = dist.get_rank(), dist.get_world_size(), len(split)
     placement = "v" if schedule in V else "loop"
-    mine = [s for s in range(stages_n) if schedules.rank_of(s, p, placement) == rank]
+    mine = [s for s in range(stages_n) if schedules.stage_rank(s, p, placement) == rank]
     modules = [LlamaStage(model, split[s], s == 0, s == stages_n - 1) for s in mine]
     stages = [pipelining.PipelineStage(mod, s, stages_n, torch.device("cpu")) for mod, s in zip(modules, mine,
                                                                                                   strict=True)]

@@ -9,11 +9,10 @@ whose tests are missing or fail without it cannot be judged and is reported as a
 a mutant survived, its original text was not found exactly once (the list is stale), or it could not be
 judged.
 
-Imports. The package is an editable install whose finder maps ``autoshard`` to this checkout and
-``autoshard.passes`` to its ``passes/`` folder. In the copy, ``PYTHONPATH`` puts the copy's ``autoshard``
-first, and a link ``autoshard/passes -> ../passes`` lets the ordinary path finder resolve the subpackage
-inside the copy before the editable finder (which Python consults last) could map it back here. The runner
-checks that every module resolves inside the copy before it runs any mutant.
+Imports. The package is an editable install whose finder maps ``autoshard`` to this checkout. In the copy,
+``PYTHONPATH`` puts the copy's ``autoshard`` first, so the ordinary path finder resolves it (and its subpackages)
+inside the copy before the editable finder, which Python consults last. The runner checks that every module
+resolves inside the copy before it runs any mutant.
 
     .venv/bin/python tests/mutate.py                  # every mutant
     .venv/bin/python tests/mutate.py cp-mask-diagonal  # some, by name
@@ -65,7 +64,6 @@ def snapshot(dest: Path, *, worktree: bool) -> None:
         archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, check=True, capture_output=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(dest, filter="data")
-    (dest / "autoshard" / "passes").symlink_to(Path("..") / "passes", target_is_directory=True)
 
 
 def environment(copy: Path) -> dict[str, str]:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard import api, cli
+from autoshard import cli
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
+from autoshard.planner import auto
 
 from models import build
 
@@ -172,18 +173,18 @@ def test_auto_mesh_on_one_process_is_one_rank(monkeypatch, capsys):
 def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     gpt, mlp = build("gpt"), build("mlp")
-    config = api.transformer_config(gpt.model, gpt.inputs, 8)
+    config = auto.transformer_config(gpt.model, gpt.inputs, 8)
     assert (config.layers, config.hidden, config.heads, config.vocab, config.seq, config.ffn) == (2, 48, 4, 80, 16, 128)
     assert config.tied_embeddings
-    mesh = api.auto_mesh(gpt.model, gpt.inputs, microbatches=2)
+    mesh = auto.auto_mesh(gpt.model, gpt.inputs, microbatches=2)
     assert mesh.world_size == 8 and 8 % (mesh.dp * 2) == 0 and 4 % mesh.tp == 0
-    assert api.transformer_config(mlp.model, mlp.inputs, 8) is None
-    assert api.auto_mesh(mlp.model, mlp.inputs) == Mesh(dp=8)
+    assert auto.transformer_config(mlp.model, mlp.inputs, 8) is None
+    assert auto.auto_mesh(mlp.model, mlp.inputs) == Mesh(dp=8)
 
 
 def lint_warnings(mesh: Mesh, microbatches: int = 1) -> list[str]:
     case = build("gpt")
-    findings = api.lint_findings(mesh, case.model, case.inputs, CompileOptions(microbatches=microbatches))
+    findings = auto.lint_findings(mesh, case.model, case.inputs, CompileOptions(microbatches=microbatches))
     return [f"autoshard: {f}" for f in findings if f.severity in ("warning", "error")]
 
 

@@ -35,7 +35,7 @@ def _layer(module: str) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    found = {f"autoshard.passes.{p.stem}": p for p in (REPO / "passes").glob("*.py")}
+    found = {}
     for path in (REPO / "autoshard").rglob("*.py"):
         name = ".".join(path.relative_to(REPO).with_suffix("").parts)
         found[name.removesuffix(".__init__") if name != "autoshard.__init__" else "autoshard.__init__"] = path

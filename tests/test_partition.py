@@ -305,10 +305,10 @@ def test_what_a_stage_sends_each_rank_is_what_the_next_stage_receives(name, opti
     128 KiB, and gloo aborted the processes)."""
     import autoshard
     from autoshard.options import CompileOptions
-    from autoshard.planner.predict import Compiler
+    from autoshard.planner.predict import CandidateCompiler
 
     case = build(name)
-    builds = Compiler(case.model, case.inputs, case.target, case.loss_fn).builds(autoshard.Mesh(pp=2, cp=2),
+    builds = CandidateCompiler(case.model, case.inputs, case.target, case.loss_fn).builds(autoshard.Mesh(pp=2, cp=2),
                                                                                 CompileOptions(**options))
     sent, received = {}, {}
     for per_cp in builds:
@@ -330,10 +330,10 @@ def test_a_stage_after_cp_s_attention_sends_this_rank_s_part(name):
 
     import autoshard
     from autoshard.options import CompileOptions
-    from autoshard.planner.predict import Compiler
+    from autoshard.planner.predict import CandidateCompiler
 
     case = corpus_build(name)
-    builds = Compiler(case.model, case.inputs, case.target, case.loss_fn).builds(
+    builds = CandidateCompiler(case.model, case.inputs, case.target, case.loss_fn).builds(
         autoshard.Mesh(pp=2, cp=2), CompileOptions(microbatches=2, schedule="interleaved", chunks=2))
     for cp_rank in range(2):
         specs = {stage: got_sent for per_cp in builds for stage, got_sent in per_cp[cp_rank].local_specs.items()}
@@ -351,10 +351,10 @@ def test_cp_s_attention_under_tp_records_the_part_both_axes_leave(options):
     import autoshard
     from autoshard import meta
     from autoshard.options import CompileOptions
-    from autoshard.planner.predict import Compiler
+    from autoshard.planner.predict import CandidateCompiler
 
     case = corpus_build("opt")
-    gm = Compiler(case.model, case.inputs, case.target, case.loss_fn).builds(
+    gm = CandidateCompiler(case.model, case.inputs, case.target, case.loss_fn).builds(
         autoshard.Mesh(tp=2, cp=2), CompileOptions(**options))[0][0].programs[0].gm
     modules = [n for n in gm.graph.nodes if n.op == "call_module"
                and type(gm.get_submodule(n.target)).__name__ in ("GatheredCausalAttention", "RingAttention",

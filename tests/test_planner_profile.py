@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.api import measured_mesh
 from autoshard.options import CompileOptions
-from autoshard.planner.predict import Compiler, predict
+from autoshard.planner.auto import measured_mesh
+from autoshard.planner.predict import CandidateCompiler, predict
 from autoshard.planner.profile import Profile
 
 from models import N_LAYER, build
@@ -122,7 +122,7 @@ def test_a_conversion_to_what_a_tensor_already_is_costs_a_view_not_a_copy():
     profile = _profile(op_seconds=1e-3, byte_seconds=1e-9)
 
     def compute(dtype):
-        compiler = Compiler(_Casting(dtype), (x,), target, torch.nn.functional.mse_loss)
+        compiler = CandidateCompiler(_Casting(dtype), (x,), target, torch.nn.functional.mse_loss)
         return predict(compiler, autoshard.Mesh(), profile).parts["compute"]
 
     same, other = compute(torch.float32), compute(torch.float64)
@@ -144,7 +144,7 @@ def test_transformers_expert_loop_pays_for_zeroing_its_buffers():
                                         num_experts_per_tok=2, max_position_embeddings=16)
     model = transformers.MixtralForCausalLM(config).train()
     tokens = torch.randint(0, 64, (2, 16))
-    compiler = Compiler(model, (tokens,), tokens, hf_token_loss)
+    compiler = CandidateCompiler(model, (tokens,), tokens, hf_token_loss)
     nodes = [n for n in compiler.builds(autoshard.Mesh(), CompileOptions())[0][0].programs[0].gm.graph.nodes
              if n.op == "call_function" and "grouped_mm_fallback" in str(n.target)]
     assert len(nodes) == 2, nodes  # the gate-up and down projections
@@ -213,7 +213,7 @@ def test_collectives_pay_their_latency_per_call_and_a_ring_scales_with_the_group
 @pytest.fixture(scope="module")
 def gpt():
     case = build("gpt")
-    return case, Compiler(case.model, case.inputs, case.target, case.loss_fn)
+    return case, CandidateCompiler(case.model, case.inputs, case.target, case.loss_fn)
 
 
 def test_the_ranks_waiting_on_each_other_cost_each_collective_and_a_share_of_the_compute(gpt):
@@ -309,7 +309,7 @@ def test_the_activations_a_program_keeps_for_its_backward_are_read_from_its_grap
     from autoshard.planner.memory import saved_bytes
 
     case = build(name)
-    compiler = Compiler(case.model, case.inputs, case.target, case.loss_fn)
+    compiler = CandidateCompiler(case.model, case.inputs, case.target, case.loss_fn)
     program = compiler.builds(autoshard.Mesh(), CompileOptions())[0][0].programs[0]
     weights = {p.untyped_storage().data_ptr() for p in case.model.parameters()}
     kept = {}
@@ -452,7 +452,7 @@ def test_a_product_with_a_number_keeps_nothing_for_the_backward():
             return self.down(h)
 
     model, x, target = Gelu(), torch.randn(4, 32, 64), torch.randn(4, 32, 64)
-    compiler = Compiler(model, (x,), target, torch.nn.functional.mse_loss)
+    compiler = CandidateCompiler(model, (x,), target, torch.nn.functional.mse_loss)
     program = compiler.builds(autoshard.Mesh(), CompileOptions())[0][0].programs[0]
     kept = {}
 
@@ -487,8 +487,8 @@ def test_a_footprint_splits_as_the_mesh_and_the_options_split_it(gpt):
 
 
 def test_mesh_auto_under_a_memory_limit_takes_the_fastest_that_fits(gpt, tmp_path):
-    from autoshard.api import measured_choice
     from autoshard.explain import planner_ranking
+    from autoshard.planner.auto import measured_choice
 
     case, _ = gpt
     path = tmp_path / "p.json"
@@ -565,8 +565,8 @@ def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
 
 
 def test_the_ranking_and_why_the_winner_wins_are_explained(gpt, tmp_path):
-    from autoshard.api import measured_choice
     from autoshard.explain import planner_ranking
+    from autoshard.planner.auto import measured_choice
 
     case, _ = gpt
     path = tmp_path / "p.json"
@@ -585,7 +585,7 @@ def test_a_pipeline_is_also_searched_interleaved(gpt, tmp_path):
     """Under pp, mesh='auto' also costs interleaved 1F1B with two chunks per rank, each microbatch count it tries
     (on this machine's Llama at pp2: 2 microbatches interleaved measured 182 to 191 ms, 1F1B's best 182 to 203);
     a schedule or chunks the user gave are kept."""
-    from autoshard.api import _variants, measured_choice
+    from autoshard.planner.auto import _variants, measured_choice
 
     case, _ = gpt
     path = tmp_path / "p.json"
@@ -606,7 +606,7 @@ def test_mesh_auto_searches_ep_for_a_mixture_of_experts():
     """The zoo's mixture (8 experts) at 2 ranks: every mesh, and each with the experts split over every ep that
     divides dp x cp and the experts, is compiled and costed (the all-to-alls of its rows against the experts'
     gradients left out of DDP's); a model without experts gets no ep candidate."""
-    from autoshard.api import measured_choice
+    from autoshard.planner.auto import measured_choice
 
     profile = str(DATA / "profile_cpu_2.json")
     case = build("moe")

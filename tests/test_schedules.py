@@ -354,3 +354,25 @@ def test_under_nccl_each_direction_needs_its_own_group(name, p, m, v):
     with pytest.raises(ScheduleError, match=r"deadlock where a send waits for its receive \(NCCL\): rank 0's "
                                             r"stream to rank 1 starts with 0SEND_F"):
         _rendezvous(actions, p, placement_of(name), both_ways=True)
+
+
+def test_every_schedule_has_one_record_that_builds_it_as_it_says():
+    """``SPECS`` is the one record of each schedule: its chunks, placement and bubble formula are what the schedule
+    it builds runs (the placement validated, the formula equal to the simulated idle share)."""
+    from autoshard import schedules
+    from autoshard.kinds import ScheduleName
+
+    assert set(schedules.SPECS) == set(ScheduleName)
+    for name, found in schedules.SPECS.items():
+        v = found.chunks or 2
+        p, m = 2, 4 * v
+        actions = schedules.schedule(name, p, m, v)
+        schedules.validate(actions, p, v, found.placement)
+        assert schedules.placement_of(name) == found.placement
+        if found.splits_backward:
+            assert any(a.kind == "W" for steps in actions.values() for a in steps), name
+        sim = schedules.simulate(actions, p, v, forward_cost=1.0, backward_cost=2.0, placement=found.placement)
+        if name != ScheduleName.DUALPIPEV:  # its F and B pairs overlap: the simulation's share is below the formula
+            assert sim.bubble == pytest.approx(found.fraction(p, m, v)), (name, sim.bubble)
+    assert schedules.named(1) == "1f1b" and schedules.named(2) == "interleaved"
+    assert schedules.named(1, zero_bubble=True) == "zb-h1" and schedules.named(2, zero_bubble=True) == "zbv"

@@ -146,10 +146,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_profiled(args: argparse.Namespace) -> int:
     """``--profile`` and ``--factory``: the candidates ``mesh="auto"`` weighs, compiled and costed here, the fastest
     ``--top`` printed with their bytes per rank and why the winner wins."""
-    from autoshard.api import measured_choice
     from autoshard.explain import planner_ranking
     from autoshard.inspect_cli import InspectError, load_case
     from autoshard.options import CompileOptions
+    from autoshard.planner.auto import measured_choice
 
     try:
         if not (args.profile and args.factory):

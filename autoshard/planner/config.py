@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from autoshard import schedules
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh
 from autoshard.planner import units
@@ -271,9 +272,7 @@ class Split:
     @property
     def schedule(self) -> str:
         """The pipeline schedule's name in ``autoshard.schedules``."""
-        if self.zero_bubble:
-            return "zbv" if self.interleave == 2 else "zb-h1"
-        return "interleaved" if self.interleave > 1 else "1f1b"
+        return str(schedules.named(self.interleave, self.zero_bubble))
 
     def short(self) -> str:
         """``dp=32 tp=8 pp=16 cp=1 m=64 b=1 v=4``, plus ``recompute`` when on."""

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from autoshard.kinds import ScheduleName
+from autoshard import schedules
 from autoshard.mesh import Mesh
 from autoshard.planner import units
 from autoshard.planner.config import Cluster, Split, TransformerConfig
@@ -65,7 +65,7 @@ class LintInput:
     @property
     def zero_bubble(self) -> bool:
         """Whether the schedule splits each backward into input and weight gradients (ZB-H1, ZBV, DualPipeV)."""
-        return self.schedule in {s.value for s in ScheduleName} and ScheduleName(self.schedule).splits_backward
+        return self.schedule in schedules.SCHEDULES and schedules.spec(self.schedule).splits_backward
 
     @property
     def gpus_per_node(self) -> int:
@@ -104,7 +104,7 @@ def lint(mesh: Mesh, config: TransformerConfig | None = None, cluster: Cluster |
     ``microbatches`` is m per step; with the model's global batch it sets the microbatch size. ``schedule`` is
     the pipeline schedule's name (by default 1F1B, or interleaved 1F1B with ``interleave`` > 1).
     """
-    schedule = schedule or ("interleaved" if interleave > 1 else "1f1b")
+    schedule = schedule or schedules.named(interleave)
     given = LintInput(mesh=mesh, config=config, cluster=cluster, microbatches=microbatches, interleave=interleave,
                       recompute=recompute, shard_optimizer=shard_optimizer, max_bubble=max_bubble,
                       max_stages=max_stages, schedule=schedule)
@@ -197,7 +197,7 @@ def _microbatches(x: LintInput) -> Iterator[Finding]:
     if v_need > v and (layers is None or pp * v_need <= layers) and not x.zero_bubble:
         fixes.append(f"interleave v={v_need} at the same m")
     if not x.zero_bubble and v <= 2:
-        zb = "zb-h1" if v == 1 else "zbv"
+        zb = str(schedules.named(v, zero_bubble=True))
         fixes.append(f"schedule={zb!r} (each backward split into input and weight gradients; the weight part fills "
                      f"the bubble: {(pp - 1) / (3 * v * m + pp - 1):.1%} at the same m and activation memory)")
     yield Finding("warning", "microbatches", f"{what}, the bubble is {bubble:.1%} of the step (over "
@@ -213,15 +213,16 @@ def _stage_memory(x: LintInput) -> Iterator[Finding]:
     if est.fits:
         return
     over = est.memory - est.memory_limit
-    message = (f"the first stage needs {units.format_bytes(est.memory)}, {units.format_bytes(over)} over the "
-               f"{units.format_bytes(est.memory_limit)} usable: {_memory_parts(est)}")
+    size = units.format_si_bytes
+    message = (f"the first stage needs {size(est.memory)}, {size(over)} over the {size(est.memory_limit)} usable: "
+               f"{_memory_parts(est)}")
     yield Finding("error", "stage-memory", message, _memory_fix(x, est))
 
 
 def _memory_parts(est: Estimate) -> str:
     state = est["M_weights"] + est["M_grads"] + est["M_optimizer"]
-    return (f"weights, gradients and optimizer state {units.format_bytes(state)}; activations "
-            f"{units.format_bytes(est['M_activations'])} ({est['in_flight']:.4g} microbatches in flight "
+    return (f"weights, gradients and optimizer state {units.format_si_bytes(state)}; activations "
+            f"{units.format_si_bytes(est['M_activations'])} ({est['in_flight']:.4g} microbatches in flight "
             f"x {est['n']:.0f} layers)")
 
 
@@ -231,7 +232,7 @@ def _memory_fix(x: LintInput, est: Estimate) -> str:
         tries.append(("recompute='full'", replace(est.split, recompute="full")))
     if not est.split.shard_optimizer and est.split.dp > 1:
         tries.append(("shard the optimizer state over dp (ZeRO-1)", replace(est.split, shard_optimizer=True)))
-    fits = [f"{what} ({units.format_bytes(evaluate(x.config, x.cluster, s).memory)})" for what, s in tries
+    fits = [f"{what} ({units.format_si_bytes(evaluate(x.config, x.cluster, s).memory)})" for what, s in tries
             if evaluate(x.config, x.cluster, s).fits]
     if fits:
         return " or ".join(fits)

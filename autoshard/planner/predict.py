@@ -201,7 +201,7 @@ def _collective_time(gm: fx.GraphModule, node: fx.Node, profile: Profile) -> tup
     return spent[0], spent[1]
 
 
-class Compiler:
+class CandidateCompiler:
     """Compiles a model for candidate meshes in this process, one capture per microbatch shape."""
 
     def __init__(self, model: nn.Module, inputs: tuple, target: torch.Tensor, loss_fn) -> None:
@@ -243,7 +243,7 @@ class Compiler:
                  for c in range(mesh.cp)] for r in range(mesh.pp)]
 
 
-def predict(compiler: Compiler, mesh: Mesh, profile: Profile, options: CompileOptions | None = None,
+def predict(compiler: CandidateCompiler, mesh: Mesh, profile: Profile, options: CompileOptions | None = None,
             **option_fields) -> Prediction:
     """The predicted step of ``mesh`` with ``options`` or ``option_fields`` (``parallelize``'s keyword options)."""
     options = options if options is not None else CompileOptions(**option_fields)

@@ -135,7 +135,7 @@ def _seed(result: PlanResult, seed: Estimate | None, best: Estimate) -> dict | N
     if seed is None:
         return None
     mine = result.find(**{axis: seed.split.mesh.degree(axis) for axis in AXES})
-    return {**_estimate(seed), "mesh_rank": result.rank_of(mine) if mine is not None else None,
+    return {**_estimate(seed), "mesh_rank": result.position_of(mine) if mine is not None else None,
             "reason": reason(result, seed, best)}
 
 

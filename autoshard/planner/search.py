@@ -119,7 +119,7 @@ class PlanResult:
                 return est
         return None
 
-    def rank_of(self, est: Estimate) -> int:
+    def position_of(self, est: Estimate) -> int:
         """1-based position of ``est``'s mesh in the ranking."""
         return 1 + [e.split.mesh for e in self.ranked].index(est.split.mesh)
 
@@ -233,15 +233,15 @@ def _nothing_fits(config: TransformerConfig, cluster: Cluster, result: PlanResul
     assert closest is not None, "no split was rejected for memory, yet none fits"
     limit = closest.memory_limit
     short = closest.memory - limit
-    text = (f"nothing fits in {units.format_bytes(cluster.gpu_memory)} per GPU ({units.format_bytes(limit)} usable): "
-            f"the smallest footprint, {closest.split.short()}, needs {units.format_bytes(closest.memory)}, "
-            f"{units.format_bytes(short)} short")
+    size = units.format_si_bytes
+    text = (f"nothing fits in {size(cluster.gpu_memory)} per GPU ({size(limit)} usable): the smallest footprint, "
+            f"{closest.split.short()}, needs {size(closest.memory)}, {size(short)} short")
     fixes = []
     more = _fitting_gpu_count(config, cluster, shard_optimizer)
     if more is not None:
         fixes.append(f"use {more} GPUs")
     needed = math.ceil(closest.memory / cluster.usable_memory / 1e9) * 1e9
-    fixes.append(f"GPUs with at least {units.format_bytes(needed)}")
+    fixes.append(f"GPUs with at least {units.format_si_bytes(needed)}")
     if not shard_optimizer and closest.split.dp > 1:
         fixes.append("--shard-optimizer (ZeRO-1)")
     return f"{text}; to fit, {' or '.join(fixes)}"

@@ -109,7 +109,7 @@ _SCALES = {"bytes": _bytes, "bandwidth": _bandwidth, "flops": _flops, "time": _t
 _NAMES = {"bytes": "memory size", "bandwidth": "bandwidth", "flops": "compute rate", "time": "time"}
 
 
-def format_bytes(n: float) -> str:
+def format_si_bytes(n: float) -> str:
     """``80.0 GB``: decimal units, three significant digits."""
     return _format(n, "B")
 

@@ -22,7 +22,7 @@ class NonFiniteError(AutoshardError, FloatingPointError):
     """A NaN or infinity appeared in a step: raised on every rank, naming where it appeared first."""
 
 
-class Finding:
+class AnomalyWatch:
     """What this rank found in the current step: the first non-finite output, and the programs' interpreters."""
 
     def __init__(self) -> None:
@@ -63,7 +63,7 @@ class Finding:
 
 
 class _Interpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, finding: Finding) -> None:
+    def __init__(self, gm: fx.GraphModule, finding: AnomalyWatch) -> None:
         super().__init__(gm)
         self.finding = finding
 

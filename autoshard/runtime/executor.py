@@ -11,7 +11,7 @@ NCCL a send waits for its receive, in order with every other message between the
 and with both directions on one group, 1F1B's steady state (rank 0 sends an activation while rank 1 sends it a
 gradient) waits forever. ``schedules.validate`` runs every schedule this way.
 
-Stage s runs on pp rank ``s % p`` (or in a V: ``schedules.rank_of``); neighbouring stages on one rank hand
+Stage s runs on pp rank ``s % p`` (or in a V: ``schedules.stage_rank``); neighbouring stages on one rank hand
 over their activations and gradients in memory. The last stage divides its loss by the global divisor, so the
 gradients accumulated over microbatches are plain sums. Every action is recorded with its start and
 end time, from which the real timeline and bubble are measured.
@@ -34,7 +34,7 @@ from autoshard.kinds import ActionKind
 from autoshard.passes.pipeline_split import TensorSpec
 from autoshard.runtime.failures import is_peer_failure
 from autoshard.runtime.split_backward import WeightGradients, input_gradients
-from autoshard.schedules import Action, rank_of
+from autoshard.schedules import Action, stage_rank
 
 
 class PipelineStall(AutoshardError, RuntimeError):
@@ -261,10 +261,10 @@ class PipelineExecutor:
                 state.pop(key)
 
     def _local(self, stage: int) -> bool:
-        return rank_of(stage, self.p, self.placement) == self.rank
+        return stage_rank(stage, self.p, self.placement) == self.rank
 
     def _peer(self, stage: int) -> int:
-        return self.pp_ranks[rank_of(stage, self.p, self.placement)]
+        return self.pp_ranks[stage_rank(stage, self.p, self.placement)]
 
     def _group_to(self, peer: int):
         """The group of messages between this rank and ``peer`` in their direction (see the module's text)."""

@@ -32,7 +32,7 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
 from autoshard.runtime import gather, habits, inference, recompute
-from autoshard.runtime.anomaly import Finding
+from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, collective_guard, stall_guard
@@ -55,7 +55,7 @@ class ParallelModel(nn.Module):
         self.mesh, self.groups, self.options, self.loss_fn, self.lint = mesh, groups, options, loss_fn, lint
         self.ranking = None  # mesh="auto" with a profile: every candidate's prediction, fastest first
         self.replica = Replica(codegen.ParamStore())
-        self.anomaly = Finding() if options.detect_anomaly else None
+        self.anomaly = AnomalyWatch() if options.detect_anomaly else None
         if self.anomaly is not None:
             self.replica.run = self.anomaly.run
         self.compiler = Compiler() if options.compile else None

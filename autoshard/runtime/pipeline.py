@@ -2,7 +2,7 @@
 
 The stages come compiled in a ``RankBuild`` (``autoshard.compile``): every capture is cut after the same
 nodes, so every capture places every parameter on the same rank; stage s runs on pp rank ``s % p``, or in a V
-for the V schedules (``schedules.rank_of``).
+for the V schedules (``schedules.stage_rank``).
 A parameter read by stages on two ranks (a tied embedding and LM head) is spread over the pp ranks
 (``runtime.spread``): each stores its rows, all gather it for the step and its gradient is reduce-scattered
 after. One that is not (under FSDP2) has one copy per rank; their gradients are summed over a process
@@ -38,8 +38,7 @@ class Pipeline:
         self.timeout = options.timeout
         self.pp_index = groups.coords["pp"]
         self.placement = schedules.placement_of(options.schedule)
-        self.actions = schedules.schedule(options.schedule, self.p, options.microbatches, self.v)
-        schedules.validate(self.actions, self.p, self.v, self.placement)
+        self.actions: schedules.Schedule = {}  # the schedule its builds were compiled with (the same for each)
         self.tied: dict[str, frozenset[int]] = {}
         self.spread = spread.NONE
         self.executor: PipelineExecutor | None = None
@@ -47,6 +46,7 @@ class Pipeline:
     def prepare(self, build: RankBuild, store: codegen.ParamStore, programs: list, device: torch.device) -> None:
         """A build was compiled: create the groups of its tied parameters and, at the first build, give this rank
         its rows of the spread weights (collective, on every rank). ``programs``: every program of this rank."""
+        self.actions = build.actions
         if not self.spread and build.spread:
             self.spread = spread.Spread(build.spread, self.groups.group("pp"), self.p, self.pp_index,
                                         self.groups.ranks("pp"))
@@ -67,7 +67,7 @@ class Pipeline:
         everyone: list = [None] * self.p
         dist.all_gather_object(everyone, mine, group=self.groups.group("pp"))
         specs = {s: pair for found in everyone for s, pair in found.items()}
-        rank = [schedules.rank_of(s, self.p, self.placement) for s in range(self.num_stages)]
+        rank = [schedules.stage_rank(s, self.p, self.placement) for s in range(self.num_stages)]
         for s in range(self.num_stages - 1):
             sent, received = specs[s][1], specs[s + 1][0]
             if rank[s] != rank[s + 1] and sent != received:  # within one rank nothing is allocated for it
@@ -115,7 +115,7 @@ class Pipeline:
         received: list[torch.Tensor] = []
         flat_out: list[torch.Tensor] = []
         def rank(stage: int) -> int:
-            return schedules.rank_of(stage, self.p, self.placement)
+            return schedules.stage_rank(stage, self.p, self.placement)
 
         for s in range(self.num_stages):
             owner = ranks[rank(s)]

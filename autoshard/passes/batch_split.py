@@ -44,7 +44,7 @@ COUPLED, UNKNOWN, STATISTIC = "coupled", "unknown", "statistic"
 
 
 @dataclass(frozen=True)
-class Finding:
+class Unproven:
     """A node that reads rows of the batch split as if they were the whole batch (see the module docstring)."""
 
     node: fx.Node
@@ -82,7 +82,7 @@ def where(node: fx.Node) -> str:
     return f"{node.name} in the loss_fn" if "autoshard" in found and "capture.py" in found else found
 
 
-def unproven(gm: fx.GraphModule, prop: Propagation) -> list[Finding]:
+def unproven(gm: fx.GraphModule, prop: Propagation) -> list[Unproven]:
     """The findings whose values reach the loss without being taken back as rows of the batch, in graph order (where
     each coupling starts: none downstream of another)."""
     found, reaches, loss = _trace(gm, prop)
@@ -115,13 +115,13 @@ def _trace(gm: fx.GraphModule, prop: Propagation):
             misread.add((r.value, r.consumer))  # (a token mean is job_plan's own case: its counts are summed)
         elif r.src == R and isinstance(r.dst, Shard):
             taken.add((r.value, r.consumer))
-    found: dict[fx.Node, Finding] = {}
+    found: dict[fx.Node, Unproven] = {}
     reaches: dict[fx.Node, frozenset[fx.Node]] = {}
     for node in gm.graph.nodes:
         origins: set[fx.Node] = set()
         for value in node.all_input_nodes:
             if (value, node) in misread:
-                found.setdefault(node, Finding(node, _kind(node), where(node)))
+                found.setdefault(node, Unproven(node, _kind(node), where(node)))
                 origins.add(node)
             for origin in reaches.get(value, ()):
                 if (value, node) in taken and not in_loss_fn(node) and not in_loss_fn(origin):
