@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -256,28 +257,88 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
             for n, spec in zip(nodes, whole, strict=True)]
 
 
+@dataclass(frozen=True)
+class AxisPass:
+    """One axis's rewrite of a rank's graph: whether this rank's sharding asks for it, and the rewrite.
+
+    ``after``: the passes that must have run first where both run (checked as data, below, as torch.fx's
+    PassManager checks its constraints). ``apply(gm, sharding, found)``: ``found`` carries what a pass reads off
+    the graph for a later one (sequence parallelism's region exits, read while the graph is tp's)."""
+
+    name: str
+    after: tuple[str, ...]
+    applies: Callable[[Sharding], bool]
+    apply: Callable[[fx.GraphModule, Sharding, dict], None]
+
+
+def _batch_sums(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    size, rank, group, batch, sizes = sharding.batch_sums
+    batch_statistics_pass(gm, batch=batch, size=size, rank=rank, group=group, sizes=sizes)
+
+
+def _sequence(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    sp_plan = sharding.sp_plan
+    if sharding.cp_plan is not None and sharding.cp_plan.size > 1:  # tp splits each cp rank's tokens
+        sp_plan = dataclasses.replace(sp_plan, seq_len=len(sharding.cp_plan.positions(sharding.cp_rank)))
+    sequence_parallel_pass(gm, sp_plan, rank=sharding.tp_rank, group=sharding.tp_group, stage=sharding.stage,
+                           exits=found["sp exits"])
+
+
+def _batch_norm(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    size, rank, group = sharding.batch_norm
+    batch_norm_pass(gm, group=group, size=size, rank=rank)
+
+
+_EARLIER = ("batch statistics", "tp", "sp regions", "cp", "sp", "batch norm")
+AXIS_PASSES: tuple[AxisPass, ...] = (
+    # first: it finds the loss's whole-batch statistics on the graph as the job plan did
+    AxisPass("batch statistics", (), lambda s: s.batch_sums is not None, _batch_sums),
+    AxisPass("tp", ("batch statistics",), lambda s: s.tp_plan is not None and s.tp_plan.size > 1,
+             lambda gm, s, found: tensor_parallel_pass(gm, s.tp_plan, rank=s.tp_rank, group=s.tp_group,
+                                                       mark_entries=s.sp_plan is not None)),
+    AxisPass("sp regions", ("tp",), lambda s: s.sp_plan is not None,
+             lambda gm, s, found: found.__setitem__("sp exits", region_exits(gm, s.sp_plan))),
+    AxisPass("cp", ("tp", "sp regions"), lambda s: s.cp_plan is not None and s.cp_plan.size > 1,
+             lambda gm, s, found: context_parallel_pass(gm, s.cp_plan, rank=s.cp_rank, group=s.cp_group,
+                                                        training=s.training, keep_outputs=s.keep_outputs)),
+    AxisPass("sp", ("sp regions", "cp"), lambda s: s.sp_plan is not None, _sequence),
+    AxisPass("batch norm", ("tp", "cp", "sp"), lambda s: s.batch_norm is not None, _batch_norm),
+    # last: it reads the rows each routed layer holds after every other split
+    AxisPass("ep", _EARLIER, lambda s: s.ep_plan is not None,
+             lambda gm, s, found: expert_parallel_pass(gm, s.ep_plan, rank=s.ep_rank, group=s.ep_group)),
+)
+
+
+def check_order(passes: tuple[AxisPass, ...]) -> None:
+    """Every pass comes after the passes it names in ``after`` (and those exist)."""
+    seen: set[str] = set()
+    names = {p.name for p in passes}
+    for axis_pass in passes:
+        unknown = set(axis_pass.after) - names
+        early = set(axis_pass.after) - seen
+        if unknown or early:
+            raise AssertionError(f"axis pass {axis_pass.name!r} must come after {sorted(early)}"
+                                 + (f" (no such passes: {sorted(unknown)})" if unknown else ""))
+        seen.add(axis_pass.name)
+
+
+check_order(AXIS_PASSES)
+
+
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:
-    if sharding.batch_sums is not None:  # first: it finds the statistics on the graph as the job plan did
-        size, rank, group, batch, sizes = sharding.batch_sums
-        batch_statistics_pass(gm, batch=batch, size=size, rank=rank, group=group, sizes=sizes)
-    if sharding.tp_plan is not None and sharding.tp_plan.size > 1:
-        tensor_parallel_pass(gm, sharding.tp_plan, rank=sharding.tp_rank, group=sharding.tp_group,
-                             mark_entries=sharding.sp_plan is not None)
-    exits = region_exits(gm, sharding.sp_plan) if sharding.sp_plan is not None else None
-    if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
-        context_parallel_pass(gm, sharding.cp_plan, rank=sharding.cp_rank, group=sharding.cp_group,
-                              training=sharding.training, keep_outputs=sharding.keep_outputs)
-    if sharding.sp_plan is not None:  # after cp: tp splits each cp rank's tokens
-        sp_plan = sharding.sp_plan
-        if sharding.cp_plan is not None and sharding.cp_plan.size > 1:
-            sp_plan = dataclasses.replace(sp_plan, seq_len=len(sharding.cp_plan.positions(sharding.cp_rank)))
-        sequence_parallel_pass(gm, sp_plan, rank=sharding.tp_rank, group=sharding.tp_group, stage=sharding.stage,
-                               exits=exits)
-    if sharding.batch_norm is not None:
-        size, rank, group = sharding.batch_norm
-        batch_norm_pass(gm, group=group, size=size, rank=rank)
-    if sharding.ep_plan is not None:  # last: it reads the rows each routed layer holds after every other split
-        expert_parallel_pass(gm, sharding.ep_plan, rank=sharding.ep_rank, group=sharding.ep_group)
+    """Each axis pass this rank's sharding asks for, in order; a failure says which pass ran after which."""
+    found: dict = {}
+    done: list[str] = []
+    for axis_pass in AXIS_PASSES:
+        if not axis_pass.applies(sharding):
+            continue
+        try:
+            axis_pass.apply(gm, sharding, found)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"autoshard: in the {axis_pass.name} pass, after {', '.join(done) or 'no other pass'}")
+            raise
+        done.append(axis_pass.name)
     if store is not None:
         store.adopt(gm)
 

@@ -256,6 +256,10 @@ _RULES: dict[str, Callable[[fx.Node, ShapeMap], Dim]] = {
     "conv3d": _convolution,
 }
 
+# How the planner times the ops above: attention by its own rate, every other one as a matmul of its FLOPs.
+TIMED_AS_ATTENTION = frozenset({"scaled_dot_product_attention"})
+TIMED_AS_MATMUL = frozenset(_RULES) - TIMED_AS_ATTENTION
+
 # Views of their input: no arithmetic and no new memory.
 _VIEWS = frozenset({
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "expand_as",

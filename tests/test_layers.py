@@ -91,3 +91,58 @@ def test_every_exception_class_of_autoshard_has_one_root():
                 loose.append(f"{module.__name__}.{value.__name__}")
     assert not loose, loose
 
+
+
+def test_the_axis_passes_run_in_an_order_their_constraints_allow(monkeypatch):
+    """Each axis pass names the passes that must run before it; the order is checked as data, and a failure inside
+    a pass says which pass it was and which ran before it."""
+    import pytest
+    import torch
+    from torch import fx
+
+    from autoshard import codegen
+
+    codegen.check_order(codegen.AXIS_PASSES)
+    swapped = (codegen.AXIS_PASSES[1], codegen.AXIS_PASSES[0], *codegen.AXIS_PASSES[2:])
+    with pytest.raises(AssertionError, match=r"'tp' must come after \['batch statistics'\]"):
+        codegen.check_order(swapped)
+
+    def fails(gm, sharding, found):
+        raise RuntimeError("a rewrite failed")
+
+    passes = (codegen.AxisPass("first", (), lambda s: True, lambda gm, s, found: None),
+              codegen.AxisPass("second", ("first",), lambda s: True, fails))
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(codegen, "AXIS_PASSES", passes)
+    with pytest.raises(RuntimeError, match="a rewrite failed") as raised:
+        codegen._shard(gm, codegen.Sharding(), None)
+    assert "in the second pass, after first" in "\n".join(getattr(raised.value, "__notes__", [])), raised.value
+
+
+def test_what_autoshard_knows_of_an_op_is_one_record_whatever_was_imported():
+    """Every sharding rule, localizer and signature matcher came through ``rules.op``, which refuses a second,
+    different record for an op; an op's rule does not depend on which modules were imported (topk's rule had
+    been set by ``batch_statistics`` at its import, with ``setdefault``); every op ``cost`` counts FLOPs for is
+    one the planner times."""
+    import subprocess
+    import sys
+
+    import pytest
+    import torch
+
+    import autoshard.codegen  # noqa: F401 - every pass module, each recording what it knows of its ops
+    from autoshard import cost
+    from autoshard.passes import rules
+    from autoshard.planner import predict
+
+    aten = torch.ops.aten
+    assert all(("rule", target) in rules.RECORDED for target in rules.RULES)
+    assert all(("localizer", target) in rules.RECORDED for target in rules.LOCALIZERS)
+    assert all(("matcher", matches) in rules.RECORDED for matches, _ in rules.MATCHERS)
+    with pytest.raises(AssertionError, match="one record per op"):
+        rules.op(aten.topk.default, rule=rules._pointwise)
+    rules.op(aten.topk.default, rule=rules.RULES[aten.topk.default])  # the same record again changes nothing
+    alone = subprocess.run([sys.executable, "-c", "import torch; from autoshard.passes import rules; "
+                            "print(torch.ops.aten.topk.default in rules.RULES)"], capture_output=True, text=True)
+    assert alone.stdout.strip() == "True", alone.stderr
+    assert set(cost._RULES) <= predict._MATMULS | predict._ATTENTION

@@ -476,13 +476,12 @@ def test_topk_keeps_each_rows_k_where_the_batch_is_split():
     the tokens split; over the split dim, or on another axis, it is gathered."""
     from rules_sim import _build
 
-    from autoshard.passes.batch_statistics import _topk_rule
-    from autoshard.passes.rules import Context, decide
+    from autoshard.passes.rules import RULES, Context, decide
 
     _, _, node = _build(aten.topk.default, (rand(6, 4), 2), {})
     dp = Axis("dp", 2, pending_sums=True)
     assert decide(node, Context(dp, {node.args[0]: Shard(0)})).out == (Shard(0), Shard(0))
-    assert _topk_rule(node, Context(tensor_axis(2), {node.args[0]: Shard(0)})).out != (Shard(0), Shard(0))
+    assert RULES[aten.topk.default](node, Context(tensor_axis(2), {node.args[0]: Shard(0)})).out != (Shard(0), Shard(0))
     _, _, over = _build(aten.topk.default, (rand(6, 4), 2, 0), {})
     assert decide(over, Context(dp, {over.args[0]: Shard(0)})).out != (Shard(0), Shard(0))
 

@@ -122,9 +122,9 @@ def _gathered_rule(node: fx.Node, ctx) -> object:
 
 
 def _register() -> None:
-    from autoshard.passes.rules import RULES
+    from autoshard.passes.rules import op
 
-    RULES[DataAllGather] = _gathered_rule
+    op(DataAllGather, rule=_gathered_rule)
 
 
 _register()

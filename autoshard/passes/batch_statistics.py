@@ -396,20 +396,6 @@ def refusal(gm: fx.GraphModule, batch: int, size: int, sizes: dict[str, list] | 
     return None
 
 
-def _topk_rule(node: fx.Node, ctx) -> object:
-    """The dp axis: ``topk`` along a dim the batch is not split on keeps each row's k (values and indices split as the
-    input). Other axes: as without a rule (gathered)."""
-    from autoshard.passes.rules import Decision, _one_input_shard, arg, replicate_all
-
-    p = _one_input_shard(node, ctx)
-    if ctx.axis.name != "dp" or p is None:
-        return replicate_all(node, ctx)
-    ndim = len(ctx.shape(node.args[0]))
-    dim = arg(node, "dim")
-    dim = -1 if dim is None else dim
-    return replicate_all(node, ctx) if dim % ndim == p.dim else Decision((p, p))
-
-
 def _summand_rule(node: fx.Node, ctx) -> object:
     """The dp axis: each rank's histogram of its split values is a summand. Any other axis: element-wise."""
     from autoshard.passes.rules import Decision, _pointwise
@@ -419,11 +405,10 @@ def _summand_rule(node: fx.Node, ctx) -> object:
 
 def _register() -> None:
     """On every axis a sum over the dp ranks acts element-wise: placements pass through it."""
-    from autoshard.passes.rules import RULES, _pointwise
+    from autoshard.passes.rules import _pointwise, op
 
-    RULES[DataAllReduce] = _pointwise
-    RULES[_Summand] = _summand_rule
-    RULES.setdefault(aten.topk.default, _topk_rule)
+    op(DataAllReduce, rule=_pointwise)
+    op(_Summand, rule=_summand_rule)
 
 
 _register()

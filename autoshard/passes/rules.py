@@ -102,19 +102,47 @@ MATCHERS: list[tuple[Callable[[fx.Node], bool], Rule]] = []
 LOCALIZERS: dict[object, Callable] = {}
 
 
+RECORDED: set[tuple[str, object]] = set()  # (table, op) of every entry written by ``op``
+
+
+def op(*ops, rule: Rule | None = None, localize: Callable | None = None,
+       matches: Callable[[fx.Node], bool] | None = None) -> None:
+    """Record what autoshard knows of ``ops`` (overloads, packets, or the classes of ``call_module`` nodes): their
+    sharding ``rule`` and their ``localize``r (how one rank runs its part); or, with ``matches``, the rule of the
+    ops that predicate recognises by their signature. The one way into ``RULES``, ``LOCALIZERS`` and ``MATCHERS``: a
+    second, different record of the same kind for an op is refused, so what an op's rule is never depends on which
+    module was imported last."""
+    if matches is not None:
+        MATCHERS.append((matches, rule))
+        RECORDED.add(("matcher", matches))
+    for target in ops:
+        if rule is not None:
+            _record(RULES, "rule", target, rule)
+        if localize is not None:
+            _record(LOCALIZERS, "localizer", target, localize)
+
+
+def _record(table: dict, kind: str, target, fn: Callable) -> None:
+    if table.get(target, fn) is not fn:
+        raise AssertionError(f"{target} has a {kind} already ({table[target].__qualname__}), and "
+                             f"{fn.__qualname__} would replace it: one record per op")
+    table[target] = fn
+    RECORDED.add((kind, target))
+
+
 def rule(*ops) -> Callable[[Rule], Rule]:
+    """``@rule(ops...)``: ``op(*ops, rule=fn)`` as a decorator."""
     def register(fn: Rule) -> Rule:
-        for op in ops:
-            RULES[op] = fn
+        op(*ops, rule=fn)
         return fn
 
     return register
 
 
 def localizer(*ops) -> Callable:
+    """``@localizer(ops...)``: ``op(*ops, localize=fn)`` as a decorator."""
     def register(fn: Callable) -> Callable:
-        for op in ops:
-            LOCALIZERS[op] = fn
+        op(*ops, localize=fn)
         return fn
 
     return register
@@ -344,11 +372,8 @@ def _reaches_output(node: fx.Node, depth: int = 6) -> bool:
         for user in node.users)
 
 
-for _name in _POINTWISE:
-    if hasattr(aten, _name):
-        RULES[getattr(aten, _name)] = _pointwise
-for _op in (aten.min.other, aten.max.other):  # element-wise overloads of packets whose others reduce
-    RULES[_op] = _pointwise
+op(*(getattr(aten, name) for name in _POINTWISE if hasattr(aten, name)), rule=_pointwise)
+op(aten.min.other, aten.max.other, rule=_pointwise)  # element-wise overloads of packets whose others reduce
 
 
 @rule(aten.broadcast_tensors.default)
@@ -373,8 +398,20 @@ def _pointwise_in_place(node: fx.Node, ctx: Context) -> Decision:
     return decision
 
 
-for _name in _IN_PLACE:
-    RULES[getattr(aten, _name)] = _pointwise_in_place
+op(*(getattr(aten, name) for name in _IN_PLACE), rule=_pointwise_in_place)
+
+
+@rule(aten.topk.default)
+def _topk(node: fx.Node, ctx: Context) -> Decision:
+    """The dp axis: ``topk`` along a dim the batch is not split on keeps each row's k (values and indices split as the
+    input). Other axes: as without a rule (gathered)."""
+    p = _one_input_shard(node, ctx)
+    if ctx.axis.name != "dp" or p is None:
+        return replicate_all(node, ctx)
+    ndim = len(ctx.shape(node.args[0]))
+    dim = arg(node, "dim")
+    dim = -1 if dim is None else dim
+    return replicate_all(node, ctx) if dim % ndim == p.dim else Decision((p, p))
 
 
 @rule(aten.index_add.default)

@@ -12,8 +12,6 @@ from torch import fx
 from autoshard.functions import KEPT_OP, kept_of, per_sample
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import (
-    MATCHERS,
-    RULES,
     Context,
     Decision,
     _dim,
@@ -22,6 +20,7 @@ from autoshard.passes.rules import (
     _pointwise,
     _replicated_like,
     arg,
+    op,
     refuse,
     replicate_all,
     rule,
@@ -397,7 +396,7 @@ def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
     return _pointwise(node, ctx) if px == R and pw == R else replicate_all(node, ctx)
 
 
-MATCHERS.append((is_grouped_mm, _grouped_mm))
+op(matches=is_grouped_mm, rule=_grouped_mm)
 
 
 @rule(aten.scaled_dot_product_attention.default)
@@ -547,11 +546,10 @@ def _register_collectives() -> None:
     """Tensor-parallel collectives act on the tp dims only: on another axis they pass shards through."""
     from autoshard.passes import collectives
 
-    for cls in (collectives.CopyToParallel, collectives.ReduceFromParallel, collectives.GatherFromParallel,
-                collectives.ScatterToParallel):
-        RULES[cls] = _pointwise
-    RULES[collectives.VocabParallelEmbedding] = _vocab_embedding_module
-    RULES[collectives.VocabParallelCrossEntropy] = _vocab_cross_entropy_module
+    op(collectives.CopyToParallel, collectives.ReduceFromParallel, collectives.GatherFromParallel,
+       collectives.ScatterToParallel, rule=_pointwise)
+    op(collectives.VocabParallelEmbedding, rule=_vocab_embedding_module)
+    op(collectives.VocabParallelCrossEntropy, rule=_vocab_cross_entropy_module)
 
 
 _register_collectives()

@@ -44,7 +44,7 @@ from autoshard.passes.collectives import (
 from autoshard.passes.context_parallel import ContextParallelPlan, gathered_attention, insert_splits, remove_splits
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.propagate import propagate
-from autoshard.passes.rules import RULES, Decision
+from autoshard.passes.rules import Decision, op
 from autoshard.passes.sharding import IDLE_F, shard_axis
 
 aten = torch.ops.aten
@@ -159,10 +159,8 @@ def _exit_rule(node: fx.Node, ctx) -> Decision:
     return Decision(split, {x: R} if ctx.of(x) != R else {})
 
 
-RULES[_EntryMark] = _entry_rule
-RULES[_WholeEntryMark] = _entry_rule
-RULES[_SplitEntryMark] = _entry_rule
-RULES[ReduceScatterToSequence] = _exit_rule
+op(_EntryMark, _WholeEntryMark, _SplitEntryMark, rule=_entry_rule)
+op(ReduceScatterToSequence, rule=_exit_rule)
 
 
 def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int]:

@@ -36,12 +36,11 @@ from autoshard.options import CompileOptions
 from autoshard.planner.memory import Footprint, footprint, held_bytes, node_bytes
 from autoshard.planner.profile import Profile
 
-_MATMULS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm", "convolution",
-                      "conv1d", "conv2d"})
+_MATMULS = cost.TIMED_AS_MATMUL  # the ops cost.py counts the FLOPs of, attention aside
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "_grouped_mm_fallback"})  # experts' rows
 _ZEROED = frozenset({"grouped_mm_fallback", "_grouped_mm_fallback"})  # transformers' loop: zeros, then each expert
 _CONVERSIONS = frozenset({"to", "type_as", "contiguous"})  # their input itself where nothing changes
-_ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+_ATTENTION = cost.TIMED_AS_ATTENTION | frozenset({"_scaled_dot_product_flash_attention_for_cpu",
                         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
 _RING_PIECE_OPS = 6  # a ring piece's merge (scale, add, the weighted piece) and its gradients' three additions
 # a pass's module that computes besides its collectives: as many ops (forward and backward) over its first input
