@@ -22,7 +22,9 @@ import datetime
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -43,16 +45,62 @@ from autoshard.plan import TensorParallelPlan
 aten = torch.ops.aten
 
 
+@dataclass(frozen=True)
+class AxisPlanRecord:
+    """How a job plan holds one axis's plan: its JSON form (under ``{name}_plan``) and its line in ``str(plan)``."""
+
+    name: str
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+    describe: Callable[[Any], str]
+
+
+def _ep_from_json(ep: dict) -> ExpertParallelPlan:
+    layers = [ExpertLayer(**dict(layer, weights=tuple(layer["weights"]))) for layer in ep["layers"]]
+    return ExpertParallelPlan(ep["size"], layers, list(ep["notes"]), ep.get("capacity"))
+
+
+def _tp_line(plan: TensorParallelPlan) -> str:
+    split = sum(isinstance(p.placement, Shard) for p in plan.params.values())
+    return f"{split} of {len(plan.params)} parameters split over {plan.size} ranks"
+
+
+AXIS_PLANS: dict[str, AxisPlanRecord] = {record.name: record for record in (
+    AxisPlanRecord("tp", lambda plan: json.loads(plan.to_json()),
+                   lambda data: TensorParallelPlan.from_json(json.dumps(data)), _tp_line),
+    AxisPlanRecord("cp", dataclasses.asdict, lambda data: ContextParallelPlan(**data),
+                   lambda plan: f"the sequence of {plan.seq_len} over {plan.size} ranks, {plan.attention} attention"
+                                f"{', load-balanced' if plan.load_balance else ''}"),
+    AxisPlanRecord("sp", dataclasses.asdict, lambda data: ContextParallelPlan(**data),
+                   lambda plan: f"the sequence of {plan.seq_len} split over tp between its regions"),
+    AxisPlanRecord("ep", dataclasses.asdict, _ep_from_json,
+                   lambda plan: f"{len(plan.layers)} expert layers split over {plan.size} ranks"),
+)}
+
+
+def _axis(name: str, doc: str) -> property:
+    def get(plan: JobPlan):
+        return plan.axes.get(name)
+
+    def put(plan: JobPlan, value) -> None:
+        if value is None:
+            plan.axes.pop(name, None)
+        else:
+            plan.axes[name] = value
+
+    return property(get, put, doc=doc)
+
+
 @dataclass
 class JobPlan:
-    """The decisions of a whole job for one capture (see the module docstring)."""
+    """The decisions of a whole job for one capture (see the module docstring).
+
+    ``axes``: each sharding axis's plan by name (``AXIS_PLANS`` says how each is written and read back); ``tp_plan``,
+    ``cp_plan``, ``sp_plan`` and ``ep_plan`` read and set them."""
 
     mesh: Mesh
     options: CompileOptions
-    tp_plan: TensorParallelPlan | None = None
-    cp_plan: ContextParallelPlan | None = None
-    sp_plan: ContextParallelPlan | None = None  # where sequence parallelism splits the sequence over tp
-    ep_plan: ExpertParallelPlan | None = None  # the experts split over ep (the mesh's ep > 1)
+    axes: dict[str, Any] = field(default_factory=dict)
     cut_after: tuple[str, ...] | None = None  # under pp: the last activation of every stage but the last
     spread: tuple[str, ...] = ()  # weights stored in rows over the pp ranks, gathered for each step
     batch_norm_sync: bool = False  # BatchNorm in training mode sums its statistics over the dp ranks
@@ -61,6 +109,11 @@ class JobPlan:
     loss_sum: bool = False  # the loss is a sum over the batch's samples: the parts' losses are added, not averaged
     notes: list[str] = field(default_factory=list)
     partition: Partition | None = field(default=None, compare=False, repr=False)  # the cuts' costs (not in JSON)
+
+    tp_plan = _axis("tp", "tensor parallelism's plan")
+    cp_plan = _axis("cp", "context parallelism's plan")
+    sp_plan = _axis("sp", "where sequence parallelism splits the sequence over tp")
+    ep_plan = _axis("ep", "the experts split over ep (the mesh's ep > 1)")
 
     @property
     def splits(self) -> dict[str, int]:
@@ -73,12 +126,10 @@ class JobPlan:
         options["tp_plan"] = options["tp_plan"] is not None  # the plan given is the tp plan below
         options = {k: (str(v) if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v)
                    for k, v in options.items()}
+        axes = {f"{name}_plan": record.encode(self.axes[name]) if name in self.axes else None
+                for name, record in AXIS_PLANS.items()}
         return json.dumps({
-            "mesh": dataclasses.asdict(self.mesh), "options": options,
-            "tp_plan": json.loads(self.tp_plan.to_json()) if self.tp_plan is not None else None,
-            "cp_plan": dataclasses.asdict(self.cp_plan) if self.cp_plan is not None else None,
-            "sp_plan": dataclasses.asdict(self.sp_plan) if self.sp_plan is not None else None,
-            "ep_plan": dataclasses.asdict(self.ep_plan) if self.ep_plan is not None else None,
+            "mesh": dataclasses.asdict(self.mesh), "options": options, **axes,
             "cut_after": list(self.cut_after) if self.cut_after is not None else None,
             "spread": list(self.spread), "batch_norm_sync": self.batch_norm_sync, "batch_sums": self.batch_sums,
             "batch_sizes": self.batch_sizes, "loss_sum": self.loss_sum,
@@ -88,20 +139,11 @@ class JobPlan:
     @classmethod
     def from_json(cls, text: str) -> JobPlan:
         data = json.loads(text)
-        tp_plan = TensorParallelPlan.from_json(json.dumps(data["tp_plan"])) if data["tp_plan"] else None
+        axes = {name: record.decode(data[f"{name}_plan"]) for name, record in AXIS_PLANS.items()
+                if data.get(f"{name}_plan")}
         options = dict(data["options"], timeout=datetime.timedelta(seconds=data["options"]["timeout"]))
-        options["tp_plan"] = tp_plan if options["tp_plan"] else None
-
-        def cp(d):
-            return ContextParallelPlan(**d) if d is not None else None
-
-        ep = data.get("ep_plan")
-        ep_plan = ExpertParallelPlan(ep["size"], [ExpertLayer(**dict(layer, weights=tuple(layer["weights"])))
-                                                  for layer in ep["layers"]], list(ep["notes"]),
-                                     ep.get("capacity")) if ep else None
-
-        return cls(Mesh(**data["mesh"]), CompileOptions(**options), tp_plan=tp_plan, cp_plan=cp(data["cp_plan"]),
-                   sp_plan=cp(data["sp_plan"]), ep_plan=ep_plan,
+        options["tp_plan"] = axes.get("tp") if options["tp_plan"] else None
+        return cls(Mesh(**data["mesh"]), CompileOptions(**options), axes=axes,
                    cut_after=tuple(data["cut_after"]) if data["cut_after"] is not None else None,
                    spread=tuple(data["spread"]), batch_norm_sync=data["batch_norm_sync"],
                    batch_sums=data.get("batch_sums", False),
@@ -111,16 +153,8 @@ class JobPlan:
 
     def __str__(self) -> str:
         lines = [f"job plan for {self.mesh}:"]
-        if self.tp_plan is not None:
-            split = sum(isinstance(p.placement, Shard) for p in self.tp_plan.params.values())
-            lines.append(f"  tp: {split} of {len(self.tp_plan.params)} parameters split over {self.tp_plan.size} ranks")
-        if self.cp_plan is not None:
-            lines.append(f"  cp: the sequence of {self.cp_plan.seq_len} over {self.cp_plan.size} ranks, "
-                         f"{self.cp_plan.attention} attention{', load-balanced' if self.cp_plan.load_balance else ''}")
-        if self.sp_plan is not None:
-            lines.append(f"  sp: the sequence of {self.sp_plan.seq_len} split over tp between its regions")
-        if self.ep_plan is not None:
-            lines.append(f"  ep: {len(self.ep_plan.layers)} expert layers split over {self.ep_plan.size} ranks")
+        lines += [f"  {name}: {record.describe(self.axes[name])}" for name, record in AXIS_PLANS.items()
+                  if name in self.axes]
         if self.cut_after is not None:
             lines.append(f"  pp: cuts after {', '.join(self.cut_after)}")
         if self.spread:
