@@ -134,6 +134,11 @@ class CompileOptions:
     compile: run each rank's program (each pipeline stage's) through ``torch.compile`` (inductor), forward and
         backward. autoshard's collectives are traced into the compiled graph (as functional collectives), so the
         compiler sees the whole step; a new shape compiles again, and ``explain()`` counts the graphs compiled.
+    peak_tflops: the device's peak TFLOP/s that ``pm.metrics()`` and the step's log line take MFU against: a number,
+        ``"measure"`` (a matmul timed on the device once), or ``None`` (the default): a known GPU's dense bf16 peak,
+        no MFU on a CPU.
+    tensorboard: a log directory: rank 0 writes each step's metrics there (``torch.utils.tensorboard``; needs the
+        ``tensorboard`` package). ``None`` (the default): none written.
     """
 
     microbatches: int = 1
@@ -160,6 +165,8 @@ class CompileOptions:
     memory_limit: str | float | None = None  # mesh="auto" with a profile: bytes per rank ("20GiB"); None: the profile's
     compile: bool = False
     detect_anomaly: bool = False
+    peak_tflops: float | str | None = None  # the device's peak for MFU: a number, "measure", or None (a known GPU's)
+    tensorboard: str | None = None  # a log directory: each step's metrics written there by rank 0
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():
@@ -213,6 +220,18 @@ class CompileOptions:
         if self.tp_plan is not None and not hasattr(self.tp_plan, "params"):
             raise ValueError(f"tp_plan is a {type(self.tp_plan).__name__}: pass a TensorParallelPlan (pm.plan, or "
                              "TensorParallelPlan.from_json(...))")
+        peak = self.peak_tflops
+        if peak is not None and peak != "measure" and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                                        or not peak > 0):
+            raise ValueError(f"peak_tflops={peak!r} is not valid: pass the device's peak TFLOP/s (989 for an H100's "
+                             "dense bf16), 'measure', or None for a known GPU's")
+        if self.tensorboard is not None:
+            try:
+                import torch.utils.tensorboard  # noqa: F401 - needs the tensorboard package
+            except ImportError as e:
+                raise ValueError(f"tensorboard={self.tensorboard!r} writes with torch.utils.tensorboard, which needs "
+                                 f"the tensorboard package ({e}): pip install tensorboard, or leave tensorboard=None "
+                                 "and read pm.metrics()") from None
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Refuse the options that do not fit ``mesh``."""

@@ -779,3 +779,33 @@ def eager_backward(name: str, mesh_kwargs: dict, **options) -> str:
     except RuntimeError as e:
         return str(e)
     return "trained"
+
+
+def metrics_of_a_step(name: str, mesh_kwargs: dict, trace: str | None = None, **options) -> dict:
+    """Two steps with the ``autoshard`` logger at INFO: ``pm.metrics()`` after the second, the lines logged, and
+    under pp the Chrome trace ``pm.timeline(trace=...)`` wrote."""
+    import json
+    import logging
+
+    case = build(name)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    logger, lines = logging.getLogger("autoshard"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                   target=case.target, groups=groups_for(mesh), **options)
+        losses = [float(pm.step(*case.inputs, target=case.target)) for _ in range(2)]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    events = None
+    if trace is not None and mesh.pp > 1:
+        path = f"{trace}.{dist.get_rank() if dist.is_initialized() else 0}.json"
+        pm.timeline(trace=path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return {"metrics": pm.metrics(), "lines": lines, "losses": losses, "events": events,
+            "tokens": case.inputs[0].numel()}

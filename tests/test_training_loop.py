@@ -5,6 +5,8 @@ from __future__ import annotations
 import golden_loop
 import pytest
 
+import autoshard
+
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"cp": 2}, {"pp": 2}, {"tp": 2}], ids=["dp2", "cp2", "pp2", "tp2"])
 def test_gradient_accumulation_over_steps_equals_eager(pools, mesh):
@@ -214,3 +216,41 @@ def test_a_ranks_failure_ends_the_step_on_its_peers_at_once_and_later_steps_are_
         assert rank == 1 or result["error"].startswith("PeerFailed: rank 1"), (rank, result)
         assert result["seconds"] < 10, (rank, result)
         assert result["after"] is not None and "out of step" in result["after"], (rank, result)
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {"peak_tflops": "measure"}), ({"pp": 2}, {"microbatches": 2})],
+                         ids=["tp2", "pp2"])
+def test_each_step_reports_its_time_tokens_flops_memory_and_bubble(pools, mesh, options, tmp_path):
+    """As torchtitan logs a step: ``pm.metrics()`` and one line per step on the ``autoshard`` logger (rank 0) with
+    the loss, tokens/s, TFLOP/s, MFU against a peak measured or given, memory, and under pp the bubble; and progress
+    lines for the capture and the compile. ``pm.timeline(trace=...)`` writes the last pipeline step as a Chrome
+    trace."""
+    results = pools.get(2).run(golden_loop.metrics_of_a_step, "gpt", mesh, str(tmp_path / "trace"), **options)
+    for rank, result in enumerate(results):
+        found = result["metrics"]
+        assert found["step"] == 2 and found["seconds"] > 0 and found["tokens"] == result["tokens"], found
+        assert found["tokens_per_second"] == pytest.approx(found["tokens"] / found["seconds"])
+        assert found["tflops_per_device"] > 0 and found["memory"] > 0 and found["loss"] == result["losses"][1]
+        assert ("mfu" in found) == ("peak_tflops" in options) and 0 < found.get("mfu", 0.5) < 1, found
+        steps = [line for line in result["lines"] if line.startswith("autoshard: step ")]
+        progress = [line for line in result["lines"] if "compiled this rank's program" in line]
+        if rank == 0:
+            assert len(steps) == 2 and "tokens/s" in steps[1] and "TFLOP/s" in steps[1], result["lines"]
+            assert progress and any("captured" in line for line in result["lines"]), result["lines"]
+        else:
+            assert not steps and not progress, "rank 0 speaks for the job"
+        if "pp" in mesh:
+            assert 0 <= found["bubble"] < 1 and "bubble" in (steps[1] if rank == 0 else "bubble")
+            computed = [e for e in result["events"] if e["ph"] == "X" and e["tid"] == 0]
+            assert len(computed) == 4 and all(e["dur"] > 0 for e in computed), result["events"]  # F and B of 2
+
+
+def test_a_tensorboard_directory_without_tensorboard_is_refused_naming_the_package():
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        autoshard.CompileOptions(tensorboard="runs/")
+    with pytest.raises(ValueError, match="peak_tflops=-1 is not valid"):
+        autoshard.CompileOptions(peak_tflops=-1)

@@ -8,8 +8,10 @@ the planner's lint of the mesh a job runs (``lint_findings``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
 import warnings
 
 import torch
@@ -19,6 +21,8 @@ from torch import nn
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.runtime import launch
+
+log = logging.getLogger("autoshard")
 
 
 def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1, local_batch: bool = False,
@@ -86,7 +90,10 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         raise ValueError("calibrate=True measures CPU processes (gloo, CPU kernels) and this model is on "
                          f"{launch.device_of(model)}: pass a mesh, or mesh='auto' without calibrate to plan on the "
                          "GPU presets")
+    start = time.perf_counter()
     profile = _calibrated(world_size, options) if options.calibrate else Profile.load(options.planner_profile)
+    if options.calibrate and launch.rank() == 0:
+        log.info("autoshard: calibrated %d rank(s) in %.1f s", world_size, time.perf_counter() - start)
     limit = limit or profile.memory or math.inf
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
@@ -121,8 +128,11 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         raise ValueError(f"mesh='auto': no mesh of {world_size} ranks compiles for this model ({why})")
     if options.autotune:
         trials = [pair for pair in found if pair[0].error is None][:options.autotune]
-        for prediction, candidate in trials:
+        for index, (prediction, candidate) in enumerate(trials, 1):
             prediction.measured = _trial(model, example_inputs, candidate, prediction.mesh, loss_fn, target)
+            if launch.rank() == 0:
+                log.info("autoshard: autotune %d/%d: %s measured %.1f ms a step", index, len(trials),
+                         prediction.label(), prediction.measured * 1e3)
         found.sort(key=lambda pair: (pair[0].error is not None, pair[0].measured is None, pair[0].measured or 0.0,
                                      pair[0].step))
         ranking = [p for p, _ in found]
@@ -140,7 +150,6 @@ def _trial(model: nn.Module, example_inputs: tuple, options: CompileOptions, mes
     step, the same on every rank."""
     import copy
     import statistics
-    import time
 
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("autotune trains the candidates, and this model is on the meta device (no values to train): "

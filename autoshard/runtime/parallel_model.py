@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import time
 import warnings
 from collections.abc import Callable
 
@@ -36,12 +38,14 @@ from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, collective_guard, stall_guard
+from autoshard.runtime.metrics import Metrics
 from autoshard.runtime.pipeline import Pipeline
 from autoshard.runtime.two_passes import TwoPassStep
 
 __all__ = ["ParallelModel", "StepError"]
 
 
+log = logging.getLogger("autoshard")
 _MODELS = itertools.count()  # parallel models are made in the same order on every rank
 
 class ParallelModel(nn.Module):
@@ -68,6 +72,7 @@ class ParallelModel(nn.Module):
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
+        self._metrics = Metrics(self)
         self._name, self._exchanges = f"autoshard/exchanges/{next(_MODELS)}", itertools.count(1)  # alike on every rank
         self.materialized = None  # after materialize(): the device and the buffers given, for later builds
         self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
@@ -171,9 +176,18 @@ class ParallelModel(nn.Module):
             raise TypeError(f"pm.step(*inputs, target=...) takes the target by name, for loss_fn(output, target); this "
                             f"call gave {len(inputs)} positional input(s) and no target: write pm.step(x, target=y)")
         with self._running(f"step {self._steps + 1}"):
-            return self._train(inputs, target, divisor, loss_scale)
+            self._metrics.begin()
+            loss, build = self._train(inputs, target, divisor, loss_scale)
+            self._metrics.end(build, inputs, loss)
+            return loss
 
-    def _train(self, inputs: tuple, target: torch.Tensor, divisor, loss_scale: float) -> torch.Tensor:
+    def metrics(self) -> dict[str, float]:
+        """The last step's numbers: its seconds, tokens, tokens per second (global and per device), TFLOP/s per
+        device, MFU (where the device's peak is known), peak memory and, under pp, the bubble measured
+        (``runtime.metrics``)."""
+        return dict(self._metrics.last)
+
+    def _train(self, inputs: tuple, target: torch.Tensor, divisor, loss_scale: float):
         self._check_kinds((*inputs, target))
         self._check_batch(inputs)
         microbatches = self.microbatch_views(inputs, target)
@@ -200,7 +214,7 @@ class ParallelModel(nn.Module):
         if self.anomaly is not None:
             with self._guard("detect_anomaly: what every rank found"):
                 self.anomaly.check(self, self._steps)
-        return loss if passes is None else whole * loss_scale
+        return (loss if passes is None else whole * loss_scale), build
 
     def _step(self, microbatches: list, divisor, fed: RankBuild | None = None) -> torch.Tensor:
         """``fed``: the second pass's build, whose microbatches carry the first pass's gradients."""
@@ -285,8 +299,10 @@ class ParallelModel(nn.Module):
     def _training_build(self, mb_inputs: tuple, mb_target: torch.Tensor) -> RankBuild:
         key = (shapes_of((*mb_inputs, mb_target)), self.training, True)
         if key not in self._builds:
+            start = time.perf_counter()
             captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn, training=self.training,
                                             outputs=True)
+            self._progress(f"captured {type(self.model).__name__} for training at {shapes_of(mb_inputs)}", start)
             if captured.inference is not None:  # for inference at these shapes: no second trace of the model
                 self._traced[(shapes_of(mb_inputs), self.training)] = captured.inference
                 captured.inference = None
@@ -312,6 +328,7 @@ class ParallelModel(nn.Module):
     def _compile(self, key: tuple, captured, notes: list[str] = ()) -> RankBuild:
         """This rank's build of ``captured``; its warnings are said by one rank of each pipeline stage only."""
         earlier = self.builds[0].plan if self._builds else None
+        start = time.perf_counter()
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             plan = plan_job(captured, self.mesh, self.options, earlier=earlier)
@@ -333,7 +350,13 @@ class ParallelModel(nn.Module):
         self.sync.prepare(build)
         self._builds[key] = build
         habits.built(self)
+        self._progress(f"planned and compiled this rank's program for {self.mesh}", start)
         return build
+
+    def _progress(self, what: str, start: float) -> None:
+        """Say on the ``autoshard`` logger (rank 0, INFO) what took how long: capture and compile take seconds."""
+        if self.rank == 0:
+            log.info("autoshard: %s in %.1f s", what, time.perf_counter() - start)
 
     # --------------------------------------------------------------------------------------- checks
 
@@ -438,11 +461,14 @@ class ParallelModel(nn.Module):
         with self._collective("full_parameters()"):
             return gather.full_tensors(self, lambda p: p.detach())
 
-    def timeline(self) -> str:
+    def timeline(self, trace: str | None = None) -> str:
         """Under pipeline parallelism: the last step's actions on this rank as they ran, with the measured idle
-        share next to the schedule's simulated bubble."""
+        share next to the schedule's simulated bubble. ``trace``: a path to also write them to as a Chrome trace
+        (each rank its own file; chrome://tracing and Perfetto open it)."""
         if self.pipeline is None:
             raise ValueError("timeline() describes a pipeline: this model has pp=1")
+        if trace is not None:
+            self.pipeline.write_trace(trace, self.rank)
         text, reducer = self.pipeline.timeline(), self.sync.reducer
         if reducer is not None and self._steps:
             text += (f"\n  gradient sums over dp x cp: {reducer.overlapped} of {len(reducer.buckets)} "

@@ -149,6 +149,29 @@ class Pipeline:
             dist.broadcast(tensor, src=owner, group=self.groups.group("pp"))
         return flat_out
 
+    def idle_share(self) -> float | None:
+        """The share of the last step this rank spent not computing, or None before a step."""
+        if self.executor is None or not self.executor.records:
+            return None
+        records = self.executor.records
+        span = records[-1].end - records[0].start
+        busy = sum(r.end - r.start for r in records if r.action.is_compute)
+        return 1 - busy / span if span > 0 else 0.0
+
+    def write_trace(self, path: str, rank: int) -> None:
+        """The last step's actions as a Chrome trace (compute on one row, messages on another)."""
+        import json
+
+        records = self.executor.records if self.executor is not None else []
+        start = records[0].start if records else 0.0
+        events = [{"name": str(r.action), "ph": "X", "pid": rank, "tid": 0 if r.action.is_compute else 1,
+                   "ts": (r.start - start) * 1e6, "dur": (r.end - r.start) * 1e6,
+                   "args": {"stage": r.action.stage, "microbatch": r.action.microbatch}} for r in records]
+        names = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+                 for tid, name in ((0, "compute"), (1, "messages"))]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
+
     def timeline(self) -> str:
         """This rank's last step as it ran: compute actions with their times, and the measured idle share."""
         if self.executor is None or not self.executor.records:
