@@ -809,3 +809,23 @@ def metrics_of_a_step(name: str, mesh_kwargs: dict, trace: str | None = None, **
             events = json.load(f)["traceEvents"]
     return {"metrics": pm.metrics(), "lines": lines, "losses": losses, "events": events,
             "tokens": case.inputs[0].numel()}
+
+
+def generated(name: str, mesh_kwargs: dict, **options) -> dict:
+    """``pm.generate`` against the unsharded model's own ``generate``: greedy tokens, and sampled ones under one
+    seed, from a 6-token prompt; and how many inference shapes 10 new tokens captured (bucket 8: two)."""
+    case, reference = build(name), build(name).model
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh), **options)
+    prompt = case.inputs[0][:, :6]
+    out = {"greedy": pm.generate(prompt, max_new_tokens=10, bucket=8).tolist()}
+    with torch.no_grad():
+        out["reference_greedy"] = reference.generate(prompt, max_new_tokens=10, do_sample=False).tolist()
+    torch.manual_seed(7)
+    out["sampled"] = pm.generate(prompt, max_new_tokens=10, bucket=8, do_sample=True, top_k=50).tolist()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        out["reference_sampled"] = reference.generate(prompt, max_new_tokens=10, do_sample=True, top_k=50).tolist()
+    out["inference_shapes"] = sorted({k[0] for k in pm._builds if not k[2] and k[0] != (tuple(case.inputs[0].shape),)})
+    return out

@@ -254,3 +254,16 @@ def test_a_tensorboard_directory_without_tensorboard_is_refused_naming_the_packa
         autoshard.CompileOptions(tensorboard="runs/")
     with pytest.raises(ValueError, match="peak_tflops=-1 is not valid"):
         autoshard.CompileOptions(peak_tflops=-1)
+
+
+@pytest.mark.parametrize("mesh,options", [({"tp": 2}, {}), ({"dp": 2}, {}), ({"pp": 2}, {"microbatches": 2})],
+                         ids=["tp2", "dp2", "pp2"])
+def test_generate_gives_the_unsharded_models_tokens_and_captures_once_per_bucket(pools, mesh, options):
+    """``pm.generate`` on HF Llama: the greedy tokens of the unsharded model's own ``generate``, and its sampled
+    tokens under one seed (top-k 50, as HF's default), on every rank; 10 new tokens from a 6-token prompt capture
+    the lengths 8 and 16 (bucket 8) and the exact prompt once (the check that the padding is not read), where a
+    loop over lengths had captured 10."""
+    for rank, result in enumerate(pools.get(2).run(golden_loop.generated, "hf_llama", mesh, **options)):
+        assert result["greedy"] == result["reference_greedy"], (rank, result)
+        assert result["sampled"] == result["reference_sampled"], (rank, result)
+        assert len(result["inference_shapes"]) <= 3, (rank, result["inference_shapes"])

@@ -73,6 +73,7 @@ class ParallelModel(nn.Module):
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
         self._metrics = Metrics(self)
+        self.padding_is_read: bool | None = None  # by generate: whether right padding changes the logits before it
         self._name, self._exchanges = f"autoshard/exchanges/{next(_MODELS)}", itertools.count(1)  # alike on every rank
         self.materialized = None  # after materialize(): the device and the buffers given, for later builds
         self._kinds: tuple | None = None  # integer or floating, per input and the target, as the first step gave them
@@ -289,6 +290,14 @@ class ParallelModel(nn.Module):
             values = batching.split(values, self.mesh.dp)[self.coord("dp")]
         return [(view[:-1], view[-1]) for view in batching.split(values, self.options.microbatches)]
 
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, **options) -> torch.Tensor:
+        """New tokens after ``input_ids`` (batch, prompt), greedy or sampled (``do_sample=True``, ``temperature``,
+        ``top_k``, ``generator``), the same on every rank; lengths padded to multiples of ``bucket`` (32) so that a
+        sequence of tokens captures once per bucket (``runtime.generate``). Every rank calls it."""
+        from autoshard.runtime.generate import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **options)
+
     def forward(self, *inputs):
         """Inference: the model's outputs for ``inputs``, on every rank (see ``runtime.inference``)."""
         with self._collective("__call__ (inference)"), self._running("an inference call (pm(x))"):
@@ -299,6 +308,8 @@ class ParallelModel(nn.Module):
     def _training_build(self, mb_inputs: tuple, mb_target: torch.Tensor) -> RankBuild:
         key = (shapes_of((*mb_inputs, mb_target)), self.training, True)
         if key not in self._builds:
+            self._new_shape(key, "step()", "pad batches to a few lengths (a tokenizer's or collator's "
+                            "pad_to_multiple_of=64) or to one length (padding='max_length')")
             start = time.perf_counter()
             captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn, training=self.training,
                                             outputs=True)
@@ -321,7 +332,11 @@ class ParallelModel(nn.Module):
         """The build of the inference capture at these inputs' shapes (compiled at the first call)."""
         key = (shapes_of(inputs), self.training, False)
         if key not in self._builds:
+            self._new_shape(key, "pm(x) for inference", "pad inputs to a few lengths (a tokenizer's "
+                            "pad_to_multiple_of=64), or generate with pm.generate(), which pads to buckets")
+            start = time.perf_counter()
             captured = self._traced.pop(key[:2], None) or capture(self.model, inputs, training=self.training)
+            self._progress(f"captured {type(self.model).__name__} for inference at {key[0]}", start)
             self._compile(key, captured)
         return self._builds[key]
 
@@ -352,6 +367,14 @@ class ParallelModel(nn.Module):
         habits.built(self)
         self._progress(f"planned and compiled this rank's program for {self.mesh}", start)
         return build
+
+    def _new_shape(self, key: tuple, what: str, fix: str) -> None:
+        """Warn once (rank 0) when ``what`` meets a second input shape of its mode: each new shape is a capture and
+        a compile of seconds, which a loop over many lengths pays again and again."""
+        same = [k for k in self._builds if k[1:] == key[1:]]
+        if len(same) == 1 and self.rank == 0:
+            warnings.warn(f"autoshard: {what} at new input shapes {key[0]} (after {same[0][0]}): every new shape is "
+                          f"captured and compiled again, which takes seconds; {fix}", stacklevel=4)
 
     def _progress(self, what: str, start: float) -> None:
         """Say on the ``autoshard`` logger (rank 0, INFO) what took how long: capture and compile take seconds."""
