@@ -51,7 +51,8 @@ def main() -> None:
     reference = build("gpt", seed=0, device=args.device).model
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, microbatches=args.microbatches, schedule=args.schedule,
-                               chunks=args.chunks, cp_attention=args.cp_attention, data_parallel=args.data_parallel)
+                               chunks=args.chunks, cp_attention=args.cp_attention, data_parallel=args.data_parallel,
+                               peak_tflops="measure")
     rank = dist.get_rank() if dist.is_initialized() else 0
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"autoshard demo: GPT ({sum(p.numel() for p in reference.parameters()):,} parameters) on {mesh}, "
@@ -74,7 +75,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip)
         ref_optimizer.step()
         worst = max(worst, abs(loss.item() - ref_loss.item()))
-        say(f"step {step}: loss {loss.item():.6f}  (unsharded {ref_loss.item():.6f})  {elapsed * 1000:.0f} ms")
+        seen = pm.metrics()  # this step's numbers, as the ``autoshard`` logger's INFO line says them
+        say(f"step {step}: loss {loss.item():.6f}  (unsharded {ref_loss.item():.6f})  {elapsed * 1000:.0f} ms  "
+            f"tokens/s {seen['tokens_per_second']:.0f}  MFU {seen.get('mfu', 0.0):.1%} of this CPU's measured peak")
 
     say(f"largest difference from the unsharded model's loss over {args.steps} steps: {worst:.2e}")
     say("")

@@ -26,7 +26,7 @@ def _torchrun(processes: int, *flags: str, script: str = "examples/train_gpt.py"
 def test_demo_under_torchrun_matches_the_unsharded_model():
     # What `make demo` runs: a 2 x 2 x 2 mesh of 8 processes.
     out = _torchrun(8, "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "3")
-    assert len(re.findall(r"^step \d: loss", out, re.M)) == 3
+    assert len(re.findall(r"^step \d: loss .* tokens/s \d+  MFU \d+\.\d%", out, re.M)) == 3, out
     worst = float(re.search(r"unsharded model's loss over 3 steps: (\S+)", out).group(1))
     assert worst < 1e-5
     assert "all-reduce (sum) of this rank's gradients over 2 ranks (dp=2)" in out
