@@ -829,3 +829,51 @@ def generated(name: str, mesh_kwargs: dict, **options) -> dict:
         out["reference_sampled"] = reference.generate(prompt, max_new_tokens=10, do_sample=True, top_k=50).tolist()
     out["inference_shapes"] = sorted({k[0] for k in pm._builds if not k[2] and k[0] != (tuple(case.inputs[0].shape),)})
     return out
+
+
+def _adapted(kind: str):
+    """HF Llama with a PEFT adapter: LoRA (r=4) on q_proj and v_proj, or IA3 on k_proj, v_proj and down_proj."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    case = build("hf_llama")
+    if kind == "lora":
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                            init_lora_weights=False)  # B not zero: the adapter changes the outputs from step 0
+    else:
+        config = IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                           init_ia3_weights=False)
+    return case, get_peft_model(case.model, config)
+
+
+def peft_adapter(kind: str, mesh_kwargs: dict, directory: str, **options) -> dict:
+    """A PEFT model parallelized as it is: two AdamW steps beside the unsharded one (the worst trained parameter's
+    difference), then ``pm.save_pretrained`` (rank 0 writes PEFT's own adapter files) read back by
+    ``PeftModel.from_pretrained`` onto a fresh base model: the worst adapter weight's difference from the unsharded
+    run's, and the files written."""
+    import os
+
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    case, model = _adapted(kind)
+    torch.manual_seed(0)
+    _, reference = _adapted(kind)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn, target=case.target,
+                               groups=groups_for(mesh), **options)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=0.01)
+    worst = _steps_beside(pm, case, reference, opt, torch.optim.AdamW(trained, lr=0.01))
+    pm.save_pretrained(directory)
+    saved = pm.full_parameters()  # every rank gathers
+    out = {"worst": worst, "trained": len(trained), "files": sorted(os.listdir(directory)) if os.path.isdir(directory)
+           else []}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        loaded = PeftModel.from_pretrained(build("hf_llama").model, directory)
+        adapters = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+        mine = dict(loaded.named_parameters())
+        out["adapter"] = max((mine[n] - p.detach()).abs().max().item() for n, p in adapters.items())
+        out["as_saved"] = all(torch.equal(mine[n], saved[n]) for n in adapters)  # bit-exact: what pm trained
+        with torch.no_grad():
+            out["outputs"] = (loaded(*case.inputs).logits - reference(*case.inputs).logits).abs().max().item()
+    return out

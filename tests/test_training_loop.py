@@ -267,3 +267,19 @@ def test_generate_gives_the_unsharded_models_tokens_and_captures_once_per_bucket
         assert result["greedy"] == result["reference_greedy"], (rank, result)
         assert result["sampled"] == result["reference_sampled"], (rank, result)
         assert len(result["inference_shapes"]) <= 3, (rank, result["inference_shapes"])
+
+
+@pytest.mark.parametrize("kind,mesh,world,options", [("lora", {"tp": 2}, 2, {}), ("ia3", {"tp": 2}, 2, {}),
+                                                     ("lora", {"dp": 2, "pp": 2}, 4, {"microbatches": 2})],
+                         ids=["lora-tp2", "ia3-tp2", "lora-dp2xpp2"])
+def test_a_peft_model_trains_as_it_is_and_saves_the_adapter_peft_loads(pools, kind, mesh, world, options, tmp_path):
+    """``get_peft_model(llama, LoraConfig(...))`` (or IA3) given to ``parallelize`` as it is trains exactly, and
+    ``pm.save_pretrained`` writes PEFT's own adapter files (it had written the whole model with ``base_layer`` keys,
+    which ``from_pretrained`` then re-initialised): ``PeftModel.from_pretrained`` reads back the adapter bit for bit
+    as the parallel model trained it."""
+    pytest.importorskip("peft")
+    results = pools.get(world).run(golden_loop.peft_adapter, kind, mesh, str(tmp_path / "adapter"), **options)
+    for rank, result in enumerate(results):
+        assert result["worst"] < 1e-5 and result["trained"] > 0, (rank, result)
+    assert "adapter_model.safetensors" in results[0]["files"] and "model.safetensors" not in results[0]["files"]
+    assert results[0]["as_saved"] and results[0]["adapter"] < 1e-5 and results[0]["outputs"] < 1e-5, results[0]

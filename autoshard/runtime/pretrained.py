@@ -32,6 +32,11 @@ INDEX = "model.safetensors.index.json"
 def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> None:
     """Write ``pm``'s model into ``directory`` as ``transformers``' ``save_pretrained`` does (a collective: every
     rank calls it)."""
+    if _is_adapted(pm.model):  # PEFT: its own files (the adapter and its config), from the trained weights
+        state.update_model(pm)
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            pm.model.save_pretrained(directory)
+        return
     limit, directory = _bytes(max_shard_size), committed.as_typed(directory)
     config = getattr(pm.model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):  # said on every rank, before any collective
@@ -66,6 +71,12 @@ def save_pretrained(pm, directory: str, max_shard_size: int | str = "5GB") -> No
             json.dump(index, f, indent=2, sort_keys=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _is_adapted(model) -> bool:
+    """Whether ``model`` is a PEFT model (an adapter over a base model), whose ``save_pretrained`` writes the adapter
+    alone, in the files ``PeftModel.from_pretrained`` reads."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model") and hasattr(model, "save_pretrained")
 
 
 def load_pretrained(pm, directory: str) -> int:
