@@ -379,8 +379,7 @@ def by_position(state: dict) -> dict:
 def positional_inputs(model: nn.Module, inputs: dict) -> tuple[tuple, torch.Tensor | None]:
     """A batch (a dict, as HuggingFace's collators make) as ``model``'s positional inputs, in ``forward``'s order,
     and its labels: autoshard captures and runs a model's inputs by position."""
-    names = [n for n, p in inspect.signature(model.forward).parameters.items()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = _positional(model)
     given = {k: v for k, v in inputs.items() if k != "labels" and v is not None}
     unknown = sorted(set(given) - set(names))
     if unknown:
@@ -393,6 +392,18 @@ def positional_inputs(model: nn.Module, inputs: dict) -> tuple[tuple, torch.Tens
                          f"{type(model).__name__}.forward takes before them: autoshard passes the inputs by "
                          "position; give the batch those columns too")
     return tuple(given[n] for n in names[:last + 1]), inputs.get("labels")
+
+
+def _positional(model: nn.Module) -> list[str]:
+    """The names ``model.forward`` takes by position; through a wrapper whose forward takes ``*args`` alone and
+    passes them on to the model it wraps (PEFT's ``PeftModel``), that model's."""
+    seen = model
+    while True:
+        names = [n for n, p in inspect.signature(seen.forward).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if names or not hasattr(seen, "get_base_model") or seen.get_base_model() is seen:
+            return names
+        seen = seen.get_base_model()
 
 
 def unsharded(dataloader):

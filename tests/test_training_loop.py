@@ -283,3 +283,20 @@ def test_a_peft_model_trains_as_it_is_and_saves_the_adapter_peft_loads(pools, ki
         assert result["worst"] < 1e-5 and result["trained"] > 0, (rank, result)
     assert "adapter_model.safetensors" in results[0]["files"] and "model.safetensors" not in results[0]["files"]
     assert results[0]["as_saved"] and results[0]["adapter"] < 1e-5 and results[0]["outputs"] < 1e-5, results[0]
+
+
+def test_the_trainers_batch_reaches_a_peft_model_through_the_model_it_wraps():
+    """``PeftModel.forward(*args, **kwargs)`` names no input: the Trainer's batch had been refused ("drop those
+    columns", wrong advice); its columns are now read off the base model's forward, which PEFT passes them to."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    from autoshard.hf import positional_inputs
+
+    from models import build
+
+    case = build("hf_llama")
+    model = get_peft_model(case.model, LoraConfig(r=4, target_modules=["q_proj"]))
+    ids = case.inputs[0]
+    inputs, labels = positional_inputs(model, {"input_ids": ids, "attention_mask": None, "labels": ids})
+    assert len(inputs) == 1 and inputs[0] is ids and labels is ids
