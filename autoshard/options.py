@@ -139,6 +139,9 @@ class CompileOptions:
         no MFU on a CPU.
     tensorboard: a log directory: rank 0 writes each step's metrics there (``torch.utils.tensorboard``; needs the
         ``tensorboard`` package). ``None`` (the default): none written.
+    progress: say (rank 0) how long the capture, the compile, ``calibrate`` and each ``autotune`` trial took, on the
+        ``autoshard`` logger where it speaks at INFO, else on stderr: ``None`` (the default) where stderr is a
+        terminal, ``True`` always, ``False`` never.
     """
 
     microbatches: int = 1
@@ -167,6 +170,7 @@ class CompileOptions:
     detect_anomaly: bool = False
     peak_tflops: float | str | None = None  # the device's peak for MFU: a number, "measure", or None (a known GPU's)
     tensorboard: str | None = None  # a log directory: each step's metrics written there by rank 0
+    progress: bool | None = None  # say what took how long before training: None, on a terminal; True; False
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():
@@ -186,6 +190,8 @@ class CompileOptions:
                 raise ValueError(f"schedule={self.schedule!r} runs {runs.chunks} chunks per pipeline rank "
                                  f"in a V, got chunks={self.chunks}: leave chunks unset or use another schedule")
             object.__setattr__(self, "chunks", runs.chunks)
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ValueError(f"progress={self.progress!r} is not valid: pass True, False, or None (on a terminal)")
         for name in ("local_batch", "cp_load_balance", "activation_checkpointing", "sequence_parallel", "compile",
                      "detect_anomaly", "calibrate"):
             value = getattr(self, name)

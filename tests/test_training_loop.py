@@ -300,3 +300,16 @@ def test_the_trainers_batch_reaches_a_peft_model_through_the_model_it_wraps():
     ids = case.inputs[0]
     inputs, labels = positional_inputs(model, {"input_ids": ids, "attention_mask": None, "labels": ids})
     assert len(inputs) == 1 and inputs[0] is ids and labels is ids
+
+
+def test_progress_is_said_on_a_terminal_when_the_logger_is_quiet(capsys):
+    """What took how long before training goes to the ``autoshard`` logger where it speaks at INFO, else to stderr
+    where that is a terminal (``progress=None``), always with ``progress=True`` and never with ``False``."""
+    from autoshard.runtime.metrics import progress
+
+    progress(autoshard.CompileOptions(progress=True), "autoshard: captured it in 1.0 s")
+    progress(autoshard.CompileOptions(progress=False), "autoshard: said nowhere")
+    progress(autoshard.CompileOptions(), "autoshard: said on a terminal only")  # pytest's stderr is no terminal
+    assert capsys.readouterr().err == "autoshard: captured it in 1.0 s\n"
+    with pytest.raises(ValueError, match="progress='yes' is not valid"):
+        autoshard.CompileOptions(progress="yes")

@@ -8,7 +8,6 @@ the planner's lint of the mesh a job runs (``lint_findings``).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -21,8 +20,7 @@ from torch import nn
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.runtime import launch
-
-log = logging.getLogger("autoshard")
+from autoshard.runtime.metrics import progress
 
 
 def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1, local_batch: bool = False,
@@ -93,7 +91,7 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
     start = time.perf_counter()
     profile = _calibrated(world_size, options) if options.calibrate else Profile.load(options.planner_profile)
     if options.calibrate and launch.rank() == 0:
-        log.info("autoshard: calibrated %d rank(s) in %.1f s", world_size, time.perf_counter() - start)
+        progress(options, f"autoshard: calibrated {world_size} rank(s) in {time.perf_counter() - start:.1f} s")
     limit = limit or profile.memory or math.inf
     batch = batch_size(example_inputs) or 1
     plain = dataclasses.replace(options, planner_profile=None)
@@ -131,8 +129,8 @@ def measured_choice(model: nn.Module, example_inputs: tuple, options: CompileOpt
         for index, (prediction, candidate) in enumerate(trials, 1):
             prediction.measured = _trial(model, example_inputs, candidate, prediction.mesh, loss_fn, target)
             if launch.rank() == 0:
-                log.info("autoshard: autotune %d/%d: %s measured %.1f ms a step", index, len(trials),
-                         prediction.label(), prediction.measured * 1e3)
+                progress(options, f"autoshard: autotune {index}/{len(trials)}: {prediction.label()} measured "
+                                  f"{prediction.measured * 1e3:.1f} ms a step")
         found.sort(key=lambda pair: (pair[0].error is not None, pair[0].measured is None, pair[0].measured or 0.0,
                                      pair[0].step))
         ranking = [p for p, _ in found]

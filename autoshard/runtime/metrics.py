@@ -3,6 +3,8 @@
 After every ``step()`` the parallel model holds the step's numbers (``pm.metrics()``). On rank 0 they also go to the
 ``autoshard`` logger at INFO, one line per step as torchtitan prints it (``logging.basicConfig(level=logging.INFO)``
 shows them; the logger's level silences them), and to TensorBoard when ``tensorboard=`` names a log directory.
+What took how long before the first step (capture, compile, calibrate, autotune) is said by ``progress``: on the
+logger, or on a terminal's stderr where the logger is quiet.
 
 - ``tokens``: the global batch's token ids (the first integer input of two dims or more), else its samples.
 - ``tflops``: the model's FLOPs per step, counted on the captured graph (``cost.py``: a microbatch's forward, x 3 for
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import sys
 import time
 
 import torch
@@ -124,6 +127,17 @@ class Metrics:
 
             self._writer = SummaryWriter(self.pm.options.tensorboard)
         return self._writer
+
+
+def progress(options, message: str) -> None:
+    """Say ``message`` (what took how long; rank 0 calls this): on the ``autoshard`` logger where it speaks at INFO,
+    else on stderr where that is a terminal (``progress=True``: always; ``False``: never)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info(message)
+        return
+    wanted = options.progress if options.progress is not None else sys.stderr.isatty()
+    if wanted:
+        print(message, file=sys.stderr, flush=True)
 
 
 def measure_peak(device: torch.device, repeats: int = 5) -> float:

@@ -38,7 +38,7 @@ from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, collective_guard, stall_guard
-from autoshard.runtime.metrics import Metrics
+from autoshard.runtime.metrics import Metrics, progress
 from autoshard.runtime.pipeline import Pipeline
 from autoshard.runtime.two_passes import TwoPassStep
 
@@ -377,9 +377,9 @@ class ParallelModel(nn.Module):
                           f"captured and compiled again, which takes seconds; {fix}", stacklevel=4)
 
     def _progress(self, what: str, start: float) -> None:
-        """Say on the ``autoshard`` logger (rank 0, INFO) what took how long: capture and compile take seconds."""
+        """Say (rank 0) what took how long: capture and compile take seconds (``metrics.progress``)."""
         if self.rank == 0:
-            log.info("autoshard: %s in %.1f s", what, time.perf_counter() - start)
+            progress(self.options, f"autoshard: {what} in {time.perf_counter() - start:.1f} s")
 
     # --------------------------------------------------------------------------------------- checks
 
