@@ -26,7 +26,8 @@ from torch.utils import _pytree as pytree
 
 from autoshard import batching, codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured, capture
-from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, tp_local_shape, two_passes
+from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, two_passes
+from autoshard.layout import ParamLayout
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.axis import Axis, Outputs
@@ -63,6 +64,7 @@ class RankBuild:
     actions: schedules.Schedule | None = None
     checks: InputChecks | None = None
     notes: list[str] = field(default_factory=list)
+    layouts: dict[str, ParamLayout] = field(default_factory=dict, repr=False, compare=False)  # by parameter, made once
 
     @property
     def mesh(self) -> Mesh:
@@ -86,17 +88,23 @@ class RankBuild:
 
     def tp_local_shape(self, name: str) -> tuple[int, ...]:
         """The shape of parameter ``name``'s tp shard (padded up to a multiple of tp, as the tp pass pads it)."""
-        return tp_local_shape(self.captured, self.tp_plan, self.mesh.tp, name)
+        return self.layout(name).tp_shape()
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
         """The shape this rank stores of parameter ``name`` between steps: its tp shard, or that shard's rows on this
-        pp rank when the weight is spread over the pp ranks."""
-        shape = self.tp_local_shape(name)
-        if name in self.spread:
-            return (shape[0] // self.mesh.pp, *shape[1:])
-        if self.plan.ep_plan is not None and name in self.plan.ep_plan.params():  # its ep rank's experts
-            return (shape[0] // self.mesh.ep, *shape[1:])
-        return shape
+        pp rank when the weight is spread over the pp ranks, or its ep rank's experts."""
+        return self.layout(name).local_shape()
+
+    def layout(self, name: str) -> ParamLayout:
+        """How this rank holds parameter ``name`` (its name in the captured graphs), made once."""
+        made = self.layouts
+        if name not in made:
+            tp_plan, ep_plan = self.tp_plan, self.plan.ep_plan
+            placement = tp_plan.params[name].placement if tp_plan is not None and name in tp_plan.params else None
+            experts = ep_plan.params().get(name, 0) if ep_plan is not None else 0
+            made[name] = ParamLayout.of(name, tuple(self.captured.gm.get_parameter(name).shape), self.mesh,
+                                        placement, experts, name in self.spread)
+        return made[name]
 
     @property
     def largest_held_share(self) -> float:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from autoshard.passes.collectives import unshard
-from autoshard.passes.placements import Shard
 from autoshard.runtime import spread
 
 
@@ -47,15 +46,15 @@ def gather(pm, target: str, local: torch.Tensor | None) -> torch.Tensor | None:
     """Parameter ``target`` (its name in the captures) at full shape from this rank's ``local`` part of it."""
     if local is not None and hasattr(local, "full_tensor"):  # sharded over dp x cp by FSDP2
         local = local.full_tensor()
-    if local is not None and target in pm.experts:  # this ep rank's experts: join every ep rank's on dim 0
+    layout = pm.layout(target)
+    if local is not None and layout.experts:  # this ep rank's experts: join every ep rank's on dim 0
         parts = [torch.empty_like(local) for _ in range(pm.mesh.ep)]
         dist.all_gather(parts, local.contiguous(), group=pm.groups.group("ep"))
         local = torch.cat(parts, 0)
-    plan = pm.plan
-    placement = plan.params[target].placement if plan is not None and target in plan.params else None
-    if local is None or not isinstance(placement, Shard):
+    placement = layout.tp
+    if local is None or placement is None:
         return local
     parts = [torch.empty_like(local) for _ in range(pm.mesh.tp)]
     dist.all_gather(parts, local.contiguous(), group=pm.groups.group("tp"))
     full = unshard(parts, placement.dim, placement.blocks, placement.whole)
-    return full.narrow(placement.dim, 0, pm.full_shape(target)[placement.dim])  # drop vocab padding
+    return full.narrow(placement.dim, 0, layout.shape[placement.dim])  # drop vocab padding

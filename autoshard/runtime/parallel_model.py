@@ -137,6 +137,10 @@ class ParallelModel(nn.Module):
         plan = self.builds[0].plan.ep_plan if self.builds else None
         return plan.params() if plan is not None else {}
 
+    def layout(self, target: str):
+        """How this rank holds parameter ``target`` (its name in the captures): ``layout.ParamLayout``."""
+        return self.builds[0].layout(target)
+
     @property
     def rank(self) -> int:
         return self.groups.rank if self.groups is not None else 0

@@ -307,21 +307,17 @@ def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tenso
     local = pm.store.find(target)
     if local is not None and hasattr(local, "full_tensor"):  # an FSDP2 shard: every dp x cp holder takes part
         local = local.full_tensor()
-    plan = pm.plan
-    placement = plan.params[target].placement if plan is not None and target in plan.params else None
-    placement = placement if isinstance(placement, Shard) else None
+    layout = pm.layout(target)
+    placement = layout.tp
     # ep rank e holds experts [e * per, (e + 1) * per): rows of the whole, from its tp group
-    holders_e = pm.mesh.expert_group_of(holders[target]) if target in pm.experts else [holders[target]]
+    holders_e = pm.mesh.expert_group_of(holders[target]) if layout.experts else [holders[target]]
     groups = [pm.mesh.group_of("tp", h) if placement is not None else [h] for h in holders_e]
     if rank != 0:
         if any(rank in senders for senders in groups):
             for rows in _row_chunks(local, placement.dim if placement is not None else 0):
                 dist.send(rows.contiguous(), dst=0)
         return None
-    if placement is not None and placement.blocks is None and pm.full_shape(target)[placement.dim] % pm.mesh.tp \
-            and len(groups) > 1:
-        raise NotImplementedError(f"save_pretrained: {target}'s tp shards are padded and its experts split over ep: "
-                                  "save with pm.save_checkpoint, or at a tp degree that divides it")
+    layout.check_whole_save()
     if len(groups) == 1 and placement is None and groups[0][0] == 0:
         return local.detach()
     full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)

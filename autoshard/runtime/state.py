@@ -30,8 +30,7 @@ def _entries(pm):
         local = store.find(target)
         if local is None:
             continue
-        placement = pm.plan.params[target].placement if pm.plan is not None else None
-        yield target, names[0], local, placement if isinstance(placement, Shard) else None
+        yield target, names[0], local, pm.layout(target).tp
 
 
 def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
@@ -39,7 +38,6 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=pm.device)
     tied = pm.pipeline.tied if pm.pipeline is not None else {}
     pp_index = pm.coord("pp")
-    experts = pm.experts  # split over ep: summed over it; every other gradient is alike on the ep ranks
     for target, _, param, placement in _entries(pm):
         if param.grad is None:
             continue
@@ -51,7 +49,8 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
                 grad, share = grad.full_tensor(), 1.0 / (pm.mesh.dp * pm.mesh.cp)
             else:
                 grad = grad.to_local()
-        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, target in experts)
+        # split over ep: summed over it; every other gradient is alike on the ep ranks
+        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, bool(pm.layout(target).experts))
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
@@ -352,7 +351,8 @@ def rank_part(pm, target: str, full: torch.Tensor, placement: Shard | None) -> t
     """This rank's part of parameter ``target``'s full tensor (or of a tensor laid out as it): its tp shard, then,
     for a stack of experts split over ep, its ep rank's experts."""
     local = _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
-    return expert_part(local, pm.mesh.expert_coord(pm.groups.coords), pm.mesh.ep) if target in pm.experts else local
+    return expert_part(local, pm.mesh.expert_coord(pm.groups.coords), pm.mesh.ep) if pm.layout(target).experts \
+        else local
 
 
 def fsdp_part(like, tp_local: torch.Tensor) -> torch.Tensor:
