@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 8
 
-.PHONY: setup demo test test-quick test-full bench gpu-check lint mutate corpus clean
+.PHONY: setup demo test test-quick test-full bench gpu-check lint mutate corpus docs clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ mutate: setup
 # The architecture corpus at every mesh into bench/corpus.md (resumable: bench/corpus.json caches each cell).
 corpus: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/corpus.py $(CORPUS_ARGS)
+
+# The guides in docs/ as a site (mkdocs, strict: a broken link fails), into site/.
+docs: setup
+	$(PY) -m pip install --quiet mkdocs && $(VENV)/bin/mkdocs build --strict
 
 lint: setup
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check autoshard tests examples bench
