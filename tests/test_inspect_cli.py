@@ -170,7 +170,7 @@ def test_auto_mesh_on_one_process_is_one_rank(monkeypatch, capsys):
         autoshard.parallelize(case.model, "best", example_inputs=case.inputs, loss_fn=case.loss_fn)
 
 
-def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monkeypatch):
+def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "8")
     gpt, mlp = build("gpt"), build("mlp")
     config = auto.transformer_config(gpt.model, gpt.inputs, 8)
@@ -180,6 +180,8 @@ def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monk
     assert mesh.world_size == 8 and 8 % (mesh.dp * 2) == 0 and 4 % mesh.tp == 0
     assert auto.transformer_config(mlp.model, mlp.inputs, 8) is None
     assert auto.auto_mesh(mlp.model, mlp.inputs) == Mesh(dp=8)
+    auto.auto_mesh(gpt.model, gpt.inputs, microbatches=2, announce=True)  # a CPU model: said whose formulas
+    assert "predicted with the planner's GPU preset (H100 formulas), not on this machine" in capsys.readouterr().out
 
 
 def lint_warnings(mesh: Mesh, microbatches: int = 1) -> list[str]:

@@ -47,6 +47,9 @@ def auto_mesh(model: nn.Module, example_inputs: tuple, *, microbatches: int = 1,
         else:
             mesh, why = _planned_mesh(config, world_size, microbatches, local_batch, fallback,
                                       bool(sequence_parallel))
+            if launch.device_of(model) != "cuda" and mesh is not fallback:
+                why += ("; predicted with the planner's GPU preset (H100 formulas), not on this machine: "
+                        "calibrate=True or planner_profile= predicts from this one")
     if announce and launch.rank() == 0:
         print(f"autoshard: mesh='auto' on {world_size} rank(s) chose {mesh} ({why})", flush=True)
     return mesh
