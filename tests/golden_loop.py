@@ -803,10 +803,10 @@ def metrics_of_a_step(name: str, mesh_kwargs: dict, trace: str | None = None, **
         logger.setLevel(logging.NOTSET)
     events = None
     if trace is not None and mesh.pp > 1:
-        path = f"{trace}.{dist.get_rank() if dist.is_initialized() else 0}.json"
-        pm.timeline(trace=path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+        pm.timeline(trace=f"{trace}.json")  # every rank calls; rank 0 writes every rank's
+        if dist.get_rank() == 0:
+            with open(f"{trace}.json") as f:
+                events = json.load(f)["traceEvents"]
     return {"metrics": pm.metrics(), "lines": lines, "losses": losses, "events": events,
             "tokens": case.inputs[0].numel()}
 

@@ -241,8 +241,14 @@ def test_each_step_reports_its_time_tokens_flops_memory_and_bubble(pools, mesh, 
             assert not steps and not progress, "rank 0 speaks for the job"
         if "pp" in mesh:
             assert 0 <= found["bubble"] < 1 and "bubble" in (steps[1] if rank == 0 else "bubble")
-            computed = [e for e in result["events"] if e["ph"] == "X" and e["tid"] == 0]
-            assert len(computed) == 4 and all(e["dur"] > 0 for e in computed), result["events"]  # F and B of 2
+    if "pp" in mesh:  # one trace: a process per rank, a slice per action (F and B of 2 microbatches, their messages)
+        events = results[0]["events"]
+        assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+            "rank 0 {'pp': 0, 'dp': 0, 'cp': 0, 'tp': 0}", "rank 1 {'pp': 1, 'dp': 0, 'cp': 0, 'tp': 0}"}, events
+        for pid in (0, 1):
+            computed = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 0]
+            sent = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1]
+            assert len(computed) == 4 and len(sent) == 4 and all(e["dur"] >= 0 for e in computed), events
 
 
 def test_a_tensorboard_directory_without_tensorboard_is_refused_naming_the_package():

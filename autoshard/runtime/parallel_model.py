@@ -490,12 +490,13 @@ class ParallelModel(nn.Module):
 
     def timeline(self, trace: str | None = None) -> str:
         """Under pipeline parallelism: the last step's actions on this rank as they ran, with the measured idle
-        share next to the schedule's simulated bubble. ``trace``: a path to also write them to as a Chrome trace
-        (each rank its own file; chrome://tracing and Perfetto open it)."""
+        share next to the schedule's simulated bubble. ``trace``: a path where rank 0 also writes every rank's last
+        step as one Chrome trace (chrome://tracing and Perfetto open it); with it, every rank calls."""
         if self.pipeline is None:
             raise ValueError("timeline() describes a pipeline: this model has pp=1")
         if trace is not None:
-            self.pipeline.write_trace(trace, self.rank)
+            with self._collective("timeline(trace=...)"):
+                self.pipeline.write_trace(trace, self.rank)
         text, reducer = self.pipeline.timeline(), self.sync.reducer
         if reducer is not None and self._steps:
             text += (f"\n  gradient sums over dp x cp: {reducer.overlapped} of {len(reducer.buckets)} "

@@ -159,18 +159,34 @@ class Pipeline:
         return 1 - busy / span if span > 0 else 0.0
 
     def write_trace(self, path: str, rank: int) -> None:
-        """The last step's actions as a Chrome trace (compute on one row, messages on another)."""
+        """The last step's actions of every rank as one Chrome trace, which rank 0 writes: a process per rank (its
+        coordinates in its name), compute on one row and messages on another, a slice per action, on one clock (each
+        rank's monotonic times moved to the wall clock). A collective over every rank."""
         import json
+        import time
 
         records = self.executor.records if self.executor is not None else []
-        start = records[0].start if records else 0.0
-        events = [{"name": str(r.action), "ph": "X", "pid": rank, "tid": 0 if r.action.is_compute else 1,
-                   "ts": (r.start - start) * 1e6, "dur": (r.end - r.start) * 1e6,
-                   "args": {"stage": r.action.stage, "microbatch": r.action.microbatch}} for r in records]
-        names = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-                 for tid, name in ((0, "compute"), (1, "messages"))]
+        to_wall = time.time() - time.perf_counter()
+        mine = {"rank": rank, "coords": dict(self.groups.coords),
+                "actions": [(str(r.action), r.action.is_compute, r.action.stage, r.action.microbatch,
+                             r.start + to_wall, r.end - r.start) for r in records]}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if rank != 0:
+            return
+        start = min((a[4] for found in everyone for a in found["actions"]), default=0.0)
+        events = []
+        for found in everyone:
+            pid = found["rank"]
+            events.append({"name": "process_name", "ph": "M", "pid": pid,
+                           "args": {"name": f"rank {pid} {found['coords']}"}})
+            events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+                       for tid, name in ((0, "compute"), (1, "messages"))]
+            events += [{"name": name, "ph": "X", "pid": pid, "tid": 0 if compute else 1, "ts": (at - start) * 1e6,
+                        "dur": seconds * 1e6, "args": {"stage": stage, "microbatch": microbatch}}
+                       for name, compute, stage, microbatch, at, seconds in found["actions"]]
         with open(path, "w") as f:
-            json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def timeline(self) -> str:
         """This rank's last step as it ran: compute actions with their times, and the measured idle share."""
