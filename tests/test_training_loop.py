@@ -319,3 +319,28 @@ def test_progress_is_said_on_a_terminal_when_the_logger_is_quiet(capsys):
     assert capsys.readouterr().err == "autoshard: captured it in 1.0 s\n"
     with pytest.raises(ValueError, match="progress='yes' is not valid"):
         autoshard.CompileOptions(progress="yes")
+
+
+def test_a_long_capture_counts_its_seconds_on_a_terminal(monkeypatch):
+    """On a terminal (and nowhere else) a capture or compile says it is alive: its seconds count up on one line,
+    cleared at the end for the line that says how long it took."""
+    import io
+    import time
+
+    from autoshard.runtime import metrics
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(metrics.sys, "stderr", screen)
+    with metrics.ticking(autoshard.CompileOptions(), "autoshard: capturing GPT for training"):
+        time.sleep(1.2)
+    said = screen.getvalue()
+    assert "\rautoshard: capturing GPT for training ... 1 s" in said and said.endswith("\033[K"), said
+    quiet = Terminal()
+    monkeypatch.setattr(metrics.sys, "stderr", quiet)
+    with metrics.ticking(autoshard.CompileOptions(progress=False), "autoshard: capturing"):
+        time.sleep(0.6)
+    assert quiet.getvalue() == ""

@@ -17,9 +17,11 @@ logger, or on a terminal's stderr where the logger is quiet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import sys
+import threading
 import time
 
 import torch
@@ -138,6 +140,31 @@ def progress(options, message: str) -> None:
     wanted = options.progress if options.progress is not None else sys.stderr.isatty()
     if wanted:
         print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def ticking(options, doing: str):
+    """While the block runs, on a terminal where ``progress`` speaks there: ``doing ... 3 s`` counting up on one line
+    (a capture or a compile of tens of seconds says it is alive), cleared at the end for ``progress``'s line."""
+    if log.isEnabledFor(logging.INFO) or options.progress is False or not sys.stderr.isatty():
+        yield
+        return
+    stop, start = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not stop.wait(0.5):
+            sys.stderr.write(f"\r{doing} ... {time.perf_counter() - start:.0f} s")
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=tick, name="autoshard-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
 
 
 def measure_peak(device: torch.device, repeats: int = 5) -> float:

@@ -38,7 +38,7 @@ from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
 from autoshard.runtime.failures import StepError, collective_guard, stall_guard
-from autoshard.runtime.metrics import Metrics, progress
+from autoshard.runtime.metrics import Metrics, progress, ticking
 from autoshard.runtime.pipeline import Pipeline
 from autoshard.runtime.two_passes import TwoPassStep
 
@@ -315,8 +315,9 @@ class ParallelModel(nn.Module):
             self._new_shape(key, "step()", "pad batches to a few lengths (a tokenizer's or collator's "
                             "pad_to_multiple_of=64) or to one length (padding='max_length')")
             start = time.perf_counter()
-            captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn, training=self.training,
-                                            outputs=True)
+            with self._ticking(f"autoshard: capturing {type(self.model).__name__} for training"):
+                captured = capture_for_training(self.model, mb_inputs, mb_target, self.loss_fn,
+                                                training=self.training, outputs=True)
             self._progress(f"captured {type(self.model).__name__} for training at {shapes_of(mb_inputs)}", start)
             if captured.inference is not None:  # for inference at these shapes: no second trace of the model
                 self._traced[(shapes_of(mb_inputs), self.training)] = captured.inference
@@ -339,7 +340,8 @@ class ParallelModel(nn.Module):
             self._new_shape(key, "pm(x) for inference", "pad inputs to a few lengths (a tokenizer's "
                             "pad_to_multiple_of=64), or generate with pm.generate(), which pads to buckets")
             start = time.perf_counter()
-            captured = self._traced.pop(key[:2], None) or capture(self.model, inputs, training=self.training)
+            with self._ticking(f"autoshard: capturing {type(self.model).__name__} for inference"):
+                captured = self._traced.pop(key[:2], None) or capture(self.model, inputs, training=self.training)
             self._progress(f"captured {type(self.model).__name__} for inference at {key[0]}", start)
             self._compile(key, captured)
         return self._builds[key]
@@ -348,7 +350,7 @@ class ParallelModel(nn.Module):
         """This rank's build of ``captured``; its warnings are said by one rank of each pipeline stage only."""
         earlier = self.builds[0].plan if self._builds else None
         start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as said:
+        with warnings.catch_warnings(record=True) as said, self._ticking("autoshard: planning and compiling"):
             warnings.simplefilter("always")
             plan = plan_job(captured, self.mesh, self.options, earlier=earlier)
             plan.notes.extend(notes)
@@ -379,6 +381,10 @@ class ParallelModel(nn.Module):
         if len(same) == 1 and self.rank == 0:
             warnings.warn(f"autoshard: {what} at new input shapes {key[0]} (after {same[0][0]}): every new shape is "
                           f"captured and compiled again, which takes seconds; {fix}", stacklevel=4)
+
+    def _ticking(self, doing: str):
+        """On rank 0, on a terminal: ``doing`` with its seconds counting up while it runs (``metrics.ticking``)."""
+        return ticking(self.options, doing) if self.rank == 0 else contextlib.nullcontext()
 
     def _progress(self, what: str, start: float) -> None:
         """Say (rank 0) what took how long: capture and compile take seconds (``metrics.progress``)."""
