@@ -87,7 +87,7 @@ def running(model: str, index: int, ranks: list[int], rank: int, who: str, timeo
     global _step
     if store() is not None and len(ranks) > 1 and index > 1:
         _check_in_step(model, index - 1, ranks, rank, who, timeout)
-    step = _Step(model, index)
+    step, outer = _Step(model, index), _step  # an exchange inside another (a call a step makes) restores it after
     _step = step
     try:
         yield
@@ -103,9 +103,10 @@ def running(model: str, index: int, ranks: list[int], rank: int, who: str, timeo
         announce(f"{who} failed: {type(e).__name__}: {first}")
         raise
     finally:
-        _step = None
-        with _lock:
-            _watched.clear()
+        _step = outer
+        if outer is None:
+            with _lock:
+                _watched.clear()
     _finished[model] = step
 
 
