@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -25,14 +26,13 @@ from autoshard.capture import Captured
 from autoshard.passes.axis import Outputs
 from autoshard.passes.batch_norm import batch_norm_pass
 from autoshard.passes.batch_statistics import batch_statistics_pass
-from autoshard.passes.context_parallel import ContextParallelPlan, context_parallel_pass, insert_splits
-from autoshard.passes.expert_parallel import ExpertParallelPlan, expert_parallel_pass
+from autoshard.passes.context_parallel import context_parallel_pass, insert_splits
+from autoshard.passes.expert_parallel import expert_parallel_pass
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import handed_on, propagate
 from autoshard.passes.sequence_parallel import region_exits, sequence_parallel_pass
 from autoshard.passes.tensor_parallel import tensor_parallel_pass
-from autoshard.plan import TensorParallelPlan
 
 aten = torch.ops.aten
 
@@ -83,25 +83,47 @@ class RankProgram:
 
 
 @dataclass(frozen=True)
-class Sharding:
-    """What one rank applies to a captured graph: its tp plan and coordinate, its cp plan and coordinate."""
+class On:
+    """One axis of a rank's sharding: the axis's plan, this rank's coordinate on the axis and its process group."""
 
-    tp_plan: TensorParallelPlan | None = None
-    tp_rank: int = 0
-    tp_group: object = None
-    cp_plan: ContextParallelPlan | None = None
-    cp_rank: int = 0
-    cp_group: object = None
-    sp_plan: ContextParallelPlan | None = None  # sequence parallelism over tp: where the sequence is
-    batch_norm: tuple[int, int, object] | None = None  # (size, rank, group) of the dp ranks a BatchNorm syncs over
-    # (size, rank, group, local batch, sizes of the batch by node): the loss's whole-batch statistics over dp
-    batch_sums: tuple[int, int, object, int, dict] | None = None
-    ep_plan: ExpertParallelPlan | None = None
-    ep_rank: int = 0
-    ep_group: object = None
+    plan: Any
+    rank: int = 0
+    group: object = None
+
+
+@dataclass(frozen=True)
+class BatchSync:
+    """What a sum over the ``size`` dp ranks needs: a BatchNorm's statistics (``batch`` and ``sizes`` unused), or the
+    loss's whole-batch statistics, with the local ``batch`` and the numbers that are sizes of the batch, by node."""
+
+    size: int
+    batch: int = 0
+    sizes: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What one rank applies to a captured graph: each axis's plan, with this rank's coordinate and group on it
+    (``axes``, by the name of the ``AXIS_PASSES`` entry that applies it), and how the graph is run."""
+
+    axes: Mapping[str, On] = field(default_factory=dict)
     training: bool = True
     keep_outputs: bool = False  # a pipeline stage that hands its activations on
     stage: bool = False  # the graph is one pipeline stage
+
+    def plan(self, axis: str):
+        """The plan of ``axis``, or None where this sharding does not apply it."""
+        on = self.axes.get(axis)
+        return on.plan if on is not None else None
+
+    def splits(self, axis: str) -> bool:
+        """Whether ``axis`` splits over more than one rank."""
+        plan = self.plan(axis)
+        return plan is not None and plan.size > 1
+
+    def with_plan(self, axis: str, plan) -> Sharding:
+        """This sharding with ``axis``'s plan replaced (its coordinate and group kept)."""
+        return dataclasses.replace(self, axes={**self.axes, axis: dataclasses.replace(self.axes[axis], plan=plan)})
 
 
 def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None,
@@ -130,7 +152,8 @@ def prepare(captured: Captured, splits: dict[str, int] | None = None) -> fx.Grap
 
 
 def _splits(sharding: Sharding) -> dict[str, int] | None:
-    return sharding.cp_plan.values if sharding.cp_plan is not None else None
+    plan = sharding.plan("cp")
+    return plan.values if plan is not None else None
 
 
 def build_stages(
@@ -229,19 +252,19 @@ def _for_stage(sharding: Sharding, whole: fx.GraphModule, stage: Stage) -> Shard
     sequence parallelism a stage receives its activations whole along the sequence (each stage's sends are
     gathered, as a model's outputs are) and splits them as it splits its inputs."""
     sharding = dataclasses.replace(sharding, stage=True)
-    if sharding.sp_plan is not None and stage.receives:
-        sharding = dataclasses.replace(sharding, sp_plan=_with_received(sharding.sp_plan, whole, stage))
-    plan = sharding.cp_plan
-    if plan is None or plan.size == 1:
+    if sharding.plan("sp") is not None and stage.receives:
+        sharding = sharding.with_plan("sp", _with_received(sharding.plan("sp"), whole, stage))
+    if not sharding.splits("cp"):
         return sharding
     sharding = dataclasses.replace(sharding, keep_outputs=bool(stage.sends))
     if not stage.receives:
         return sharding
-    return dataclasses.replace(sharding, cp_plan=_with_received(plan, whole, stage))
+    return sharding.with_plan("cp", _with_received(sharding.plan("cp"), whole, stage))
 
 
-def _with_received(plan: ContextParallelPlan, whole: fx.GraphModule, stage: Stage) -> ContextParallelPlan:
-    """``plan`` for a stage: its received activations that carry the sequence are inputs split along it too."""
+def _with_received(plan, whole: fx.GraphModule, stage: Stage):
+    """``plan`` (cp's or sp's) for a stage: its received activations that carry the sequence are inputs split along
+    it too."""
     seeds = {name: Shard(dim) for name, dim in plan.inputs.items()}
     prop = propagate(whole, seeds, plan.axis(), outputs=Outputs.PARTIAL)
     by_name = {n.name: n for n in whole.graph.nodes}
@@ -272,40 +295,60 @@ class AxisPass:
 
 
 def _batch_sums(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    size, rank, group, batch, sizes = sharding.batch_sums
-    batch_statistics_pass(gm, batch=batch, size=size, rank=rank, group=group, sizes=sizes)
+    on = sharding.axes["batch statistics"]
+    batch_statistics_pass(gm, batch=on.plan.batch, size=on.plan.size, rank=on.rank, group=on.group,
+                          sizes=on.plan.sizes)
+
+
+def _tensor(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["tp"]
+    tensor_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, mark_entries="sp" in sharding.axes)
+
+
+def _regions(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    found["sp exits"] = region_exits(gm, sharding.plan("sp"))
+
+
+def _context(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["cp"]
+    context_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, training=sharding.training,
+                          keep_outputs=sharding.keep_outputs)
 
 
 def _sequence(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    sp_plan = sharding.sp_plan
-    if sharding.cp_plan is not None and sharding.cp_plan.size > 1:  # tp splits each cp rank's tokens
-        sp_plan = dataclasses.replace(sp_plan, seq_len=len(sharding.cp_plan.positions(sharding.cp_rank)))
-    sequence_parallel_pass(gm, sp_plan, rank=sharding.tp_rank, group=sharding.tp_group, stage=sharding.stage,
-                           exits=found["sp exits"])
+    on = sharding.axes["sp"]
+    plan = on.plan
+    if sharding.splits("cp"):  # tp splits each cp rank's tokens
+        cp = sharding.axes["cp"]
+        plan = plan.for_cp_rank(len(cp.plan.positions(cp.rank)))
+    sequence_parallel_pass(gm, plan, rank=on.rank, group=on.group, stage=sharding.stage, exits=found["sp exits"])
 
 
 def _batch_norm(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    size, rank, group = sharding.batch_norm
-    batch_norm_pass(gm, group=group, size=size, rank=rank)
+    on = sharding.axes["batch norm"]
+    batch_norm_pass(gm, group=on.group, size=on.plan.size, rank=on.rank)
+
+
+def _experts(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["ep"]
+    expert_parallel_pass(gm, on.plan, rank=on.rank, group=on.group)
+
+
+def _present(axis: str) -> Callable[[Sharding], bool]:
+    return lambda sharding: axis in sharding.axes
 
 
 _EARLIER = ("batch statistics", "tp", "sp regions", "cp", "sp", "batch norm")
 AXIS_PASSES: tuple[AxisPass, ...] = (
     # first: it finds the loss's whole-batch statistics on the graph as the job plan did
-    AxisPass("batch statistics", (), lambda s: s.batch_sums is not None, _batch_sums),
-    AxisPass("tp", ("batch statistics",), lambda s: s.tp_plan is not None and s.tp_plan.size > 1,
-             lambda gm, s, found: tensor_parallel_pass(gm, s.tp_plan, rank=s.tp_rank, group=s.tp_group,
-                                                       mark_entries=s.sp_plan is not None)),
-    AxisPass("sp regions", ("tp",), lambda s: s.sp_plan is not None,
-             lambda gm, s, found: found.__setitem__("sp exits", region_exits(gm, s.sp_plan))),
-    AxisPass("cp", ("tp", "sp regions"), lambda s: s.cp_plan is not None and s.cp_plan.size > 1,
-             lambda gm, s, found: context_parallel_pass(gm, s.cp_plan, rank=s.cp_rank, group=s.cp_group,
-                                                        training=s.training, keep_outputs=s.keep_outputs)),
-    AxisPass("sp", ("sp regions", "cp"), lambda s: s.sp_plan is not None, _sequence),
-    AxisPass("batch norm", ("tp", "cp", "sp"), lambda s: s.batch_norm is not None, _batch_norm),
+    AxisPass("batch statistics", (), _present("batch statistics"), _batch_sums),
+    AxisPass("tp", ("batch statistics",), lambda s: s.splits("tp"), _tensor),
+    AxisPass("sp regions", ("tp",), _present("sp"), _regions),  # read while the graph is tp's
+    AxisPass("cp", ("tp", "sp regions"), lambda s: s.splits("cp"), _context),
+    AxisPass("sp", ("sp regions", "cp"), _present("sp"), _sequence),
+    AxisPass("batch norm", ("tp", "cp", "sp"), _present("batch norm"), _batch_norm),
     # last: it reads the rows each routed layer holds after every other split
-    AxisPass("ep", _EARLIER, lambda s: s.ep_plan is not None,
-             lambda gm, s, found: expert_parallel_pass(gm, s.ep_plan, rank=s.ep_rank, group=s.ep_group)),
+    AxisPass("ep", _EARLIER, _present("ep"), _experts),
 )
 
 

@@ -232,24 +232,35 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
     mesh = plan.mesh
     coords = {axis: coords.get(axis, 0) for axis in ("pp", "dp", "cp", "tp")}
     build = RankBuild(captured, plan, coords, programs={}, notes=list(plan.notes))
-    sharding = codegen.Sharding(
-        tp_plan=plan.tp_plan, tp_rank=coords["tp"], cp_plan=plan.cp_plan, cp_rank=coords["cp"], sp_plan=plan.sp_plan,
-        tp_group=groups.group("tp") if groups is not None and mesh.tp > 1 else None,
-        cp_group=groups.group("cp") if groups is not None and mesh.cp > 1 else None,
-        training=captured.with_loss,
-        batch_norm=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None)
-        if plan.batch_norm_sync else None,
-        batch_sums=(mesh.dp, coords["dp"], groups.group("dp") if groups is not None else None,
-                    _local_batch(captured), plan.batch_sizes) if plan.batch_sums else None,
-        ep_plan=plan.ep_plan, ep_rank=mesh.expert_coord(coords),
-        ep_group=groups.group("ep") if groups is not None and mesh.ep > 1 else None,
-    )
+    sharding = sharding_of(plan, coords, groups, training=captured.with_loss,
+                           batch=_local_batch(captured) if plan.batch_sums else 0)
     if mesh.pp == 1:
         build.programs = {0: codegen.build(captured, sharding, store=store, autocast=_autocast(build))}
     else:
         _pipeline(build, sharding, store)
     build.checks = input_checks(captured.gm)
     return build
+
+
+def sharding_of(plan: JobPlan, coords: dict[str, int], groups: MeshGroups | None = None, *, training: bool = True,
+                batch: int = 0) -> codegen.Sharding:
+    """What the rank at ``coords`` applies of ``plan``: each axis's plan with its coordinate and group (None without
+    ``groups``: a build that runs no collective). ``batch``: the local batch the capture holds."""
+    mesh = plan.mesh
+
+    def group(axis: str):
+        return groups.group(axis) if groups is not None and getattr(mesh, axis) > 1 else None
+
+    dp = codegen.On(codegen.BatchSync(mesh.dp), coords["dp"], groups.group("dp") if groups is not None else None)
+    axes = {"tp": codegen.On(plan.tp_plan, coords["tp"], group("tp")),
+            "sp": codegen.On(plan.sp_plan, coords["tp"], group("tp")),
+            "cp": codegen.On(plan.cp_plan, coords["cp"], group("cp")),
+            "ep": codegen.On(plan.ep_plan, mesh.expert_coord(coords), group("ep"))}
+    if plan.batch_norm_sync:
+        axes["batch norm"] = dp
+    if plan.batch_sums:
+        axes["batch statistics"] = dataclasses.replace(dp, plan=codegen.BatchSync(mesh.dp, batch, plan.batch_sizes))
+    return codegen.Sharding({name: on for name, on in axes.items() if on.plan is not None}, training=training)
 
 
 def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int, options: CompileOptions, *,

@@ -31,15 +31,16 @@ from torch import fx, nn
 
 from autoshard import codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured
+from autoshard.layout import ParamLayout
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
 from autoshard.passes.expert_parallel import ExpertLayer, ExpertParallelPlan, plan_expert_parallel
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import split_pipeline
-from autoshard.passes.placements import Shard, local_shape
-from autoshard.passes.sequence_parallel import SequenceParallelError
-from autoshard.passes.tensor_parallel import plan_tensor_parallel
+from autoshard.passes.placements import Shard
+from autoshard.passes.sequence_parallel import SequenceParallelError, SequenceParallelPlan, check_applies
+from autoshard.passes.tensor_parallel import plan_tensor_parallel, tensor_parallel_pass
 from autoshard.plan import TensorParallelPlan
 
 aten = torch.ops.aten
@@ -71,7 +72,7 @@ AXIS_PLANS: dict[str, AxisPlanRecord] = {record.name: record for record in (
     AxisPlanRecord("cp", dataclasses.asdict, lambda data: ContextParallelPlan(**data),
                    lambda plan: f"the sequence of {plan.seq_len} over {plan.size} ranks, {plan.attention} attention"
                                 f"{', load-balanced' if plan.load_balance else ''}"),
-    AxisPlanRecord("sp", dataclasses.asdict, lambda data: ContextParallelPlan(**data),
+    AxisPlanRecord("sp", dataclasses.asdict, SequenceParallelPlan.from_json,
                    lambda plan: f"the sequence of {plan.seq_len} split over tp between its regions"),
     AxisPlanRecord("ep", dataclasses.asdict, _ep_from_json,
                    lambda plan: f"{len(plan.layers)} expert layers split over {plan.size} ranks"),
@@ -197,16 +198,16 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     return plan
 
 
-def tp_local_shape(captured: Captured, tp_plan: TensorParallelPlan | None, tp: int, name: str) -> tuple[int, ...]:
-    """The shape of parameter ``name``'s tp shard (padded up to a multiple of tp, as the tp pass pads it)."""
-    placement = tp_plan.params[name].placement if tp_plan is not None and name in tp_plan.params else None
-    shape = tuple(captured.gm.get_parameter(name).shape)
-    return local_shape(shape, placement, tp) if isinstance(placement, Shard) and tp > 1 else shape
+def tp_shape(captured: Captured, plan: JobPlan, name: str) -> tuple[int, ...]:
+    """The shape of parameter ``name``'s tp part under ``plan``, from its layout (before any build exists)."""
+    tp = plan.tp_plan
+    placement = tp.params[name].placement if tp is not None and name in tp.params else None
+    return ParamLayout.of(name, captured.gm.get_parameter(name).shape, plan.mesh, placement, 0, False).tp_shape()
 
 
 def spread_bytes(captured: Captured, plan: JobPlan, holders: dict[str, frozenset[int]]) -> dict[str, int]:
     """The bytes of each held parameter on one rank (its tp shard)."""
-    return {name: math.prod(tp_local_shape(captured, plan.tp_plan, plan.mesh.tp, name))
+    return {name: math.prod(tp_shape(captured, plan, name))
             * captured.gm.get_parameter(name).element_size() for name in holders}
 
 
@@ -285,7 +286,7 @@ def _cp_plan(captured: Captured, mesh: Mesh, options: CompileOptions,
     return plan
 
 
-def _sp_plan(captured: Captured, plan: JobPlan, notes: list[str]) -> ContextParallelPlan | None:
+def _sp_plan(captured: Captured, plan: JobPlan, notes: list[str]) -> SequenceParallelPlan | None:
     """Where sequence parallelism splits the sequence over tp (found as context parallelism finds it, on the graph
     with cp's splits in it). Under ``"auto"``, none where it does not apply, with a note saying why."""
     mesh, options = plan.mesh, plan.options
@@ -301,7 +302,7 @@ def _sp_plan(captured: Captured, plan: JobPlan, notes: list[str]) -> ContextPara
         return None
 
 
-def _sequence(gm, mesh: Mesh) -> ContextParallelPlan:
+def _sequence(gm, mesh: Mesh) -> SequenceParallelPlan:
     try:
         plan = plan_context_parallel(gm, mesh.tp, attention="gather")
     except ContextParallelError as e:
@@ -312,7 +313,7 @@ def _sequence(gm, mesh: Mesh) -> ContextParallelPlan:
             f"under context parallelism, sequence parallelism splits each cp rank's tokens over tp: the sequence of "
             f"{plan.seq_len} tokens must divide by cp x tp = {mesh.cp * mesh.tp}: pad it to a multiple, or use "
             "sequence_parallel=False")
-    return plan
+    return SequenceParallelPlan.found(plan)
 
 
 def _pipeline(captured: Captured, plan: JobPlan, earlier: JobPlan | None) -> None:
@@ -330,26 +331,25 @@ def _pipeline(captured: Captured, plan: JobPlan, earlier: JobPlan | None) -> Non
         plan.spread = earlier.spread
     elif options.data_parallel != "fsdp":  # FSDP2 shards them over dp x cp already
         holders = holders_of(split_pipeline(gm, plan.partition.stage_of, stages), plan)
-        rows = {name: (tp_local_shape(captured, plan.tp_plan, plan.mesh.tp, name) or (0,))[0] for name in holders}
+        rows = {name: (tp_shape(captured, plan, name) or (0,))[0] for name in holders}
         plan.spread = spread_choice.choose(holders, spread_bytes(captured, plan, holders), rows, plan.mesh.pp,
                                            balance=options.pipeline_balance != "time")
 
 
 def _settle_sequence_parallel(captured: Captured, plan: JobPlan, notes: list[str]) -> None:
-    """Under ``"auto"``: build every stage of tp rank 0 once, on parameters that hold no data and without a word
-    (the rank's own build says what it finds); where sequence parallelism finds that it cannot split the sharded
-    graph (a split value the model detaches, ...), the plan leaves it off, with a note."""
-    sharding = codegen.Sharding(tp_plan=plan.tp_plan, cp_plan=plan.cp_plan, sp_plan=plan.sp_plan,
-                                training=captured.with_loss)
+    """Under ``"auto"``: where sequence parallelism could not split the sequence of this plan (tp ranks that do not
+    divide each cp rank's tokens; no tensor-parallel region whose output carries the sequence, without a pipeline),
+    the plan leaves it off, with a note. Read off tp rank 0's graph (tp's rewrite alone, on parameters that hold no
+    data), before any rank builds."""
+    cp = plan.cp_plan
+    tokens = ([len(cp.positions(rank)) for rank in range(cp.size)] if cp is not None and cp.size > 1
+              else [plan.sp_plan.seq_len])
+    gm = codegen.prepare(_weightless(captured), plan.splits)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trial = _weightless(captured)
-            if plan.mesh.pp == 1:
-                codegen.build(trial, sharding)
-            else:
-                stages = plan.mesh.pp * plan.options.chunks
-                codegen.build_stages(trial, sharding, plan.partition.stage_of, stages, list(range(stages)))
+            warnings.simplefilter("ignore")  # the rank's own build says what tp finds
+            tensor_parallel_pass(gm, plan.tp_plan, rank=0, mark_entries=True)
+        check_applies(gm, plan.sp_plan, tokens=tokens, whole=plan.mesh.pp == 1)
     except SequenceParallelError as e:
         notes.append(_SP_OFF + str(e))
         plan.sp_plan = None

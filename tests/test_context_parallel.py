@@ -234,7 +234,7 @@ def test_gathered_causal_attention_needs_no_mask_and_computes_no_key_after_its_q
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
     sum_loss_pass(captured.gm, find_token_loss(captured.gm))  # as parallelize does: a per-token sum
     plan = plan_context_parallel(captured.gm, 2, load_balance=True)
-    gm = codegen.build(captured, codegen.Sharding(cp_plan=plan, cp_rank=0)).gm
+    gm = codegen.build(captured, codegen.Sharding({"cp": codegen.On(plan, 0)})).gm
     modules = [m for m in gm.modules() if isinstance(m, GatheredCausalAttention)]
     assert len(modules) == 2 and not list(gm.buffers()), "two layers, no mask buffer"
     # rank 0 of 16 tokens, load balanced: positions 0-3 and 12-15
@@ -298,8 +298,8 @@ def test_every_collective_says_its_axis_and_tp_keeps_the_shared_localizers(atten
     case = build("llama")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
     sum_loss_pass(captured.gm, find_token_loss(captured.gm))
-    sharding = codegen.Sharding(tp_plan=plan_tensor_parallel(captured.gm, 2), tp_rank=1,
-                                cp_plan=plan_context_parallel(captured.gm, 2, attention=attention), cp_rank=1)
+    sharding = codegen.Sharding({"tp": codegen.On(plan_tensor_parallel(captured.gm, 2), 1),
+                                 "cp": codegen.On(plan_context_parallel(captured.gm, 2, attention=attention), 1)})
     gm = codegen.build(captured, sharding).gm
     found = {}
     for node in gm.graph.nodes:

@@ -159,7 +159,7 @@ def test_a_linear_outside_any_block_is_split_alone_by_rows():
 def _per_rank_counts(name: str, tp: int) -> dict:
     captured = _captured(name)
     plan = plan_tensor_parallel(captured.gm, tp)
-    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0)).gm
+    gm = codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 0)})).gm
     counts: dict[tuple[str, str], int] = {}
     for (direction, _kind, op), (calls, _) in communication(gm).items():
         name = op.removeprefix("tp ")
@@ -184,7 +184,7 @@ def test_collectives_per_layer_are_megatrons_minimum(name):
 def test_sharded_parameters_hold_one_tpth_of_the_matrices():
     captured = _captured("llama")
     plan = plan_tensor_parallel(captured.gm, 2)
-    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=1)).gm
+    gm = codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 1)})).gm
     local = dict(gm.named_parameters())
     assert local["model.layers.0.mlp.gate_proj.weight"].shape == (64, 48)
     assert local["model.layers.0.mlp.down_proj.weight"].shape == (48, 64)
@@ -208,7 +208,7 @@ def test_seven_billion_shape_plans_on_meta_quickly():
     captured = capture(model, (tokens,), loss_fn=token_loss, example_target=tokens)
     plan = plan_tensor_parallel(captured.gm, 8)
     assert _roles(plan)["layers.1.self_attn.k_proj.weight"] == "column", "8 kv heads shard 8 ways"
-    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=3)).gm
+    gm = codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 3)})).gm
     assert dict(gm.named_parameters())["model.layers.0.mlp.up_proj.weight"].shape == (11008 // 8, 4096)
 
 
@@ -219,7 +219,7 @@ def test_a_vocabulary_the_degree_does_not_divide_is_padded_not_replicated():
     plan = plan_tensor_parallel(captured.gm, 2)
     wte = plan.params["model.transformer.wte.weight"]
     assert wte.role == "vocab" and "padded from 81 to 82 rows" in wte.reason
-    local = dict(codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=1)).gm.named_parameters())
+    local = dict(codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 1)})).gm.named_parameters())
     assert local["model.transformer.wte.weight"].shape == (41, 48)
     assert torch.equal(local["model.transformer.wte.weight"][-1], torch.zeros(48)), "the last row is padding"
 
@@ -290,7 +290,7 @@ def test_a_size_that_depends_on_the_data_keeps_the_other_dims_splittable():
     captured = capture(_DataDependentRows(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x[0])
     plan = plan_tensor_parallel(captured.gm, 2)
     for rank in range(2):
-        codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=rank))
+        codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, rank)}))
     roles = _roles(plan)
     assert roles["up.weight"] == "column" and roles["down.weight"] == "row", roles
 
@@ -326,7 +326,7 @@ def test_a_fused_qkv_viewed_whole_is_not_refused_for_its_three_parts():
     x = torch.randn(2, 5, 32)
     captured = capture(_FusedQKVViewedWhole(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
     plan = plan_tensor_parallel(captured.gm, 2)  # 3 parts of 4 heads: the parts are not heads that 2 cannot split
-    codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
+    codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 0)}))
 
 
 # corpus architectures whose attention or experts once stayed replicated at tp=2, and why
@@ -446,7 +446,7 @@ def test_experts_joined_by_cat_are_all_reduced_once_per_layer():
 
     case = build_corpus("jetmoe")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
-    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan_tensor_parallel(captured.gm, 2), tp_rank=0)).gm
+    gm = codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan_tensor_parallel(captured.gm, 2), 0)})).gm
     reduced = [node.args[0] for node in gm.graph.nodes
                if node.op == "call_module" and isinstance(gm.get_submodule(node.target), ReduceFromParallel)]
     mixtures = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.index_add.default
@@ -471,7 +471,7 @@ def test_experts_looped_over_a_stack_that_stays_a_loop_split_each_experts_featur
     assert not any("grouped_mm" in str(n.target) for n in captured.gm.graph.nodes)
     plan = plan_tensor_parallel(captured.gm, 2)
     assert (plan.params["model.w"].role, plan.params["model.w"].placement) == ("row", Shard(2)), plan.params["model.w"]
-    gm = codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0)).gm  # the experts' pending sums joined
+    gm = codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 0)})).gm  # the experts' pending sums joined
     reduced = [node.args[0] for node in gm.graph.nodes  # by cat and added at the tokens' rows: one all-reduce
                if node.op == "call_module" and isinstance(gm.get_submodule(node.target), ReduceFromParallel)]
     assert [a.target for a in reduced] == [torch.ops.aten.index_add.default], reduced

@@ -23,7 +23,9 @@ needed), tensor parallelism's way: a replicated value's gradient is whole on eve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,38 @@ aten = torch.ops.aten
 
 class SequenceParallelError(AutoshardError, ValueError):
     """Sequence parallelism cannot split this model's sequence over tp; the message says why and what works."""
+
+
+@dataclass(frozen=True)
+class SequenceParallelPlan:
+    """Where sequence parallelism splits the sequence over the ``size`` tp ranks: the inputs that carry it (name ->
+    dim), the nodes where a sequence made inside the model starts (name -> dim), and its length (under context
+    parallelism, each cp rank's: ``for_cp_rank``)."""
+
+    size: int
+    inputs: dict[str, int] = field(default_factory=dict)
+    seq_len: int = 0
+    values: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def found(cls, plan: ContextParallelPlan) -> SequenceParallelPlan:
+        """The sequence context parallelism's search found over the tp ranks (``plan_context_parallel``)."""
+        return cls(plan.size, dict(plan.inputs), plan.seq_len, dict(plan.values))
+
+    @classmethod
+    def from_json(cls, data: dict) -> SequenceParallelPlan:
+        return cls(data["size"], dict(data.get("inputs", {})), data.get("seq_len", 0), dict(data.get("values", {})))
+
+    def axis(self) -> Axis:
+        """The axis that finds where the sequence is: the split of the inputs, with attention gathering it."""
+        return Axis("cp", self.size, sequence=self.seq_len)
+
+    def with_inputs(self, inputs: dict[str, int]) -> SequenceParallelPlan:
+        return dataclasses.replace(self, inputs=inputs)
+
+    def for_cp_rank(self, tokens: int) -> SequenceParallelPlan:
+        """Under context parallelism tp splits each cp rank's ``tokens``."""
+        return dataclasses.replace(self, seq_len=tokens)
 
 
 def _all_gather(x: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
@@ -163,7 +197,7 @@ op(_EntryMark, _WholeEntryMark, _SplitEntryMark, rule=_entry_rule)
 op(ReduceScatterToSequence, rule=_exit_rule)
 
 
-def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int]:
+def region_exits(gm: fx.GraphModule, plan: SequenceParallelPlan) -> dict[str, int]:
     """The regions' all-reduces of a tensor-parallel graph that sequence parallelism turns into reduce-scatters:
     node name -> the sequence dim of the value they sum. Those whose value carries the sequence (propagated from
     the inputs) and reaches the residual stream."""
@@ -189,7 +223,7 @@ def region_exits(gm: fx.GraphModule, plan: ContextParallelPlan) -> dict[str, int
     return exits
 
 
-def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, rank: int, group=None,
+def sequence_parallel_pass(gm: fx.GraphModule, plan: SequenceParallelPlan, *, rank: int, group=None,
                            stage: bool = False, exits: dict[str, int] | None = None) -> fx.GraphModule:
     """Rewrite a tensor-parallel rank's graph ``gm`` so that values between its regions hold this rank's tokens.
 
@@ -213,9 +247,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
         gm.recompile()
         return gm
     if not exits:
-        raise SequenceParallelError(
-            "sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
-            "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
+        raise SequenceParallelError(_NO_REGION)
     for node, dim in exits:  # the sequence's own collectives are on the "sp" axis (the tp group), as explain shows
         _swap(gm, node, ReduceScatterToSequence(group=group, size=size, rank=rank, dim=dim))
         node.meta[meta.AXIS] = gm.get_submodule(node.target).axis = "sp"
@@ -244,6 +276,20 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: ContextParallelPlan, *, ran
     return gm
 
 
+_NO_REGION = ("sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "
+              "linear or vocab-parallel embedding ends on a value split by position): use sequence_parallel=False")
+
+
+def check_applies(gm: fx.GraphModule, plan: SequenceParallelPlan, *, tokens: list[int], whole: bool) -> None:
+    """Raise the ``SequenceParallelError`` this plan's pass would raise on the tensor-parallel graph ``gm``, without
+    rewriting it: where the tp ranks cannot split the sequence evenly (``tokens``: each cp rank's, or the whole
+    sequence's), or, where ``gm`` is the whole model (``whole``: no pipeline), where no region's output carries it."""
+    for count in tokens:
+        _check_divides(plan.for_cp_rank(count))
+    if not region_exits(gm, plan) and whole:
+        raise SequenceParallelError(_NO_REGION)
+
+
 def sequence_axis(size: int, seq_len: int) -> Axis:
     """The sp axis: the tp group, splitting a sequence of ``seq_len`` between the regions. Inside a region the
     sequence is whole and the heads split, so sums may stay pending and splits be blocked as on tp."""
@@ -265,7 +311,7 @@ def _attention(size: int, seq_len: int, node: fx.Node, rw: localize.Rewriter) ->
         gathered_attention(node, rw, positions, seq_len)
 
 
-def _check_divides(plan: ContextParallelPlan) -> None:
+def _check_divides(plan: SequenceParallelPlan) -> None:
     if plan.seq_len % plan.size:
         works = [t for t in range(2, plan.seq_len + 1) if plan.seq_len % t == 0][:6]
         fix = "an input size that makes" if plan.values else "a sequence length of"  # tokens made inside the model
