@@ -12,6 +12,7 @@ from autoshard.capture import CaptureError, capture
 from autoshard.errors import AutoshardError
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
+from autoshard.passes import rules as _rules  # noqa: F401 - every op's record, before anything counts or shards
 from autoshard.runtime.anomaly import NonFiniteError
 from autoshard.verify import VerifyReport, verify
 

@@ -10,7 +10,8 @@ Terms:
 - *parameter bytes* are the bytes of the parameter a ``get_attr`` node reads; 0 for every other node.
   A tied weight is read by one ``get_attr`` node (capture canonicalises names), so it counts once.
 
-FLOP rules are a table keyed by the op's name (``aten.linear.default`` -> ``linear``):
+FLOP rules come with each op's record (``passes.rules.op(..., flops=)``, into ``FLOPS``); the rest are tables keyed by
+the op's name (``aten.linear.default`` -> ``linear``):
 
 =======================================  ====================================================
 matmuls (linear, mm, bmm, matmul, einsum, ...)   ``2 * numel(out) * K`` (K the contracted size), plus
@@ -93,9 +94,10 @@ def node_flops(node: fx.Node, shape_map: ShapeMap = tuple) -> Dim:
     """Forward FLOPs of ``node``; ``shape_map`` maps each traced shape to the sizes to count with."""
     if node.op != "call_function":
         return 0
+    rule = FLOPS.get(getattr(node.target, "overloadpacket", node.target))
+    if rule is not None:
+        return rule(node, shape_map)
     name = op_name(node.target)
-    if name in _RULES:
-        return _RULES[name](node, shape_map)
     if name in _FREE:
         return 0
     if name in _PER_INPUT_ELEMENT:
@@ -241,24 +243,38 @@ def _einsum(node: fx.Node, shape_map: ShapeMap) -> Dim:
     return 2 * _numel(sizes.values()) * max(1, len(operands) - 1)
 
 
-_RULES: dict[str, Callable[[fx.Node, ShapeMap], Dim]] = {
-    "einsum": _einsum,
-    "linear": _linear,
-    "mm": _matmul_rule(0, adds=False),
-    "bmm": _matmul_rule(0, adds=False),
-    "matmul": _matmul_rule(0, adds=False),
-    "addmm": _matmul_rule(1, adds=True),
-    "baddbmm": _matmul_rule(1, adds=True),
-    "scaled_dot_product_attention": _sdpa,
-    "convolution": _convolution,
-    "conv1d": _convolution,
-    "conv2d": _convolution,
-    "conv3d": _convolution,
-}
+FlopRule = Callable[[fx.Node, ShapeMap], Dim]
+MATMUL, ATTENTION = "matmul", "attention"  # how the planner times an op whose FLOPs a rule counts: as a matmul of them,
+# or by attention's own rate
 
-# How the planner times the ops above: attention by its own rate, every other one as a matmul of its FLOPs.
-TIMED_AS_ATTENTION = frozenset({"scaled_dot_product_attention"})
-TIMED_AS_MATMUL = frozenset(_RULES) - TIMED_AS_ATTENTION
+# What autoshard knows of an op's arithmetic, by op (an overload's packet: every overload of it): its FLOP rule and
+# how it is timed. Written by ``passes.rules.op(..., flops=, timing=)`` alone (``record``), with the op's other
+# records: linear and the matmuls, einsum, the convolutions and attention (``passes.rules_nn``).
+FLOPS: dict[object, FlopRule] = {}
+TIMING: dict[object, str] = {}
+
+
+def record(target: object, flops: FlopRule, timing: str) -> None:
+    """Record ``target``'s FLOP rule and timing; a second, different record for the same op is refused."""
+    packet = getattr(target, "overloadpacket", target)
+    if FLOPS.get(packet, flops) is not flops or TIMING.get(packet, timing) != timing:
+        raise AssertionError(f"{packet} has a FLOP rule already ({FLOPS[packet].__qualname__}, timed as "
+                             f"{TIMING[packet]}): one record per op")
+    FLOPS[packet], TIMING[packet] = flops, timing
+
+
+def timing(target: object) -> str | None:
+    """How the planner times ``target``: ``MATMUL``, ``ATTENTION``, or None (by the bytes it moves)."""
+    return TIMING.get(getattr(target, "overloadpacket", target))
+
+
+linear_flops = _linear
+mm_flops = _matmul_rule(0, adds=False)
+addmm_flops = _matmul_rule(1, adds=True)
+einsum_flops = _einsum
+attention_flops = _sdpa
+convolution_flops = _convolution
+
 
 # Views of their input: no arithmetic and no new memory.
 _VIEWS = frozenset({

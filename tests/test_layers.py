@@ -122,8 +122,8 @@ def test_the_axis_passes_run_in_an_order_their_constraints_allow(monkeypatch):
 def test_what_autoshard_knows_of_an_op_is_one_record_whatever_was_imported():
     """Every sharding rule, localizer and signature matcher came through ``rules.op``, which refuses a second,
     different record for an op; an op's rule does not depend on which modules were imported (topk's rule had
-    been set by ``batch_statistics`` at its import, with ``setdefault``); every op ``cost`` counts FLOPs for is
-    one the planner times."""
+    been set by ``batch_statistics`` at its import, with ``setdefault``); every op ``cost`` counts FLOPs for came
+    through it too, with how the planner times it."""
     import subprocess
     import sys
 
@@ -133,7 +133,6 @@ def test_what_autoshard_knows_of_an_op_is_one_record_whatever_was_imported():
     import autoshard.codegen  # noqa: F401 - every pass module, each recording what it knows of its ops
     from autoshard import cost
     from autoshard.passes import rules
-    from autoshard.planner import predict
 
     aten = torch.ops.aten
     assert all(("rule", target) in rules.RECORDED for target in rules.RULES)
@@ -145,4 +144,11 @@ def test_what_autoshard_knows_of_an_op_is_one_record_whatever_was_imported():
     alone = subprocess.run([sys.executable, "-c", "import torch; from autoshard.passes import rules; "
                             "print(torch.ops.aten.topk.default in rules.RULES)"], capture_output=True, text=True)
     assert alone.stdout.strip() == "True", alone.stderr
-    assert set(cost._RULES) <= predict._MATMULS | predict._ATTENTION
+    assert all(("flops", packet) in rules.RECORDED for packet in cost.FLOPS)
+    assert set(cost.FLOPS) == set(cost.TIMING) and set(cost.TIMING.values()) <= {cost.MATMUL, cost.ATTENTION}
+    assert {aten.linear, aten.mm, aten.einsum, aten.convolution, aten.scaled_dot_product_attention} <= set(cost.FLOPS)
+    with pytest.raises(AssertionError, match="one record per op"):
+        rules.op(aten.einsum.default, flops=cost.mm_flops)
+    counted = subprocess.run([sys.executable, "-c", "import torch; from autoshard import cost; "
+                              "print(torch.ops.aten.einsum in cost.FLOPS)"], capture_output=True, text=True)
+    assert counted.stdout.strip() == "True", counted.stderr

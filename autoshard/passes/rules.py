@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoshard import meta
+from autoshard import cost, meta
 from autoshard.errors import AutoshardError
 from autoshard.passes.axis import Axis
 from autoshard.passes.loss import LOSS_SCALES
@@ -106,12 +106,14 @@ RECORDED: set[tuple[str, object]] = set()  # (table, op) of every entry written 
 
 
 def op(*ops, rule: Rule | None = None, localize: Callable | None = None,
-       matches: Callable[[fx.Node], bool] | None = None) -> None:
+       matches: Callable[[fx.Node], bool] | None = None, flops: cost.FlopRule | None = None,
+       timing: str = cost.MATMUL) -> None:
     """Record what autoshard knows of ``ops`` (overloads, packets, or the classes of ``call_module`` nodes): their
-    sharding ``rule`` and their ``localize``r (how one rank runs its part); or, with ``matches``, the rule of the
-    ops that predicate recognises by their signature. The one way into ``RULES``, ``LOCALIZERS`` and ``MATCHERS``: a
-    second, different record of the same kind for an op is refused, so what an op's rule is never depends on which
-    module was imported last."""
+    sharding ``rule``, their ``localize``r (how one rank runs its part), and their arithmetic (``flops``, the FLOP
+    rule ``cost`` counts them by, every overload of the op alike, and the ``timing`` the planner gives them); or,
+    with ``matches``, the rule of the ops that predicate recognises by their signature. The one way into ``RULES``,
+    ``LOCALIZERS``, ``MATCHERS`` and ``cost.FLOPS``: a second, different record of the same kind for an op is
+    refused, so what an op's rule is never depends on which module was imported last."""
     if matches is not None:
         MATCHERS.append((matches, rule))
         RECORDED.add(("matcher", matches))
@@ -120,6 +122,9 @@ def op(*ops, rule: Rule | None = None, localize: Callable | None = None,
             _record(RULES, "rule", target, rule)
         if localize is not None:
             _record(LOCALIZERS, "localizer", target, localize)
+        if flops is not None:
+            cost.record(target, flops, timing)
+            RECORDED.add(("flops", getattr(target, "overloadpacket", target)))
 
 
 def _record(table: dict, kind: str, target, fn: Callable) -> None:
@@ -130,10 +135,10 @@ def _record(table: dict, kind: str, target, fn: Callable) -> None:
     RECORDED.add((kind, target))
 
 
-def rule(*ops) -> Callable[[Rule], Rule]:
-    """``@rule(ops...)``: ``op(*ops, rule=fn)`` as a decorator."""
+def rule(*ops, **record) -> Callable[[Rule], Rule]:
+    """``@rule(ops..., flops=...)``: ``op(*ops, rule=fn, ...)`` as a decorator."""
     def register(fn: Rule) -> Rule:
-        op(*ops, rule=fn)
+        op(*ops, rule=fn, **record)
         return fn
 
     return register

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard import cost
 from autoshard.functions import KEPT_OP, kept_of, per_sample
 from autoshard.passes.placements import Partial, Placement, R, Replicate, Shard
 from autoshard.passes.rules import (
@@ -216,13 +217,13 @@ def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
 # ------------------------------------------------------------------------------------- matmuls and attention
 
 
-@rule(aten.linear.default)
+@rule(aten.linear.default, flops=cost.linear_flops)
 def _linear(node: fx.Node, ctx: Context) -> Decision:
     x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
     return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=0)
 
 
-@rule(aten.addmm.default)
+@rule(aten.addmm.default, flops=cost.addmm_flops)
 def _addmm(node: fx.Node, ctx: Context) -> Decision:
     b, x, w = arg(node, "self"), arg(node, "mat1"), arg(node, "mat2")
     return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=1)
@@ -252,12 +253,12 @@ def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> 
     return replicate_all(node, ctx)
 
 
-@rule(aten.matmul.default, aten.bmm.default)
+@rule(aten.matmul.default, aten.bmm.default, flops=cost.mm_flops)
 def _matmul(node: fx.Node, ctx: Context) -> Decision:
     return _batched_matmul(node, ctx, node.args[0], node.args[1])
 
 
-@rule(aten.baddbmm.default)
+@rule(aten.baddbmm.default, flops=cost.addmm_flops)
 def _baddbmm(node: fx.Node, ctx: Context) -> Decision:
     """``bias + a @ b`` (BLOOM adds its ALiBi bias to the scores so): the product's shard, and the bias cut the same
     way (a per-head bias built in the graph: each rank takes its heads' rows, no communication)."""
@@ -294,7 +295,7 @@ def einsum_letters(equation: str, operands: int) -> tuple[list[str], str] | None
     return specs, out
 
 
-@rule(aten.einsum.default)
+@rule(aten.einsum.default, flops=cost.einsum_flops)
 def _einsum(node: fx.Node, ctx: Context) -> Decision:
     """A split subscript stays split: every operand that has it takes the same part, and the output is split along
     it, or, when the subscript is summed over (a row: ``ibnd,hnd->ibh`` with heads split), each rank's product is a
@@ -399,7 +400,7 @@ def _grouped_mm(node: fx.Node, ctx: Context) -> Decision:
 op(matches=is_grouped_mm, rule=_grouped_mm)
 
 
-@rule(aten.scaled_dot_product_attention.default)
+@rule(aten.scaled_dot_product_attention.default, flops=cost.attention_flops, timing=cost.ATTENTION)
 def _sdpa(node: fx.Node, ctx: Context) -> Decision:
     q, k, v = node.args[:3]
     ndim = len(ctx.shape(q))
@@ -553,3 +554,10 @@ def _register_collectives() -> None:
 
 
 _register_collectives()
+
+
+# The arithmetic of the matmuls and convolutions whose sharding is decided elsewhere (tp's planner finds mm's
+# weight; the convolutions' rules above take some overloads): every overload of each op is counted alike.
+op(aten.mm.default, flops=cost.mm_flops)
+op(aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+   flops=cost.convolution_flops)

@@ -36,12 +36,11 @@ from autoshard.options import CompileOptions
 from autoshard.planner.memory import Footprint, footprint, held_bytes, node_bytes
 from autoshard.planner.profile import Profile
 
-_MATMULS = cost.TIMED_AS_MATMUL  # the ops cost.py counts the FLOPs of, attention aside
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "_grouped_mm_fallback"})  # experts' rows
 _ZEROED = frozenset({"grouped_mm_fallback", "_grouped_mm_fallback"})  # transformers' loop: zeros, then each expert
 _CONVERSIONS = frozenset({"to", "type_as", "contiguous"})  # their input itself where nothing changes
-_ATTENTION = cost.TIMED_AS_ATTENTION | frozenset({"_scaled_dot_product_flash_attention_for_cpu",
-                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+_ATTENTION = frozenset({"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                        "_scaled_dot_product_flash_attention"})  # attention's kernels, beside the op's own record
 _RING_PIECE_OPS = 6  # a ring piece's merge (scale, add, the weighted piece) and its gradients' three additions
 # a pass's module that computes besides its collectives: as many ops (forward and backward) over its first input
 # or its output. tp's loss over the local logits runs max, subtract, exp, sum and a divide, and backward a copy,
@@ -104,12 +103,12 @@ def program_time(gm: fx.GraphModule, profile: Profile) -> tuple[float, float, fl
                 # the input's and the stacked weights' gradients (13 ms of a mixture's 224 ms step here)
                 compute += profile.zero_time(node_bytes(node) + sum(node_bytes(a) for a in node.args[:2]
                                                                     if isinstance(a, fx.Node)))
-        elif name in _MATMULS and flops:
+        elif cost.timing(node.target) == cost.MATMUL and flops:
             out = meta.val(node)
             n = cost.dim_size(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() else 1
             rows = (cost._output_numel(node, tuple) / n) if n else 0
             compute += profile.matmul_time(rows, n, flops / max(2.0 * rows * n, 1.0))
-        elif name in _ATTENTION and flops:
+        elif (cost.timing(node.target) == cost.ATTENTION or name in _ATTENTION) and flops:
             compute += profile.attention_time(flops)
         elif (name in cost._VIEWS or name in ("sym_size", "_assert_tensor_metadata", "_assert_scalar")
               or name in _CONVERSIONS and _unchanged(node)):
