@@ -516,67 +516,71 @@ def _one_input_shard(node: fx.Node, ctx: Context) -> Shard | None:
     return p if isinstance(p, Shard) else None
 
 
-@rule(aten.transpose.int, aten.swapaxes.default)
-def _transpose(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    ndim = len(ctx.shape(node))
+# Views that move dims without changing their sizes, as data: for a view node, its input's shape and its output's
+# rank, which input dim each output dim is (None: a dim the view adds), or None where the view is not one of these
+# (``t`` of other than a matrix). One interpreter (``_moved``) reads them all.
+DimMap = tuple[int | None, ...] | None
+
+
+def _transposed(node: fx.Node, shape: tuple, out: int) -> DimMap:
+    n = len(shape)
     names = ("dim0", "dim1") if node.target is aten.transpose.int else ("axis0", "axis1")
-    a, b = (_dim(arg(node, name), ndim) for name in names)
-    dim = b if p.dim == a else a if p.dim == b else p.dim
-    return Decision(p.at(dim))
+    a, b = (_dim(arg(node, name), out) for name in names)
+    dims = list(range(n))
+    dims[a], dims[b] = dims[b], dims[a]
+    return tuple(dims)
 
 
-@rule(aten.t.default, aten.numpy_T.default)
-def _t(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is not None and len(ctx.shape(node)) != 2:  # numpy_T reverses every dim
-        return replicate_all(node, ctx)
-    return Decision(p.at(1 - p.dim)) if p else _pointwise(node, ctx)
+def _moved_dim(node: fx.Node, shape: tuple, out: int) -> DimMap:
+    n = len(shape)
+    source, destination = _dim(arg(node, "source"), out), _dim(arg(node, "destination"), out)
+    dims: list[int | None] = [d for d in range(n) if d != source]
+    dims.insert(destination, source)
+    return tuple(dims)
 
 
-@rule(aten.permute.default)
-def _permute(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    ndim = len(ctx.shape(node))
-    order = [_dim(d, ndim) for d in arg(node, "dims")]
-    return Decision(p.at(order.index(p.dim)))
+def _unsqueezed(node: fx.Node, shape: tuple, out: int) -> DimMap:
+    n = len(shape)
+    dims: list[int | None] = list(range(n))
+    dims.insert(_dim(arg(node, "dim"), out), None)
+    return tuple(dims)
 
 
-@rule(aten.movedim.int)
-def _movedim(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    ndim = len(ctx.shape(node))
-    source, destination = _dim(arg(node, "source"), ndim), _dim(arg(node, "destination"), ndim)
-    order = [d for d in range(ndim) if d != source]
-    order.insert(destination, source)  # output dim i holds input dim order[i]
-    return Decision(p.at(order.index(p.dim)))
-
-
-@rule(aten.unsqueeze.default)
-def _unsqueeze(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    k = _dim(arg(node, "dim"), len(ctx.shape(node)))
-    return Decision(p.at(p.dim + (1 if k <= p.dim else 0)))
-
-
-@rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
-def _squeeze(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    in_shape = ctx.shape(node.args[0])
-    dims = range(len(in_shape)) if node.target is aten.squeeze.default else arg(node, "dim")
+def _squeezed(node: fx.Node, shape: tuple, out: int) -> DimMap:
+    n = len(shape)
+    dims = range(n) if node.target is aten.squeeze.default else arg(node, "dim")
     dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
-    removed = [d for d in (_dim(d, len(in_shape)) for d in dims) if in_shape[d] == 1]
-    return Decision(p.at(p.dim - sum(d < p.dim for d in removed)))
+    removed = {d for d in (_dim(d, n) for d in dims) if shape[d] == 1}
+    return tuple(d for d in range(n) if d not in removed)
+
+
+VIEW_DIMS: dict[object, Callable[[fx.Node, tuple, int], DimMap]] = {
+    aten.transpose.int: _transposed,
+    aten.swapaxes.default: _transposed,
+    aten.t.default: lambda node, shape, out: (1, 0) if out == 2 else None,  # numpy_T reverses every dim
+    aten.numpy_T.default: lambda node, shape, out: (1, 0) if out == 2 else None,
+    aten.permute.default: lambda node, shape, out: tuple(_dim(d, out) for d in arg(node, "dims")),
+    aten.movedim.int: _moved_dim,
+    aten.unsqueeze.default: _unsqueezed,
+    aten.squeeze.dim: _squeezed,
+    aten.squeeze.dims: _squeezed,
+    aten.squeeze.default: _squeezed,
+    aten.expand.default: lambda node, shape, out: (*(None,) * (out - len(shape)), *range(len(shape))),
+}
+
+
+def _moved(node: fx.Node, ctx: Context) -> Decision:
+    """A view of ``VIEW_DIMS``: the split moves with its dim (its blocks kept); a replicated input stays so."""
+    p = _one_input_shard(node, ctx)
+    if p is None:
+        return _pointwise(node, ctx)
+    dims = VIEW_DIMS[node.target](node, ctx.shape(node.args[0]), len(ctx.shape(node)))
+    if dims is None or p.dim not in dims:
+        return replicate_all(node, ctx)
+    return Decision(p.at(dims.index(p.dim)))
+
+
+op(*VIEW_DIMS, rule=_moved)
 
 
 @rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.flatten.using_ints)
@@ -720,15 +724,6 @@ def _dim_group(in_shape, out_shape, dim: int) -> tuple[list[int], list[int]] | N
         if not ins and not outs:
             return None
     return None
-
-
-@rule(aten.expand.default)
-def _expand(node: fx.Node, ctx: Context) -> Decision:
-    p = _one_input_shard(node, ctx)
-    if p is None:
-        return _pointwise(node, ctx)
-    offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
-    return Decision(p.at(p.dim + offset))
 
 
 @rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
