@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import meta
 from autoshard.errors import AutoshardError
-from autoshard.functions import KeptFunctionError, kept_whole
+from autoshard.functions import KeptFunctionError, identity_pass, kept_whole
 from autoshard.passes.causal_mask import causal_attention_pass
 from autoshard.passes.grouped_experts import grouped_experts_pass
 
@@ -179,10 +179,12 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 
 def _finish(gm: fx.GraphModule, model: nn.Module, args: tuple, training: bool, start: float, *,
             with_loss: bool) -> Captured:
-    """The exported graph as the passes take it: one name per parameter, no-grad regions inlined, masks read."""
+    """The exported graph as the passes take it: one name per parameter, no-grad regions inlined, Functions that are
+    the identity seen through, masks read."""
     with _one_recompile(gm):
         _canonical_parameter_names(gm)
         _inline_no_grad(gm)
+        identity_pass(gm)
         causal_attention_pass(gm)
         grouped_experts_pass(gm)
     return Captured(gm=gm, with_loss=with_loss, input_shapes=shapes_of(args), names=_original_names(gm, model),

@@ -193,10 +193,6 @@ class RankBuild:
             return None
         return [p == Shard(0) for p in placements]
 
-    def trained_parameters(self) -> set[str]:
-        """The parameters (by name in the capture) from which a differentiable path reaches the loss."""
-        return {n.target for n in reaching_output(self.program.gm) if n.op == "get_attr"}
-
 
 def capture_for_training(model: nn.Module, inputs: tuple, target: torch.Tensor, loss_fn, *,
                          training: bool = True, outputs: bool = False) -> Captured:

@@ -60,8 +60,9 @@ def planner_ranking(ranking: list | None, options: CompileOptions, top: int = 5)
     """``mesh="auto"`` with a profile: the ``top`` fastest predictions, and what the winner gains over the next."""
     if not ranking:
         return []
+    device = next((p.device for p in ranking if p.device), "")
     lines = [f"mesh='auto' from {profile_source(options)}: the {min(top, len(ranking))} fastest of "
-             f"{len(ranking)} predicted steps"]
+             f"{len(ranking)} predicted steps" + (f", modelled on {device}" if device else "")]
     lines += [f"  {i}. {prediction}" for i, prediction in enumerate(ranking[:top], 1)]
     measured = [p for p in ranking if p.measured is not None]
     if options.autotune and measured:

@@ -11,6 +11,11 @@ runs, the node calls the Function itself, so its forward, its ``ctx`` and its ba
 Planned, a kept node is opaque: every axis replicates its inputs (speed, never correctness), except an axis that
 splits the batch's samples, where it runs on each rank's rows only when ``per_sample`` proves, on the traced
 forward and backward, that its rows do not mix (``passes.rules_nn``'s rule for it).
+
+A Function proven the identity is not kept at all (``identity_pass``): another tensor-parallel library's region
+mappings (Megatron's copy-to, reduce-from, gather-from and scatter-to a region), run in a process of their own,
+hand their input back and their gradient back unchanged, and the graph then reads the input itself, so that every
+axis plans through them as if they were not there.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ LIB = torch.library.Library("autoshard", "FRAGMENT")
 LIB.define("kept(Tensor[] tensors, int key) -> Tensor[]")
 KEPT_OP = torch.ops.autoshard.kept.default
 
+aten = torch.ops.aten
 _function_apply = torch.autograd.Function.apply.__func__
 _ctc_loss = F.ctc_loss
 _keys = itertools.count()
@@ -329,3 +336,66 @@ def _trace(kept: Kept, shapes: list, like: list, grads: list | None = None, diff
         return make_fx(forward, tracing_mode="fake", pre_dispatch=pre_dispatch)(*examples)
     examples += [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
     return make_fx(joint, tracing_mode="fake", pre_dispatch=pre_dispatch)(*examples)
+
+
+# ops that hand back the values they are given: the alias autograd makes of an input a Function returns
+# (``view_as`` itself, or ``view`` once decomposed), a view or reshape to the same shape, a copy, a detach
+_UNCHANGED = {aten.alias.default, aten.view_as.default, aten.view.default, aten._unsafe_view.default,
+              aten.reshape.default, aten.clone.default, aten.contiguous.default, aten.detach.default}
+
+
+def identity_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every kept call proven the identity (``is_identity``) replaced by its input: the graph reads the input itself.
+
+    Exact at the captured shapes, where the capture ran the call: the graph means what the model computes there,
+    as export's own graphs do for the Python branches they took (a region mapping's ``if group.size() == 1``)."""
+    for node in list(gm.graph.nodes):
+        if kept_of(node) is None or not is_identity(node):
+            continue
+        if any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users):
+            continue
+        for user in list(node.users):
+            user.replace_all_uses_with(node.args[0][0])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def is_identity(node: fx.Node) -> bool:
+    """Whether the kept ``node`` is the identity, proven on its traces: one floating tensor in, one out of its shape
+    and dtype; its forward only hands its input back (``_UNCHANGED``) and its backward only hands the output's
+    gradient back as the input's. Any other op in either (an all-reduce, a scale, a round), a gradient it does not
+    give, a call that cannot be traced: not proven, and the call stays kept whole."""
+    from autoshard import meta
+
+    inputs, outputs = [meta.val(t) for t in node.args[0]], list(meta.val(node))
+    if len(inputs) != 1 or len(outputs) != 1 or not inputs[0].dtype.is_floating_point \
+            or (outputs[0].shape, outputs[0].dtype) != (inputs[0].shape, inputs[0].dtype):
+        return False
+    kept, shapes, unused = kept_of(node), [inputs[0].shape], []
+    try:
+        forward = _trace(kept, shapes, inputs)
+        joint = _trace(kept, shapes, inputs, outputs, [0], unused)
+    except Exception:  # noqa: BLE001 - a call that cannot be traced is not proven: it stays kept whole
+        return False
+    return not unused and _hands_back(forward, 0, 0) and _hands_back(joint, 1, 1)
+
+
+def _hands_back(gm: fx.GraphModule, output: int, placeholder: int) -> bool:
+    """Whether ``gm`` runs only ``_UNCHANGED`` ops and its output ``output`` is its input ``placeholder`` through
+    them, at that input's shape and dtype all the way."""
+    from autoshard import meta
+
+    if any(n.op not in ("placeholder", "output", "call_function") or
+           (n.op == "call_function" and n.target not in _UNCHANGED) for n in gm.graph.nodes):
+        return False
+    source = [n for n in gm.graph.nodes if n.op == "placeholder"][placeholder]
+    value, like = _outputs(gm)[output], meta.val(source)
+    while value.op == "call_function":
+        held = meta.val(value)
+        if not isinstance(value.args[0], fx.Node) or (held.shape, held.dtype) != (like.shape, like.dtype):
+            return False
+        value = value.args[0]
+    return value is source

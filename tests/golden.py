@@ -1077,3 +1077,73 @@ def later_capture_reads_more_parameters(mesh_kwargs: dict, **options) -> dict:
                                groups=groups_for(mesh), **options)
     report = compare(reference, pm, (large,), torch.randn(16, 8), loss_fn=_mse)
     return {"ok": report.ok, "report": str(report)}
+
+
+def what_pytorch_says(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: int = 1, eval_first: bool = False,
+                      look_for_unused: bool = False, unused_layer: bool = False, target_first: bool = True,
+                      frozen: str | None = None, **options) -> dict:
+    """A few training steps of zoo model ``name`` with every warning recorded on this rank: Python's warnings and
+    what torch's C++ side writes to the process's stderr (DDP's reducer warns there). Optionally an evaluation
+    first and ``accumulate`` steps per optimizer step; ``look_for_unused`` tells DDP that some parameter is unused
+    whatever the graph shows (to see that the recording would catch DDP's warning). Returns the warnings, the stderr,
+    the losses and the unsharded model's, and how far the parameters are from its after the steps. ``unused_layer``:
+    the model holds a layer its forward never calls; without ``target_first`` the training graph is captured at the
+    first step (no target passed to ``parallelize``)."""
+    import os
+    import sys
+    import tempfile
+    import warnings
+
+    from autoshard.runtime import data_parallel
+
+    unused = data_parallel.unused_parameters
+    if look_for_unused:
+        data_parallel.unused_parameters = lambda build, replica: ["(told)"]
+    case = build(name)
+    if unused_layer:
+        case.model.unused = torch.nn.Linear(4, 4)
+    for parameter_name, p in case.model.named_parameters():
+        p.requires_grad_(frozen is None or frozen not in parameter_name)
+    reference = copy.deepcopy(case.model)
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    with tempfile.TemporaryFile() as err, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                       target=case.target if target_first else None, groups=groups_for(mesh),
+                                       **options)
+            if eval_first:
+                with torch.no_grad():
+                    pm.eval()
+                    pm(*case.inputs)
+                    pm.train()
+            losses, opt = [], None
+            for _ in range(steps):
+                for _ in range(accumulate):
+                    losses.append(pm.step(*case.inputs, target=case.target).item())
+                opt = opt or torch.optim.SGD(pm.parameters(), lr=0.1)  # the shards exist once a step captured them
+                opt.step()
+                opt.zero_grad()
+        finally:
+            data_parallel.unused_parameters = unused
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            loss = case.loss_fn(reference(*case.inputs), case.target)
+            loss.backward()
+            expected.append(loss.item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+    trained = pm.full_parameters()
+    worst = max((trained[n] - p).abs().max().item() for n, p in reference.named_parameters())
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "stderr": stderr,
+            "losses": losses, "expected": expected, "worst": worst}

@@ -19,6 +19,10 @@ eagerly, so the zoo covers the patterns a parallelizing compiler has to get righ
 - ``mlp``: three linears on (batch, features), MSE loss.
 - ``hf_gpt2``, ``hf_llama``: HuggingFace transformers models from tiny configs (no downloads). GPT-2's
   Conv1D stores weights (in, out) and ties its LM head; Llama uses GQA repeated by expand + reshape.
+- ``megatron``: a decoder written for Megatron-core's own tensor parallelism (its local layer spec) and run at
+  ``tensor_model_parallel_size=1``: column- and row-parallel linears wrapping ``F.linear`` in Megatron's region
+  mappings (custom autograd Functions that are the identity at one rank), layers in (sequence, batch, hidden), a
+  fused qkv holding each head's q, k and v side by side, the output layer tied to the word embeddings.
 
 Sizes. A pass that finds a dimension by matching its size value instead of propagating it through the
 graph is wrong in a way that stays hidden when two dimensions happen to be equal, so the sizes that a
@@ -60,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ZOO_NAMES = ("gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama")
+ZOO_NAMES = ("gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama", "megatron")
 DECODERS = ("gpt", "llama", "moe", "hf_gpt2", "hf_llama")
 
 # The pairwise-distinct sizes documented above.
@@ -607,6 +611,195 @@ class MLP(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# A decoder written for Megatron-core's own tensor parallelism, run at tensor_model_parallel_size=1
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class OneRankGroup:
+    """Megatron's tensor-parallel process group in a run at ``tensor_model_parallel_size=1``: one rank."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size() == 1:  # Megatron: "bypass the function if we are using only 1 GPU"
+        return x
+    torch.distributed.all_reduce(x.contiguous(), group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size() == 1:
+        return x
+    return x.chunk(group.size(), dim=-1)[group.rank()].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    if group.size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+class CopyToRegion(torch.autograd.Function):
+    """Megatron's ``_CopyToModelParallelRegion``: forward the identity, backward all-reduced."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce(grad_output, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """Megatron's ``_ReduceFromModelParallelRegion``: forward all-reduced, backward the identity."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        return _reduce(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Megatron's ``_ScatterToModelParallelRegion``: forward this rank's part of the last dim, backward gathered."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_last(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_last(grad_output, ctx.group), None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """Megatron's ``_GatherFromModelParallelRegion``: forward gathered along the last dim, backward split."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_last(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_last(grad_output, ctx.group), None
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ReduceFromRegion.apply(F.embedding(ids, self.weight), self.group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Megatron's: the input copied to the region, ``F.linear``, the output gathered when asked; a tied output layer
+    holds no weight of its own and is passed the word embeddings' (``skip_weight_param_allocation``)."""
+
+    def __init__(self, d_in: int, d_out: int, group, *, bias: bool = True, gather_output: bool = False,
+                 skip_weight_param_allocation: bool = False) -> None:
+        super().__init__()
+        self.weight = None if skip_weight_param_allocation else nn.Parameter(torch.randn(d_out, d_in) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self.group, self.gather_output = group, gather_output
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        output = F.linear(CopyToRegion.apply(x, self.group), self.weight if weight is None else weight, self.bias)
+        return GatherFromRegion.apply(output, self.group) if self.gather_output else output
+
+
+class RowParallelLinear(nn.Module):
+    """Megatron's: the input scattered unless it is parallel already, ``F.linear``, the sum reduced, then the bias."""
+
+    def __init__(self, d_in: int, d_out: int, group, *, input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+        self.group, self.input_is_parallel = group, input_is_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if self.input_is_parallel else ScatterToRegion.apply(x, self.group)
+        return ReduceFromRegion.apply(F.linear(x, self.weight), self.group) + self.bias
+
+
+class MegatronAttention(nn.Module):
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.linear_qkv = ColumnParallelLinear(HIDDEN, 3 * HIDDEN, group)
+        self.linear_proj = RowParallelLinear(HIDDEN, HIDDEN, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape  # (s, b, h): Megatron's sequence-first layout
+        # Megatron's fused qkv holds each head's q, k and v side by side: (s, b, np, 3 * hn)
+        mixed = self.linear_qkv(x).view(s, b, N_HEAD, 3 * HEAD_DIM)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in torch.split(mixed, HEAD_DIM, dim=3))  # (b, np, s, hn)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, np, s, hn)
+        return self.linear_proj(context.permute(2, 0, 1, 3).reshape(s, b, HIDDEN))  # (s, b, h)
+
+
+class MegatronMLP(nn.Module):
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(HIDDEN, FFN, group)
+        self.linear_fc2 = RowParallelLinear(FFN, HIDDEN, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class MegatronLayer(nn.Module):
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(HIDDEN)
+        self.self_attention = MegatronAttention(group)
+        self.pre_mlp_layernorm = nn.LayerNorm(HIDDEN)
+        self.mlp = MegatronMLP(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class MegatronGPT(nn.Module):
+    """Megatron-core's ``GPTModel`` with its local layer spec, in miniature: vocab- and position embeddings, layers in
+    (s, b, h), the output layer tied to the word embeddings and gathered; every tensor-parallel layer wraps
+    ``F.linear`` or ``F.embedding`` in Megatron's region mappings, which at one rank are the identity."""
+
+    def __init__(self, group=None) -> None:
+        super().__init__()
+        group = OneRankGroup() if group is None else group
+        self.word_embeddings = VocabParallelEmbedding(VOCAB, HIDDEN, group)
+        self.position_embeddings = nn.Embedding(MAX_POS, HIDDEN)
+        self.layers = nn.ModuleList([MegatronLayer(group) for _ in range(N_LAYER)])
+        self.final_layernorm = nn.LayerNorm(HIDDEN)
+        self.output_layer = ColumnParallelLinear(HIDDEN, VOCAB, group, bias=False, gather_output=True,
+                                                 skip_weight_param_allocation=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = (self.word_embeddings(ids) + self.position_embeddings(positions)).transpose(0, 1).contiguous()  # (s, b, h)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.output_layer(self.final_layernorm(x), weight=self.word_embeddings.weight)  # (s, b, vocab)
+        return logits.transpose(0, 1).contiguous()  # (b, s, vocab)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # HuggingFace models (imported lazily: transformers costs seconds to import)
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -704,6 +897,7 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> Zo
         "mlp": MLP,
         "hf_gpt2": _hf_gpt2,
         "hf_llama": _hf_llama,
+        "megatron": MegatronGPT,
     }
     torch.manual_seed(seed)
     with torch.device(device):

@@ -30,6 +30,21 @@ def test_plan_prints_a_ranked_table_that_fits_a_terminal(capsys):
         assert section in out
 
 
+@pytest.mark.parametrize("flags,device", [([], "the H100 preset"), (["--gpu", "a100"], "the A100 preset"),
+                                          (["--peak-flops", "500TFLOPS", "--intra-bandwidth", "300GB/s"],
+                                           "the H100 preset with intra_bandwidth, peak_flops given")],
+                         ids=["default", "a100", "given"])
+def test_plan_names_the_gpu_its_predicted_times_model(capsys, flags, device):
+    """The predicted step times are a GPU's, not this machine's: the cluster line and the table's legend name it,
+    with the preset's fields the flags replaced."""
+    assert cli.main([*LLAMA_7B_ON_A_NODE, *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"cluster  8 GPUs of {device} = 1 node x 8" in out
+    assert f"times in seconds per step, modelled on {device}\n" in out
+    assert cli.main([*LLAMA_7B_ON_A_NODE, *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["device"] == device
+
+
 def test_plan_json_is_for_tools(capsys):
     assert cli.main([*LLAMA_7B_ON_A_NODE, "--json", "--top", "2"]) == 0
     data = json.loads(capsys.readouterr().out)

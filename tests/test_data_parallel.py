@@ -161,3 +161,36 @@ def test_inference_slices_compose_with_the_other_axes(pools, mesh, world, option
     for result in pools.get(world).run(golden.inference_slices, "llama", mesh, **options):
         assert result["worst"] < 1e-5 and all(result["shapes_equal"]), result
         assert result["batches"] == [8 // mesh["dp"]], result
+
+
+QUIET = [("gpt", {"dp": 2}, {}), ("megatron", {"dp": 2, "tp": 2}, {"accumulate": 2, "eval_first": True}),
+         ("gpt", {"dp": 2}, {"unused_layer": True, "microbatches": 2}),
+         ("hf_llama", {"dp": 2, "tp": 2}, {"unused_layer": True, "target_first": False})]
+
+
+@pytest.mark.parametrize("name,mesh,options", QUIET, ids=["gpt-dp2", "megatron-dp2xtp2-accumulated-after-eval",
+                                                          "gpt-dp2-m2-unused", "hf_llama-dp2xtp2-unused-first-step"])
+def test_ddp_looks_for_unused_parameters_only_where_the_graph_leaves_some_and_pytorch_says_nothing(pools, name, mesh,
+                                                                                                   options):
+    """DDP is told to look for unused parameters only where a program leaves some without a gradient (here a layer
+    the forward never calls), also when the training graph is captured at the first step, after an evaluation, or
+    under accumulation: no warning of PyTorch's on any rank, in Python or on stderr (told when there were none,
+    DDP's reducer warned that it walked the autograd graph every step for nothing; not told when there were some, it
+    waited for their gradients: a wrapper made before the first step's capture was never told). Losses and the
+    parameters after three steps are the unsharded model's."""
+    world = 1
+    for degree in mesh.values():
+        world *= degree
+    for rank, result in enumerate(pools.get(world).run(golden.what_pytorch_says, name, mesh, **options)):
+        said = [w for w in result["warnings"] if "autoshard" not in w]
+        assert not said and "arning" not in result["stderr"], (rank, said, result["stderr"])
+        assert result["losses"] == pytest.approx(result["expected"], rel=1e-5), rank
+        assert result["worst"] < 1e-5, (rank, result["worst"])
+
+
+def test_pytorchs_warning_is_seen_where_ddp_is_told_of_unused_parameters_that_are_not(pools):
+    """The recording above catches DDP's warning: told to look for unused parameters where every one is used, its
+    reducer says so on every rank."""
+    for result in pools.get(2).run(golden.what_pytorch_says, "gpt", {"dp": 2}, look_for_unused=True):
+        said = " ".join(result["warnings"]) + result["stderr"]
+        assert "find_unused_parameters=True was specified in DDP constructor" in said, said

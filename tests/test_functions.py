@@ -198,3 +198,75 @@ def test_a_model_trained_through_functions_is_exact(pools, name, mesh, options):
     check(results)
     if name == "lm" and "pp" not in mesh:
         assert all(r["ste"] > 0 for r in results), [r["ste"] for r in results]
+
+
+# ------------------------------------------------------------------------------------------ identities
+
+
+class _ForwardAloneIsTheIdentity(torch.autograd.Function):
+    """The identity forward (as Megatron writes it, ``view_as``), but a gradient doubled: not the identity."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Through(torch.nn.Module):
+    def __init__(self, function, *args) -> None:
+        super().__init__()
+        self.function, self.args = function, args
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.function.apply(torch.relu(self.fc1(x)), *self.args))
+
+
+def _kept_names(model) -> list[str]:
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    captured = capture(model, (x,), loss_fn=_mse, example_target=y)
+    return [kept_of(n).name for n in captured.gm.graph.nodes if n.target is KEPT_OP]
+
+
+def test_megatrons_region_mappings_at_one_rank_are_seen_through_and_other_functions_kept():
+    """Copy-to, reduce-from, scatter-to and gather-from a region, run at one rank, hand their input and their gradient
+    back: the graph reads the input itself. A forward that is the identity with a backward that is not (a doubled
+    gradient, the gradient reversal's ``-alpha``), or a forward that rounds, stays kept whole."""
+    from models import CopyToRegion, GatherFromRegion, OneRankGroup, ReduceFromRegion, ScatterToRegion
+
+    for function in (CopyToRegion, ReduceFromRegion, ScatterToRegion, GatherFromRegion):
+        assert _kept_names(_Through(function, OneRankGroup())) == [], function.__name__
+    from golden_functions import STE, ScaleGrad
+
+    assert _kept_names(_Through(_ForwardAloneIsTheIdentity)) == ["_ForwardAloneIsTheIdentity"]
+    assert _kept_names(_Through(ScaleGrad, 0.5)) == ["ScaleGrad"]
+    assert _kept_names(_Through(STE)) == ["STE"]
+
+
+@pytest.mark.parametrize("options", [{}, {"sequence_parallel": True}], ids=["tp2", "tp2-sp"])
+def test_a_model_written_for_megatrons_tensor_parallelism_is_planned_as_its_layers_would_split(options):
+    """The zoo's Megatron-style decoder at tp=2: every column- and row-parallel linear split as Megatron splits it, at
+    most 0.55 of the parameter bytes on either rank, no warning; with sequence parallelism too (before the region
+    mappings were seen through, sequence parallelism found no region ending on the sequence and refused)."""
+    import math
+    import warnings
+
+    from models import build
+
+    case = build("megatron")
+    for rank in (0, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = compile_global_batch(case.model, case.inputs, autoshard.Mesh(tp=2), rank, CompileOptions(**options),
+                                         target=case.target, loss_fn=case.loss_fn)
+        assert not [str(w.message) for w in caught if "autoshard" in str(w.message)]
+        roles = {name: p.role for name, p in built.tp_plan.params.items() if name.endswith("linear_fc1.weight")
+                 or name.endswith("linear_fc2.weight") or name.endswith("linear_qkv.weight")
+                 or name.endswith("linear_proj.weight")}
+        assert len(roles) == 8 and all(role in ("column", "row") for role in roles.values()), roles
+        params = dict(built.captured.gm.named_parameters())
+        held = sum(math.prod(built.stored_shape(name)) for name in params)
+        assert held / sum(p.numel() for p in params.values()) <= 0.55

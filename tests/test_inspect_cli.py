@@ -181,7 +181,9 @@ def test_auto_mesh_asks_the_planner_for_a_transformer_and_uses_dp_otherwise(monk
     assert auto.transformer_config(mlp.model, mlp.inputs, 8) is None
     assert auto.auto_mesh(mlp.model, mlp.inputs) == Mesh(dp=8)
     auto.auto_mesh(gpt.model, gpt.inputs, microbatches=2, announce=True)  # a CPU model: said whose formulas
-    assert "predicted with the planner's GPU preset (H100 formulas), not on this machine" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "predicted with the planner's GPU preset (H100 formulas), not on this machine" in said
+    assert re.search(r"predicted step [\d.]+ ms on the H100 preset for a 2-layer transformer", said), said
 
 
 def lint_warnings(mesh: Mesh, microbatches: int = 1) -> list[str]:

@@ -578,6 +578,7 @@ def test_the_ranking_and_why_the_winner_wins_are_explained(gpt, tmp_path):
     assert any("microbatches=4" in label for label in labels), labels  # searched for the pipeline
     lines = planner_ranking(ranking, options)
     assert lines[0].startswith("mesh='auto' from the profile") and lines[1].startswith("  1. ")
+    assert lines[0].endswith("predicted steps, modelled on cpu (2 rank(s) of 1 thread(s), as measured)"), lines[0]
     assert len(lines) == 7 and lines[-1].startswith("  why: ") and "ms more" in lines[-1]
 
 

@@ -49,6 +49,12 @@ VIEW_CASES = [  # (op, args, kwargs, shard, output placement)
     (aten.reshape_as.default, (x3, rand(2, 4, 2, 3)), {}, {0: Shard(2)}, Shard(2)),
     (aten.reshape_as.default, (x3, rand(2, 4, 2, 3)), {}, {0: Shard(2), 1: Shard(1)}, Shard(2)),  # shape only
     (aten.reshape_as.default, (rand(2, 4, 2, 3), x3), {}, {1: Shard(1)}, R),
+    # x.view_as(x), as autograd hands back an input a custom Function returns (the second a copy: one tensor twice is
+    # one input to the simulator)
+    (aten.view_as.default, (x3, x3.clone()), {}, {0: Shard(2), 1: Shard(2)}, Shard(2)),
+    (aten.view_as.default, (x3, rand(2, 4, 2, 3)), {}, {0: Shard(2), 1: Shard(1)}, Shard(2)),  # shape only
+    (aten.view_as.default, (rand(4, 12), rand(4, 12, seed=1)), {}, {0: QKV, 1: QKV}, QKV),
+    (aten.view_as.default, (rand(2, 4, 2, 3), x3), {}, {1: Shard(1)}, R),
     (aten.view.default, (x3, [2, 4, -1, 3]), {}, {0: Shard(2)}, Shard(2)),
     (aten.view.default, (rand(2, 4, 2, 3), [2, 4, 6]), {}, {0: Shard(2)}, Shard(2)),
     (aten.reshape.default, (x3, [8, 6]), {}, {0: Shard(1)}, Shard(0, (4, 4))),

@@ -15,7 +15,7 @@ import golden
 from launcher import WorkerError
 from models import build
 
-SP_MODELS = ["gpt", "llama", "bert", "hf_gpt2", "hf_llama"]
+SP_MODELS = ["gpt", "llama", "bert", "hf_gpt2", "hf_llama", "megatron"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

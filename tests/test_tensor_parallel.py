@@ -14,7 +14,7 @@ def test_golden_tensor_parallel(pools, name, tp):
     golden.check(pools.get(tp).run(golden.golden, name, {"tp": tp}), {"tp": tp})
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "megatron"])
 def test_golden_data_and_tensor_parallel(pools, name):
     mesh = {"dp": 2, "tp": 2}
     golden.check(pools.get(4).run(golden.golden, name, mesh, microbatches=2), mesh)

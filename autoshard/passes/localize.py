@@ -150,7 +150,7 @@ def _sizes(node: fx.Node, rw: Rewriter) -> None:
         node.args = (node.args[0], list(rw.local_shape(node)), *node.args[2:])
 
 
-@localizer(aten.reshape_as.default)
+@localizer(aten.reshape_as.default, aten.view_as.default)
 def _reshape_as(node: fx.Node, rw: Rewriter) -> None:
     """A reshape to the local shape: the tensor that lent its shape may be split another way (or not at all)."""
     node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], list(rw.local_shape(node))), {}

@@ -621,10 +621,11 @@ def _reshape(node: fx.Node, ctx: Context) -> Decision:
     return replicate_all(node, ctx)
 
 
-@rule(aten.reshape_as.default)
+@rule(aten.reshape_as.default, aten.view_as.default)
 def _reshape_as(node: fx.Node, ctx: Context) -> Decision:
-    """``x.reshape_as(y)`` (RoFormer's rotary): a reshape to ``y``'s shape. ``y`` lends only its shape, so its
-    placement is never asked for (the rewrite reshapes to the local shape, without ``y``)."""
+    """``x.reshape_as(y)`` (RoFormer's rotary), ``x.view_as(y)`` (what autograd makes of an input a custom Function
+    hands back, ``x.view_as(x)``): a reshape to ``y``'s shape. ``y`` lends only its shape, so its placement is never
+    asked for (the rewrite reshapes to the local shape, without ``y``)."""
     x, shape_of = node.args[0], node.args[1]
     if _one_input_shard(node, ctx) is None:
         return Decision(R, {x: R} if isinstance(ctx.of(x), Partial) else {})

@@ -283,16 +283,17 @@ def _planned_mesh(config, world_size: int, microbatches: int, local_batch: bool,
     from autoshard.planner import Cluster, PlanError, plan
 
     per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", "8")), 8, world_size)
+    cluster = Cluster(gpus=world_size, gpus_per_node=per_node)
     try:
-        result = plan(config, Cluster(gpus=world_size, gpus_per_node=per_node), sequence_parallel=sequence_parallel)
+        result = plan(config, cluster, sequence_parallel=sequence_parallel)
     except PlanError as e:
         return fallback, f"every rank on dp: the planner found no split ({e})"
     for rank, est in enumerate(result.ranked, 1):
         mesh = est.split.mesh
         if local_batch or config.global_batch % (mesh.dp * microbatches) == 0:
             return mesh, (f"planner's #{rank} of {len(result.ranked)} meshes, predicted step "
-                          f"{est.step_time * 1e3:.3g} ms for a {config.layers}-layer transformer of "
-                          f"{config.parameters / 1e6:.3g}M parameters")
+                          f"{est.step_time * 1e3:.3g} ms on {cluster.device} for a {config.layers}-layer transformer "
+                          f"of {config.parameters / 1e6:.3g}M parameters")
     return fallback, f"every rank on dp: no planned mesh splits the batch of {config.global_batch} into dp x m"
 
 

@@ -187,6 +187,7 @@ class Cluster:
     peak_flops: float | str = PRESETS[DEFAULT_PRESET]["peak_flops"]
     efficiency: float = 0.5
     usable_memory: float = 0.9
+    gpu: str = DEFAULT_PRESET  # the preset the GPU's fields come from (``preset``), named where estimates are shown
 
     def __post_init__(self) -> None:
         _check_positive_int("gpus", self.gpus)
@@ -212,7 +213,17 @@ class Cluster:
         """A cluster of the named GPU (``PRESETS``), with any field overridden."""
         if name not in PRESETS:
             raise PlanError(f"unknown GPU preset {name!r}: the presets are {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})  # type: ignore[arg-type]
+        return cls(**{**PRESETS[name], **overrides, "gpu": name})  # type: ignore[arg-type]
+
+    @property
+    def device(self) -> str:
+        """The GPU the estimates model, as reports name it beside them: its preset, and the fields given in place of
+        the preset's own (``the H100 preset``, ``the H100 preset with peak_flops, gpu_memory given``)."""
+        preset = PRESETS.get(self.gpu)
+        if preset is None:
+            return self.gpu
+        given = [name for name, kind in _UNIT_FIELDS.items() if getattr(self, name) != units.parse(preset[name], kind)]
+        return f"the {self.gpu.upper()} preset" + (f" with {', '.join(given)} given" if given else "")
 
     @property
     def nodes(self) -> int:

@@ -63,6 +63,7 @@ class Prediction:
     measured: float | None = None  # under autotune: its step measured on the job's ranks (seconds)
     memory: Footprint | None = None  # its bytes per rank at the step's peak
     over_limit: float | None = None  # the bytes per rank it was refused for exceeding (its step still predicted)
+    device: str = ""  # the machine the step is modelled on (the profile's, ``Profile.described``)
 
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
@@ -250,7 +251,7 @@ def predict(compiler: CandidateCompiler, mesh: Mesh, profile: Profile, options: 
     try:
         builds = compiler.builds(mesh, options)
     except (ValueError, NotImplementedError, RuntimeError) as e:
-        return Prediction(mesh, option_fields, math.inf, error=str(e).split("\n")[0][:200])
+        return Prediction(mesh, option_fields, math.inf, error=str(e).split("\n")[0][:200], device=profile.described)
     m = options.microbatches
     stages: dict[int, tuple[float, float]] = {}  # per stage, its slowest cp rank's (compute, communication)
     stage_times = []  # per pp rank, the sum of its stages': one microbatch through every chunk it holds
@@ -295,7 +296,7 @@ def predict(compiler: CandidateCompiler, mesh: Mesh, profile: Profile, options: 
     parts["optimizer"] = ((mine / replicas if fsdp else mine) * profile.optimizer_byte_seconds
                           + tensors * profile.optimizer_param_seconds) * crowd
     return Prediction(mesh, option_fields, sum(parts.values()), parts,
-                      memory=footprint(builds, mesh, options, in_flight))
+                      memory=footprint(builds, mesh, options, in_flight), device=profile.described)
 
 
 def _recomputed(spent: tuple[float, float, float], options: CompileOptions) -> tuple[float, float]:

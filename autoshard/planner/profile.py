@@ -220,6 +220,12 @@ class Profile:
 
     # --------------------------------------------------------------------------------------------- files
 
+    @property
+    def described(self) -> str:
+        """The machine the profile measured, as reports name it beside the steps it predicts."""
+        cores = f" sharing {self.cores} cores" if self.cores else ""
+        return f"{self.device} ({self.world_size} rank(s) of {self.threads} thread(s){cores}, as measured)"
+
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
 

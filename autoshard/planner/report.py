@@ -46,7 +46,8 @@ def build(result: PlanResult, *, top: int = 5, alternative: PlanResult | None = 
     seed = rule_of_thumb(result.config, result.cluster, shard_optimizer=result.shard_optimizer)
     return {
         "model": {**dataclasses.asdict(result.config), "parameters": result.config.parameters},
-        "cluster": {**dataclasses.asdict(result.cluster), "nodes": result.cluster.nodes},
+        "cluster": {**dataclasses.asdict(result.cluster), "nodes": result.cluster.nodes,
+                    "device": result.cluster.device},
         "shard_optimizer": result.shard_optimizer,
         "assumptions": list(ASSUMPTIONS),
         "searched": {"splits": result.evaluated, "meshes_with_a_fitting_split": len(result.ranked),
@@ -208,7 +209,7 @@ def _header(data: dict) -> list[str]:
         f"model    {m['parameters'] / 1e9:.1f}B parameters: {m['layers']} layers, hidden {m['hidden']}, "
         f"{m['heads']} heads{kv}, ffn {m['ffn']}{' gated' if m['gated'] else ''}{_experts(m)}, vocab {m['vocab']}; "
         f"seq {m['seq']}, global batch {m['global_batch']}, {m['dtype_bytes']}-byte dtype; optimizer {optimizer}",
-        f"cluster  {c['gpus']} GPUs = {c['nodes']} node{'s' if c['nodes'] > 1 else ''} x "
+        f"cluster  {c['gpus']} GPUs of {c['device']} = {c['nodes']} node{'s' if c['nodes'] > 1 else ''} x "
         f"{min(c['gpus'], c['gpus_per_node'])}, "
         f"{_gb(c['gpu_memory'])} GB each ({c['usable_memory']:.0%} usable); "
         f"{units.format_rate(c['peak_flops'], 'FLOP/s')} x {c['efficiency']:g}; "
@@ -244,7 +245,8 @@ def _table(data: dict) -> list[str]:
             f"{_gb(row['memory_bytes']):>8}{row['step_time_s']:>8.2f}{row['bubble']:>8.1%}{row['mfu']:>7.1%} | "
             f"{times}")
     lines.append("columns: m microbatches of b sequences, v chunks per pipeline rank, zb a zero-bubble schedule")
-    lines.append("(ZB-H1 at v=1, ZBV at v=2), sp sequence parallelism; times in seconds per step")
+    lines.append("(ZB-H1 at v=1, ZBV at v=2), sp sequence parallelism; times in seconds per step, modelled on "
+                 f"{data['cluster']['device']}")
     if experts:
         lines.append("ep: the experts split over ep of the dp ranks, each token's rows sent to their experts and back")
     return lines

@@ -4,7 +4,9 @@ A ``GradientSync`` is chosen once per parallel model from its options and mesh:
 
 - ``Local``: one rank on dp x cp; nothing to sum.
 - ``Replicas``: PyTorch's DistributedDataParallel, its buckets summed (not averaged) by a communication
-  hook, because every loss term is already divided by the global batch's divisor.
+  hook, because every loss term is already divided by the global batch's divisor. DDP looks for unused parameters
+  (``find_unused_parameters``, a traversal of the autograd graph every step) only for a program that leaves some
+  parameter without a gradient, as its graph shows (``unused_parameters``).
 - ``PipelineReplicas``: under pipeline parallelism a rank runs many backwards per step, so DDP's
   contract does not hold; ``reducer.GradientReducer`` launches each bucket during the last backward that
   finishes it.
@@ -26,6 +28,7 @@ from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from autoshard import codegen, peers
+from autoshard.passes.propagate import reaching_output
 
 # Buffers are built identically on every rank, so DDP need not broadcast them before every forward.
 _NO_BUFFER_SYNC = (
@@ -83,8 +86,8 @@ class GradientSync:
             if param is not None and param.grad is not None:
                 dist.all_reduce(param.grad, group=self.experts_group)
 
-    def module(self) -> nn.Module:
-        """What runs a program's forward and backward without pipelining."""
+    def module(self, build=None) -> nn.Module:  # noqa: ARG002 - the strategies that configure per build read it
+        """What runs the forward and backward of ``build``'s program without pipelining."""
         return self.replica
 
     def microbatch(self, last: bool):
@@ -121,21 +124,30 @@ class Replicas(GradientSync):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._ddp: DistributedDataParallel | None = None
-        self._unused = False
+        self._finds = False  # whether the DDP wrapper looks for unused parameters
+        self._unused: dict[int, bool] = {}  # id of a training build -> whether its program leaves some unused
 
     def prepare(self, build) -> None:
         self.note_experts(build)
-        if self._ddp is None and build.training:
-            self._unused = _has_unused_parameters(build, self.replica)
+        if build.training:
+            self._unused[id(build)] = bool(unused_parameters(build, self.replica))
 
-    def module(self) -> nn.Module:
+    def module(self, build=None) -> nn.Module:
+        """DDP over this rank's replica, looking for unused parameters only when ``build``'s program leaves some
+        (without, DDP would wait for their gradients; with them for no reason, it warns and walks the autograd graph
+        every step). A build that needs the other setting makes a new wrapper (parameters broadcast again, as any
+        DDP construction does): only where programs of both kinds run, one per input shape."""
+        finds = self._unused.get(id(build), self._finds)
+        if self._ddp is not None and finds != self._finds:
+            self._ddp = None  # its reducer, dropped, takes its gradient hooks off the parameters
         if self._ddp is None:
             if self.experts:  # their gradients are not replicas' over dp x cp: summed by ``sum_experts``
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                     self.replica, [f"store.{name}" for name in self.experts])
             self._ddp = DistributedDataParallel(self.replica, process_group=self.group,
-                                                find_unused_parameters=self._unused, **_NO_BUFFER_SYNC)
+                                                find_unused_parameters=finds, **_NO_BUFFER_SYNC)
             self._ddp.register_comm_hook(self.group, _sum_hook)
+            self._finds = finds
         return self._ddp
 
     def microbatch(self, last: bool):
@@ -263,10 +275,14 @@ def _sum_hook(group, bucket):
     return peers.watched(future, group) if bucket.buffer().device.type == "cpu" else future
 
 
-def _has_unused_parameters(build, replica: Replica) -> bool:
-    """Whether some parameter gets no gradient: the graph may read it (a pooler whose output the loss
-    ignores, a sparse-attention indexer that only picks positions), but no differentiable path leads from
-    it to the loss. DDP must then be told, or it waits for that gradient forever."""
-    gm = build.program.gm
-    used = {id(operator.attrgetter(target)(gm)) for target in build.trained_parameters()}
-    return any(id(p) not in used for p in replica.parameters() if p.requires_grad)
+def unused_parameters(build, replica: Replica) -> list[str]:
+    """The parameters of ``replica`` that take gradients and get none from ``build``'s programs: no program reads
+    them (a head only inference uses, a layer the model defines and skips), or a program reads them without a
+    differentiable path to the loss (a pooler whose output the loss ignores, a sparse-attention indexer that only
+    picks positions). DDP must be told of them, or it waits for those gradients forever; told when there are none,
+    it warns and walks the autograd graph every step for nothing."""
+    used = set()
+    for program in build.programs.values():
+        gm = program.gm
+        used |= {id(operator.attrgetter(n.target)(gm)) for n in reaching_output(gm) if n.op == "get_attr"}
+    return [name for name, p in replica.named_parameters() if p.requires_grad and id(p) not in used]

@@ -224,10 +224,10 @@ class ParallelModel(nn.Module):
     def _step(self, microbatches: list, divisor, fed: RankBuild | None = None) -> torch.Tensor:
         """``fed``: the second pass's build, whose microbatches carry the first pass's gradients."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        with self._guard("setting up data parallelism"):
-            module = self.sync.module()
         for index, (mb_inputs, mb_target) in enumerate(microbatches):
             build = fed or self._training_build(mb_inputs, mb_target)
+            with self._guard("setting up data parallelism"):
+                module = self.sync.module(build)  # after the build: DDP is set up for what its program leaves unused
             with self._guard("forward/backward", index), self.sync.microbatch(index == len(microbatches) - 1):
                 (loss,) = self.call(module, build.program.gm, *build.local_inputs((*mb_inputs, mb_target)))
                 loss = loss / (divisor * build.cp_copies)
