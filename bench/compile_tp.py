@@ -96,7 +96,7 @@ def measure(shape: dict, tp: int) -> dict:
 def _build_rank0(codegen, captured, plan):
     """``codegen.build`` for tp rank 0 with no process group (``Sharding`` where this version of codegen has it)."""
     if hasattr(codegen, "Sharding"):
-        return codegen.build(captured, codegen.Sharding(tp_plan=plan, tp_rank=0))
+        return codegen.build(captured, codegen.Sharding({"tp": codegen.On(plan, 0)}))
     return codegen.build(captured, plan, rank=0)
 
 
