@@ -79,6 +79,10 @@ NOT_QUICK = {
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {
+    "tests/test_docs.py::test_the_plannings_mesh_auto_calibrated_and_autotuned_trains_under_torchrun":
+        "the planning page's example from a profile file under torchrun (the same search of mesh='auto'), "
+        "test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose and "
+        "test_autotune_trains_the_predicted_fastest_and_takes_the_fastest_measured (a calibration and the trials)",
     "tests/test_gpu_check.py::test_the_gpu_check_runs_on_the_cpu":
         "every golden the check runs is an axis's golden in the CI tier (dp2, tp2, tp2 with sp, pp2 1F1B and ZBV, "
         "cp2 gathered, ring and all-to-all, the zoo at one rank) and test_compile.py's compiled programs",
