@@ -133,6 +133,33 @@ def bad_data(name: str, mesh_kwargs: dict, what: str, **options) -> str:
     return "accepted"
 
 
+def ranks_differ(name: str, mesh_kwargs: dict, what: str, **options) -> str:
+    """One rank given another model or another batch than its peers: refused on every rank, naming that rank. With
+    ``local_batch``, each dp rank's own batch is what it should be given: trained."""
+    case = build(name)
+    rank = dist.get_rank()
+    if what == "model" and rank == 1:
+        with torch.no_grad():
+            next(case.model.parameters())[0, 0] += 1e-3
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    try:
+        pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                                   target=case.target, groups=groups_for(mesh), **options)
+        pm.step(*case.inputs, target=case.target)
+        ids, target = case.inputs[0].clone(), case.target.clone()
+        if rank == 1 and what == "another batch":
+            ids[0, 0] = (ids[0, 0] + 1) % VOCAB
+        if rank == 1 and what == "shuffled":
+            ids, target = ids.flip(0), target.flip(0)
+        if what == "local batch":  # each dp rank its own rows, alike on the ranks of one dp coordinate
+            ids, target = ids + mesh.coords(rank)["dp"], target
+            ids = ids % VOCAB
+        pm.step(ids, target=target)
+    except autoshard.AutoshardError as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
 def new_shape(name: str, mesh_kwargs: dict, seq: int, **options) -> str:
     """After training at one shape, a step at a shape the mesh cannot split fails alike on every rank."""
     case = build(name)

@@ -48,6 +48,24 @@ def test_bad_data_raises_on_all_ranks_of_a_three_axis_mesh(pools, what):
     assert all(m.startswith("IndexError") for m in results), results
 
 
+@pytest.mark.parametrize("what", ["model", "another batch", "shuffled"])
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"cp": 2}], ids=["dp2", "tp2", "pp2", "cp2"])
+def test_a_rank_given_another_model_or_batch_is_refused_on_every_rank(pools, mesh, what):
+    """autoshard splits the one model and the one global batch every rank holds: a rank built under another seed, or
+    reading another batch (a DistributedSampler kept from a DDP script) trained parts of models and batches that
+    were never one, silently."""
+    options = {"microbatches": 2} if "pp" in mesh else {}
+    results = pools.get(2).run(golden_loop.ranks_differ, "gpt", mesh, what, **options)
+    said = "the model's parameters" if what == "model" else "step 2's batch"
+    for message in results:
+        assert message.startswith(f"RanksDiffer: {said} on rank 1 differs from rank 0's"), results
+
+
+def test_with_local_batch_each_dp_rank_trains_on_its_own_batch(pools):
+    results = pools.get(2).run(golden_loop.ranks_differ, "gpt", {"dp": 2}, "local batch", local_batch=True)
+    assert results == ["trained", "trained"], results
+
+
 @pytest.mark.parametrize("options", [{"cp_attention": "alltoall"},
                                      {"cp_attention": "alltoall", "cp_load_balance": True}],
                          ids=["alltoall", "alltoall-balanced"])

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from autoshard import batching, codegen, peers
 from autoshard.capture import capture, shapes_of
@@ -33,7 +34,7 @@ from autoshard.job_plan import plan_job, two_passes
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
-from autoshard.runtime import gather, habits, inference, recompute
+from autoshard.runtime import alike, gather, habits, inference, recompute
 from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
@@ -84,6 +85,7 @@ class ParallelModel(nn.Module):
         if groups is not None and mesh.ep > 1 and mesh.expert_replicas > 1:
             self.sync.experts_group = groups.group("ep_replicas")
         self._check_batch(example_inputs)
+        self._check_alike_model(model)
         habits.watch(self)  # torch's habits over the user's model or this one: refused, or made exact
         if target is not None:
             self._check_kinds((*example_inputs, target))  # the example's kinds are what steps must pass
@@ -195,6 +197,7 @@ class ParallelModel(nn.Module):
     def _train(self, inputs: tuple, target: torch.Tensor, divisor, loss_scale: float):
         self._check_kinds((*inputs, target))
         self._check_batch(inputs)
+        self._check_alike_batch((*inputs, target))
         microbatches = self.microbatch_views(inputs, target)
         build = self._training_build(*microbatches[0])
         passes = self._two_passes.get(build.captured.key)
@@ -412,6 +415,29 @@ class ParallelModel(nn.Module):
     def _check_batch(self, inputs: tuple) -> None:
         batching.check(batching.batch_size(inputs), microbatches=self.options.microbatches, dp=self.mesh.dp,
                        local=self.options.local_batch)
+
+    def _check_alike_model(self, model: nn.Module) -> None:
+        """Every rank built the same model (``runtime.alike``); a model on ``meta`` is materialized alike later."""
+        params = [p for p in model.parameters()]
+        if any(p.device.type == "meta" for p in params):
+            return
+        alike.check("the model's parameters", params, self.groups, ("dp", "cp", "tp", "pp"),
+                    "every rank must build the same model: seed every process alike (torch.manual_seed) before "
+                    "building it, or load the same weights on every rank, before autoshard.parallelize", self.device)
+
+    def _check_alike_batch(self, values: tuple) -> None:
+        """Every rank was given the same batch (with ``local_batch``, every rank of one dp coordinate)."""
+        tensors = [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
+        if self.options.local_batch:
+            axes, fix = ("cp", "tp", "pp"), ("with local_batch=True, the ranks of one dp coordinate (its tp, pp and "
+                                             "cp ranks) must be given the same part of the batch")
+        else:
+            axes, fix = ("dp", "cp", "tp", "pp"), (
+                "autoshard takes the global batch on every rank and splits it over dp itself: give every rank the "
+                "same batch (no DistributedSampler or per-rank shuffling or augmentation), or pass local_batch=True "
+                "where each dp rank reads its own part")
+        with self._guard("comparing the ranks' batches"):
+            alike.check(f"step {self._steps + 1}'s batch", tensors, self.groups, axes, fix, self.device)
 
     def _divisor(self, build: RankBuild, inputs: tuple, target: torch.Tensor, microbatches: list):
         count = build.captured.count_gm
