@@ -234,3 +234,31 @@ def router_loss(name: str, mesh_kwargs: dict, **options) -> dict:
     report = autoshard.verify(case.model, mesh, case.inputs, loss_fn, target=case.target, groups=groups_for(mesh),
                               **options)
     return {"ok": report.ok, "report": str(report)}
+
+
+def saved_whole(name: str, mesh_kwargs: dict, directory: str) -> dict:
+    """One SGD step at ``mesh_kwargs``, then ``pm.save_pretrained`` (a zoo model gets an empty HuggingFace config to
+    be written beside it): each tensor of the files against the unsharded model trained alike, and each rank's
+    share of every stack of experts (3-D parameters) it holds."""
+    from safetensors.torch import load_file
+    from transformers import PretrainedConfig
+
+    case, reference = build(name), build(name).model
+    for model in (case.model, reference):
+        model.config = getattr(model, "config", None) or PretrainedConfig()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    pm.step(*case.inputs, target=case.target)
+    case.loss_fn(reference(*case.inputs), case.target).backward()
+    opt.step()
+    ref_opt.step()
+    pm.save_pretrained(directory)
+    saved = load_file(f"{directory}/model.safetensors")
+    expected = dict(reference.named_parameters())
+    stacks = {n: p for n, p in expected.items() if p.dim() == 3}
+    held = {n: p.shape[0] / stacks[n].shape[0] for n, p in pm.named_parameters() if n in stacks}
+    return {"differ": sorted(n for n, p in expected.items()
+                             if n not in saved or not torch.allclose(saved[n], p.detach(), **TOL)),
+            "stacks": {n: tuple(saved[n].shape) for n in stacks}, "held": held}

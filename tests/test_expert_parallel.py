@@ -70,6 +70,46 @@ def test_experts_looped_over_a_stack_become_grouped_matmuls_and_split_over_ep():
     assert program.code.count("= self.expert_dispatch_") == 6 and program.code.count("= self.expert_combine_") == 6
 
 
+def test_torchtitans_loop_over_experts_becomes_the_grouped_matmuls_of_its_stacks():
+    """torchtitan's experts without a grouped matmul kernel: the counts read back, the rows split by them, each
+    expert's SwiGLU on its piece (``matmul`` with ``w1[e]``, ``w3[e]``, ``w2[e]`` transposed), ``cat``. The capture
+    holds the SwiGLU once over all rows, its three products grouped matmuls over the stacks (no read-back, no
+    per-expert node), and computes the same loss; both layers are found with their three stacks."""
+    case = models.build("moe_loop")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    gm = captured.gm
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.autoshard.grouped_mm.default) == 6
+    assert torch.ops.aten.item.default not in targets and torch.ops.aten.select.int not in targets
+    assert targets.count(torch.ops.aten.silu.default) == 4  # per layer: the experts, once, and the shared expert
+    torch.testing.assert_close(gm(*case.inputs, case.target), case.loss_fn(case.model(*case.inputs), case.target),
+                               rtol=0, atol=1e-6)
+    plan = plan_expert_parallel(gm, 2)
+    assert len(plan.layers) == 2 and not plan.notes
+    assert {w for layer in plan.layers for w in layer.weights} == {n for n, p in gm.named_parameters() if p.dim() == 3}
+
+
+def test_a_loop_whose_experts_compute_differently_stays_a_loop():
+    """One expert of the loop computing otherwise (a ``gelu`` where the others have ``silu``) is no grouped matmul:
+    the loop stays as export gave it (exact, its experts whole)."""
+
+    class Odd(models.LoopedGroupedExperts):
+        def forward(self, x, counts):
+            out = []
+            for e, piece in enumerate(torch.split(x, counts.long().tolist())):
+                act = torch.nn.functional.gelu if e == 1 else torch.nn.functional.silu
+                h = act(piece @ self.w1[e].transpose(-2, -1)) * (piece @ self.w3[e].transpose(-2, -1))
+                out.append(h @ self.w2[e].transpose(-2, -1))
+            return torch.cat(out)
+
+    torch.manual_seed(0)
+    model, x, counts = Odd(8, 12, 4), torch.randn(10, 8), torch.tensor([3, 0, 5, 2])
+    captured = capture(model, (x, counts), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
+    targets = [n.target for n in captured.gm.graph.nodes]
+    assert torch.ops.autoshard.grouped_mm.default not in targets and torch.ops.aten.gelu.default in targets
+    torch.testing.assert_close(captured.gm(x, counts, x), (model(x, counts) - x).pow(2).mean(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,rewritten", [({}, True), ({"reads_counts": True}, False), ({"swapped": True}, False)],
                          ids=["loop", "counts-read-elsewhere", "experts-out-of-order"])
 def test_a_loop_of_experts_is_rewritten_only_where_it_is_one_grouped_matmul(kwargs, rewritten):
@@ -255,6 +295,22 @@ def test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them(pools, mesh):
         assert "2 layer(s) of experts split" in result["explain"]
 
 
+def test_torchtitans_loop_over_experts_splits_over_ep_and_trains_as_adamw_trains_it(pools, tmp_path):
+    """The zoo's mixture with its experts looped one at a time (``moe_loop``) at dp2 x ep2: each rank holds half of
+    every stack; the losses, gradients and parameters after AdamW steps are the model's in one process, and
+    ``save_pretrained`` writes every stack whole."""
+    mesh = {"dp": 2, "ep": 2}
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_loop", mesh, steps=2)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert len(result["experts"]) == 6, result["experts"]
+        assert all(shape[0] == models.EXPERTS // 2 for shape in result["experts"].values()), result["experts"]
+    for rank, result in enumerate(pools.get(2).run(golden_moe.saved_whole, "zoo/moe_loop", mesh, str(tmp_path))):
+        assert not result["differ"], f"rank {rank}: {result['differ']}"
+        assert len(result["held"]) == 6 and set(result["held"].values()) == {0.5}, (rank, result["held"])
+        assert all(shape[0] == models.EXPERTS for shape in result["stacks"].values()), result["stacks"]
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
 def test_a_capacity_drops_the_rows_beyond_it_as_the_model_would(pools, mesh):
     """``expert_capacity=1.0``: each rank sends each expert at most an even share of its rows (16 of 128 at top-2 of
@@ -332,6 +388,13 @@ def test_fsdp_with_experts_split_by_ep(pools, mesh):
                                                        data_parallel="fsdp")):
         assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+
+
+def test_fsdp_with_experts_looped_one_at_a_time_split_by_ep(pools):
+    """FSDP2 at dp2 x ep2 beside the zoo's looped experts: the experts are their ep rank's half, every other
+    parameter FSDP2's shard; loss, gradients and parameters after SGD steps exact."""
+    mesh = {"dp": 2, "ep": 2}
+    golden.check(pools.get(2).run(golden.golden, "moe_loop", mesh, data_parallel="fsdp"), mesh)
 
 
 def test_save_pretrained_under_ep_loads_under_another_split_reading_each_ranks_experts(pools, tmp_path):
