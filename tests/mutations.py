@@ -613,7 +613,7 @@ MUTANTS = (
            "the global gradient norm counts only this rank's experts",
            (EP + "test_an_ordinary_training_loop_over_experts_split_by_ep[ep2]",)),
     Mutant("ep-checkpoint-experts-as-replicas", "autoshard/runtime/checkpoint.py",
-           '        mesh, split = (meshes["ep"], True) if target in experts else (meshes["tp"], False)',
+           '        mesh, split = (meshes["ep"], True) if layout.experts else (meshes["tp"], False)',
            '        mesh, split = meshes["tp"], False',
            "every ep rank writes its experts under the whole stack's key, as if they were replicas",
            (RESUME + "test_experts_split_over_ep_resume_under_another_split[corpus/mixtral-ep2-to-tp2]",)),
