@@ -18,6 +18,8 @@ eagerly, so the zoo covers the patterns a parallelizing compiler has to get righ
   expert, and the rows summed back with ``scatter_add``.
   ``moe_loop`` (built by ``build`` but not in every zoo matrix) is the same model whose experts run one at a time
   over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped matmul kernel.
+  ``moe_list`` is the Llama decoder with litgpt's ``LLaMAMoE`` in place of every MLP: each expert a module of a
+  ``ModuleList``, its rows picked by ``torch.where`` of the router's top-k, its output added back at them.
 - ``mlp``: three linears on (batch, features), MSE loss.
 - ``hf_gpt2``, ``hf_llama``: HuggingFace transformers models from tiny configs (no downloads). GPT-2's
   Conv1D stores weights (in, out) and ties its LM head; Llama uses GQA repeated by expand + reshape.
@@ -64,10 +66,10 @@ from torch import nn
 
 ZOO_NAMES = ("gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama")
 DECODERS = ("gpt", "llama", "moe", "hf_gpt2", "hf_llama")
-# The same mixture written otherwise, for expert parallelism's own tests (not in every zoo matrix): ``moe_loop``'s
-# experts run one at a time over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped
-# matmul kernel.
-FORMS = ("moe_loop",)
+# Mixtures written otherwise, for expert parallelism's own tests (not in every zoo matrix): ``moe_loop``'s experts
+# run one at a time over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped matmul
+# kernel; ``moe_list``'s are modules of a list, as litgpt's ``LLaMAMoE`` holds them.
+FORMS = ("moe_loop", "moe_list")
 
 # The pairwise-distinct sizes documented above.
 BATCH = 8
@@ -481,19 +483,43 @@ class MoE(nn.Module):
         return out.view(bs, slen, dim)
 
 
+class ModuleListMoE(nn.Module):
+    """litgpt's ``LLaMAMoE``: each expert a module of its own in a ``ModuleList``, its tokens found by a mask of the
+    router's top-k choices (``torch.where``), its output added at their rows (``y[token_idx] += ...``)."""
+
+    def __init__(self, dim: int = HIDDEN, hidden: int = EXPERT_FFN, experts: int = EXPERTS, top_k: int = TOP_K) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(LlamaStyleConfig(n_embd=dim, ffn=hidden)) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)  # (tokens, dim)
+        probs, indices = torch.topk(self.gate(x), self.top_k)  # (tokens, k)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        masks = indices.unsqueeze(-1) == torch.arange(len(self.experts), device=x.device)  # (tokens, k, experts)
+        masks = masks.permute(2, 0, 1)  # (experts, tokens, k)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts, strict=True):
+            token_idx, expert_idx = torch.where(mask)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        return y.view(bs, slen, dim)
+
+
 class MoEBlock(LlamaStyleBlock):
-    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False) -> None:
+    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False, listed: bool = False) -> None:
         super().__init__(cfg)
-        self.mlp = MoE(cfg.n_embd, looped=looped)
+        self.mlp = ModuleListMoE(cfg.n_embd) if listed else MoE(cfg.n_embd, looped=looped)
 
 
 class MoEStyle(LlamaStyle):
     """The Llama decoder with a mixture of experts in place of every MLP (``looped``: its experts run one at a time,
     as ``LoopedGroupedExperts`` runs them)."""
 
-    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False) -> None:
+    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False, listed: bool = False) -> None:
         super().__init__(cfg)
-        self.layers = nn.ModuleList([MoEBlock(cfg, looped) for _ in range(cfg.n_layer)])
+        self.layers = nn.ModuleList([MoEBlock(cfg, looped, listed) for _ in range(cfg.n_layer)])
         for module in self.layers.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -723,6 +749,7 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> Zo
         "llama": lambda: LlamaStyle(LlamaStyleConfig()),
         "moe": lambda: MoEStyle(LlamaStyleConfig()),
         "moe_loop": lambda: MoEStyle(LlamaStyleConfig(), looped=True),
+        "moe_list": lambda: MoEStyle(LlamaStyleConfig(), listed=True),
         "bert": lambda: Bert(BertConfig()),
         "mlp": MLP,
         "hf_gpt2": _hf_gpt2,

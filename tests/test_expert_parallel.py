@@ -164,6 +164,24 @@ def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
     assert not plan.layers and "no mixture of experts found" in plan.notes[0]
 
 
+def test_experts_held_as_separate_modules_are_found_and_stay_whole_and_say_so():
+    """litgpt's form (``moe_list``): each expert a module of a ModuleList, its rows picked by ``torch.where`` of the
+    router's top-k, its output added back at them. Each layer is found with its 8 experts and their own parameters,
+    and the plan says that they stay whole on every ep rank."""
+    from autoshard.passes.listed_experts import find_list_layers
+
+    case = models.build("moe_list")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    layers = find_list_layers(captured.gm)
+    assert [len(layer.experts) for layer in layers] == [8, 8]
+    held = [p for layer in layers for expert in layer.experts for p in expert]
+    assert sorted(held) == sorted(n for n in captured.gm.state_dict() if ".experts." in n)
+    assert all(len(expert) == 3 for layer in layers for expert in layer.experts)
+    plan = plan_expert_parallel(captured.gm, 2)
+    assert not plan.layers and len(plan.notes) == 2
+    assert all("8 experts" in note and "separate modules" in note and "stay whole" in note for note in plan.notes)
+
+
 def test_a_layer_that_mixes_rows_between_its_matmuls_runs_each_between_its_own_dispatch_and_combine():
     """A cumulative sum over the routed rows between the two projections reads other experts' rows: it runs on the
     rows combined back (as the model run whole computes it), and each projection between a dispatch and a combine
@@ -309,6 +327,16 @@ def test_torchtitans_loop_over_experts_splits_over_ep_and_trains_as_adamw_trains
         assert not result["differ"], f"rank {rank}: {result['differ']}"
         assert len(result["held"]) == 6 and set(result["held"].values()) == {0.5}, (rank, result["held"])
         assert all(shape[0] == models.EXPERTS for shape in result["stacks"].values()), result["stacks"]
+
+
+def test_experts_held_as_separate_modules_train_exactly_whole_on_every_ep_rank(pools):
+    """``moe_list`` at dp2 x ep2: its experts stay whole on each rank (it holds the whole model), and the losses,
+    gradients and parameters after AdamW steps are the model's in one process."""
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_list", {"dp": 2, "ep": 2},
+                                                   steps=2)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert result["held"] == 1.0 and "separate modules of a list" in result["explain"], result["held"]
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])

@@ -39,6 +39,7 @@ from torch import fx
 from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.listed_experts import find_list_layers
 from autoshard.passes.rules_nn import is_grouped_mm
 
 aten = torch.ops.aten
@@ -103,7 +104,12 @@ def plan_expert_parallel(gm: fx.GraphModule, size: int) -> ExpertParallelPlan:
                 f"ep={size} does not divide the {layer.experts} experts at {layer.where}: each ep rank holds whole "
                 f"experts, so ep must divide their number; use ep in {fits}")
         plan.layers.append(layer)
-    if not plan.layers:
+    listed = find_list_layers(gm)
+    for layer in listed:
+        plan.notes.append(f"{len(layer.experts)} experts at {layer.where} are held as separate modules of a list "
+                          "(each its own parameters, its rows picked by the router's top-k): they stay whole on every "
+                          "ep rank (ep splits experts held as stacks, 3-D parameters)")
+    if not plan.layers and not listed:
         plan.notes.append("no mixture of experts found (grouped matmuls over stacks of expert matrices): ep splits "
                           "nothing, and its ranks are data parallel")
     return plan
