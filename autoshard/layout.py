@@ -1,6 +1,7 @@
 """How one rank holds a parameter: one record per parameter of a build, which every consumer reads.
 
-A parameter is split, in this order: a stack of experts over the ep ranks (each holds its experts, rows of dim 0),
+A parameter is split, in this order: a stack of experts over the ep ranks (each holds its experts, rows of dim 0;
+an expert held as a module of a list is held whole by one ep rank, ``holder``, and by no other),
 its tp part (a ``Shard`` placement: a dim, and the blocks it cuts alike where a fused projection is split block by
 block; a dim the degree does not divide is padded up), and, where the weight is spread over the pipeline's ranks,
 this pp rank's rows of that; FSDP2 then shards what is left over dp x cp at run time (a DTensor). The build makes
@@ -33,11 +34,19 @@ class ParamLayout:
     ep_size: int
     spread: bool  # stored in rows over the pp ranks, gathered for each step
     pp_size: int
+    holder: int | None = None  # an expert held as a module of a list: the one ep rank that holds it (others: nothing)
 
     @classmethod
-    def of(cls, name: str, shape: tuple[int, ...], mesh: Mesh, placement, experts: int, spread: bool) -> ParamLayout:
+    def of(cls, name: str, shape: tuple[int, ...], mesh: Mesh, placement, experts: int, spread: bool,
+           holder: int | None = None) -> ParamLayout:
         tp = placement if isinstance(placement, Shard) and mesh.tp > 1 else None
-        return cls(name, tuple(shape), tp, mesh.tp, experts, mesh.ep, spread, mesh.pp)
+        return cls(name, tuple(shape), tp, mesh.tp, experts, mesh.ep, spread, mesh.pp, holder)
+
+    @property
+    def split_over_ep(self) -> bool:
+        """Whether ep ranks hold different parts of it (a stack's experts, or an expert one ep rank holds alone):
+        its gradient is summed over the ranks holding the same part, not over dp x cp, and FSDP2 leaves it whole."""
+        return bool(self.experts) or self.holder is not None
 
     @property
     def padded(self) -> bool:

@@ -93,7 +93,10 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
     bad = {n: d for n, d in worst.items() if d > 0.02 * LR * steps}
     held = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
     experts = {n: tuple(p.shape) for n, p in pm.named_parameters() if p.dim() == 3}
-    return {"loss": worst_loss, "norm": abs(norm.item() - ref_norm.item()), "bad": bad, "bad_grads": bad_grads,
+    listed = {n: p.numel() for n, p in reference.named_parameters() if ".experts." in n}  # the zoo's experts
+    listed_share = sum(p.numel() for n, p in pm.named_parameters() if n in listed) / max(1, sum(listed.values()))
+    return {"listed_share": listed_share, "loss": worst_loss, "norm": abs(norm.item() - ref_norm.item()), "bad": bad,
+            "bad_grads": bad_grads,
             "worst": max(worst.values()), "held": held, "experts": experts, "explain": pm.explain()}
 
 

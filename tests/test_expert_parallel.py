@@ -7,6 +7,8 @@ rank holding ``1/ep`` of every stack; a layer that mixes rows between the expert
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import operator
 import re
 
@@ -164,10 +166,11 @@ def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
     assert not plan.layers and "no mixture of experts found" in plan.notes[0]
 
 
-def test_experts_held_as_separate_modules_are_found_and_stay_whole_and_say_so():
+def test_experts_held_as_separate_modules_are_found_with_the_ep_rank_holding_each():
     """litgpt's form (``moe_list``): each expert a module of a ModuleList, its rows picked by ``torch.where`` of the
-    router's top-k, its output added back at them. Each layer is found with its 8 experts and their own parameters,
-    and the plan says that they stay whole on every ep rank."""
+    router's top-k, its output added back at them. Each layer is found with its 8 experts and their own parameters;
+    at ep=2 experts 0-3 are ep rank 0's, 4-7 ep rank 1's; under tp or pp they stay whole, and the plan says so."""
+    from autoshard.job_plan import _ep_from_json
     from autoshard.passes.listed_experts import find_list_layers
 
     case = models.build("moe_list")
@@ -178,8 +181,20 @@ def test_experts_held_as_separate_modules_are_found_and_stay_whole_and_say_so():
     assert sorted(held) == sorted(n for n in captured.gm.state_dict() if ".experts." in n)
     assert all(len(expert) == 3 for layer in layers for expert in layer.experts)
     plan = plan_expert_parallel(captured.gm, 2)
-    assert not plan.layers and len(plan.notes) == 2
-    assert all("8 experts" in note and "separate modules" in note and "stay whole" in note for note in plan.notes)
+    assert not plan.layers and plan.lists == layers and not plan.notes
+    assert plan.holders()[layers[0].experts[3][0]] == 0 and plan.holders()[layers[1].experts[4][2]] == 1
+    kept = plan_expert_parallel(captured.gm, 2, lists=False)  # under tp or pp
+    assert not kept.lists and len(kept.notes) == 2
+    assert all("8 experts" in note and "separate modules" in note and "stay whole" in note for note in kept.notes)
+    assert _ep_from_json(json.loads(json.dumps(dataclasses.asdict(plan)))) == plan  # the job plan's JSON form
+
+
+def test_a_capacity_over_experts_held_as_separate_modules_is_refused():
+    """A capacity drops rows of stacked experts at their dispatch; listed experts receive every row: refused."""
+    case = models.build("moe_list")
+    with pytest.raises(ValueError, match=r"experts at model.layers.0.mlp are modules of a list.*leave expert_capacity"):
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2, ep=2), 1,
+                             CompileOptions(expert_capacity=1.0), target=case.target, loss_fn=case.loss_fn)
 
 
 def test_a_layer_that_mixes_rows_between_its_matmuls_runs_each_between_its_own_dispatch_and_combine():
@@ -329,14 +344,18 @@ def test_torchtitans_loop_over_experts_splits_over_ep_and_trains_as_adamw_trains
         assert all(shape[0] == models.EXPERTS for shape in result["stacks"].values()), result["stacks"]
 
 
-def test_experts_held_as_separate_modules_train_exactly_whole_on_every_ep_rank(pools):
-    """``moe_list`` at dp2 x ep2: its experts stay whole on each rank (it holds the whole model), and the losses,
-    gradients and parameters after AdamW steps are the model's in one process."""
-    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_list", {"dp": 2, "ep": 2},
-                                                   steps=2)):
+def test_experts_held_as_separate_modules_split_over_ep_and_train_as_adamw_trains_them(pools, tmp_path):
+    """``moe_list`` at dp2 x ep2: each rank holds its half of the experts (modules of the list) and nothing of the
+    other half; the losses, gradients and parameters after AdamW steps with clipping are the model's in one process,
+    and ``save_pretrained`` writes every expert."""
+    mesh = {"dp": 2, "ep": 2}
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_list", mesh, steps=2)):
         assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
-        assert result["held"] == 1.0 and "separate modules of a list" in result["explain"], result["held"]
+        assert result["listed_share"] == 0.5, (rank, result["listed_share"])
+        assert f"(ep rank {1 - rank})" in result["explain"], result["explain"]
+    for rank, result in enumerate(pools.get(2).run(golden_moe.saved_whole, "zoo/moe_list", mesh, str(tmp_path))):
+        assert not result["differ"], f"rank {rank}: {result['differ']}"
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
@@ -418,11 +437,19 @@ def test_fsdp_with_experts_split_by_ep(pools, mesh):
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
 
 
-def test_fsdp_with_experts_looped_one_at_a_time_split_by_ep(pools):
-    """FSDP2 at dp2 x ep2 beside the zoo's looped experts: the experts are their ep rank's half, every other
-    parameter FSDP2's shard; loss, gradients and parameters after SGD steps exact."""
+@pytest.mark.parametrize("name", ["moe_loop", "moe_list"])
+def test_fsdp_with_experts_looped_or_listed_split_by_ep(pools, name):
+    """FSDP2 at dp2 x ep2 beside the zoo's looped experts (stacks) and listed ones (modules of a list): the experts
+    are their ep rank's half, every other parameter FSDP2's shard; loss, gradients and parameters after SGD steps
+    exact."""
     mesh = {"dp": 2, "ep": 2}
-    golden.check(pools.get(2).run(golden.golden, "moe_loop", mesh, data_parallel="fsdp"), mesh)
+    golden.check(pools.get(2).run(golden.golden, name, mesh, data_parallel="fsdp"), mesh)
+
+
+def test_experts_held_as_separate_modules_with_ep_carved_from_cp(pools):
+    """cp2 x ep2: the sequence's halves send each expert's rows to its holder."""
+    mesh = {"cp": 2, "ep": 2}
+    golden.check(pools.get(2).run(golden.golden, "moe_list", mesh), mesh)
 
 
 def test_save_pretrained_under_ep_loads_under_another_split_reading_each_ranks_experts(pools, tmp_path):

@@ -8,12 +8,22 @@ module computes on them, and its output is added back at those rows. Unrolled in
 reads; its parameters are read inside its branch only. A *list layer* is the branches that pick rows of one value by
 indices of one top-k and compute alike (the same ops in the same order, each with its own parameters).
 
-Expert parallelism does not split such a layer yet: its experts stay whole on every ep rank (data parallel, exact)
-and the plan says so, naming the layer.
+Expert ``e`` of ``E`` is held by ep rank ``e // (E / ep)`` alone. Each rank sends each expert's rows to its
+holder and gets their outputs back, around the branch, with the routing collectives of the stacked experts::
+
+    route = ExpertRoute(offsets)        # offsets: all of this rank's rows to the holder (one entry per ep rank)
+    rows' = ExpertDispatch(rows, route)  # every rank's rows of this expert, on its holder (none elsewhere)
+    out'  = branch(rows')                # on the holder; elsewhere zero rows, through the dispatched ones
+    out   = ExpertCombine(out', route)   # this rank's rows' outputs, in their order
+
+so per expert and layer: one all-gather of ep integers and one read back of the splits, and two all-to-alls each
+way (the rows out, their outputs back; in backward their gradients). The holder's gradients are summed over the
+ranks that hold the same experts (``ep_replicas``), as a stack's are. Under tp or pp the experts stay whole.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -37,28 +47,35 @@ class ListLayer:
     where: str = ""
 
 
+@dataclass
+class _Branch:
+    pick: fx.Node  # the rows it picks
+    body: list[fx.Node]  # in graph order
+    out: fx.Node  # the one value the rest of the graph reads
+    signature: tuple
+    params: tuple[str, ...]
+
+
 def find_list_layers(gm: fx.GraphModule) -> list[ListLayer]:
     """Every list layer of ``gm`` with at least two experts."""
-    groups: dict[tuple, list[tuple[tuple, tuple[str, ...], fx.Node]]] = {}
+    return [ListLayer(tuple(b.params for b in branches), _where(branches[0].pick)) for branches in _layers(gm)]
+
+
+def _layers(gm: fx.GraphModule) -> list[list[_Branch]]:
+    groups: dict[tuple, list[_Branch]] = {}
     for node in gm.graph.nodes:
-        found = _branch(node)
-        if found is None:
+        branch = _branch(node)
+        if branch is None:
             continue
         topk = _topk(node.args[1][0])
-        if topk is None:
-            continue
-        signature, params = found
-        groups.setdefault((node.args[0], topk), []).append((signature, params, node))
-    layers = []
-    for branches in groups.values():
-        if len(branches) > 1 and len({signature for signature, _, _ in branches}) == 1:
-            layers.append(ListLayer(tuple(params for _, params, _ in branches), _where(branches[0][2])))
-    return layers
+        if topk is not None:
+            groups.setdefault((node.args[0], topk), []).append(branch)
+    return [branches for branches in groups.values()
+            if len(branches) > 1 and len({b.signature for b in branches}) == 1]
 
 
-def _branch(pick: fx.Node) -> tuple[tuple, tuple[str, ...]] | None:
-    """(what the branch computes, its parameters) where ``pick`` picks rows by one index tensor and starts an expert's
-    branch; else None."""
+def _branch(pick: fx.Node) -> _Branch | None:
+    """The expert's branch that ``pick`` (rows picked by one index tensor) starts, or None."""
     if pick.op != "call_function" or pick.target not in _PICKS or len(pick.args[1]) != 1 or pick.args[1][0] is None:
         return None
     body: list[fx.Node] = []
@@ -88,7 +105,7 @@ def _branch(pick: fx.Node) -> tuple[tuple, tuple[str, ...]] | None:
     names = {pick: "rows", **{p: ("param", i) for p, i in params.items()}, **{n: i for i, n in enumerate(body)}}
     signature = tuple((n.target, tuple(_named(a, names) for a in n.args),
                        tuple(sorted((k, _named(v, names)) for k, v in n.kwargs.items()))) for n in body)
-    return signature, tuple(p.target for p in params)
+    return _Branch(pick, body, leaving[0], signature, tuple(p.target for p in params))
 
 
 def _after(pick: fx.Node):
@@ -122,3 +139,88 @@ def _topk(index: fx.Node) -> fx.Node | None:
 
 def _where(node: fx.Node) -> str:
     return meta.module_path(node) or meta.source_line(node) or node.name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rewrite
+
+
+def split_list_layers(gm: fx.GraphModule, layers: list[ListLayer], *, rank: int, group, size: int) -> None:
+    """Rewrite the planned list layers of ``gm`` into what ep rank ``rank`` runs: its own experts' branches between
+    a dispatch and a combine, every other expert's rows sent to its holder and their outputs received back."""
+    from autoshard.passes.expert_parallel import ExpertCombine, ExpertDispatch, ExpertParallelError, ExpertRoute
+
+    planned = {layer.experts: layer for layer in layers}
+    found = {tuple(b.params for b in branches): branches for branches in _layers(gm)}
+    for experts, layer in planned.items():
+        branches = found.get(experts)
+        if branches is None:
+            raise ExpertParallelError(f"the experts at {layer.where} no longer match their plan on this rank's graph "
+                                      "(a pipeline cut between the routing and the experts?): use ep=1")
+        per = len(branches) // size
+        for e, branch in enumerate(branches):
+            index = len([n for n, _ in gm.named_children() if n.startswith("expert_route")])
+            modules = []
+            for name, cls in (("expert_route", ExpertRoute), ("expert_dispatch", ExpertDispatch),
+                              ("expert_combine", ExpertCombine)):
+                extra = {"experts": size} if cls is ExpertRoute else {}
+                gm.add_submodule(f"{name}_{index}", cls(group=group, size=size, rank=rank, **extra))
+                modules.append(f"{name}_{index}")
+            _around(gm, branch, e // per == rank, e // per, size, modules)
+    gm.graph.eliminate_dead_code()
+    for experts in planned:
+        per = len(experts) // size
+        for name in (name for e, params in enumerate(experts) if e // per != rank for name in params):
+            owner, _, attr = name.rpartition(".")
+            delattr(gm.get_submodule(owner) if owner else gm, attr)
+
+
+def _around(gm: fx.GraphModule, branch: _Branch, mine: bool, holder: int, size: int, modules: list[str]) -> None:
+    graph = gm.graph
+    route_mod, dispatch_mod, combine_mod = modules
+    pick, out = branch.pick, branch.out
+    with graph.inserting_after(pick):
+        offsets = graph.call_function(to_holder, (pick, holder, size))
+    with graph.inserting_after(offsets):
+        routed = graph.call_module(route_mod, (offsets,))
+    with graph.inserting_after(routed):
+        route = graph.call_function(operator.getitem, (routed, 1))
+    with graph.inserting_after(route):
+        moved = graph.call_module(dispatch_mod, (pick, route))
+    for user in list(pick.users):
+        if user in branch.body:
+            user.replace_input_with(pick, moved)
+    readers = [u for u in out.users if u not in branch.body]
+    if mine:
+        last = out
+    else:
+        trained = any(gm.get_parameter(name).requires_grad for name in branch.params)
+        with graph.inserting_after(moved):
+            last = graph.call_function(no_rows, (moved, meta.val(out).shape[-1], trained))
+        last.meta[meta.VAL] = meta.val(out)
+    with graph.inserting_after(last):
+        combined = graph.call_module(combine_mod, (last, route))
+    for new in (offsets, routed, moved, combined):
+        new.meta[meta.AXIS] = "ep"
+    moved.meta[meta.VAL], combined.meta[meta.VAL] = meta.val(pick), meta.val(out)
+    for user in readers:
+        user.replace_input_with(out, combined)
+    if not mine:
+        for node in reversed(branch.body):
+            graph.erase_node(node)
+
+
+def to_holder(rows: torch.Tensor, holder: int, size: int) -> torch.Tensor:
+    """Cumulative rows per ep rank with all of ``rows`` for ep rank ``holder``: the offsets of a route that sends
+    them there."""
+    n = rows.shape[0]
+    return torch.tensor([0] * holder + [n] * (size - holder), dtype=torch.int64, device=rows.device)
+
+
+def no_rows(moved: torch.Tensor, width: int, trained: bool) -> torch.Tensor:
+    """The output an expert held elsewhere gives the rows it receives here (none): ``(0, width)``, computed from them
+    so that the combine's backward reaches the dispatch's. It needs a gradient exactly where the holder's output does
+    (the rows need one, or the expert's parameters train), so that every rank of the ep group runs the combine's
+    backward, a collective, or none does."""
+    zeros = moved.new_zeros(moved.shape[-1], width).requires_grad_(trained and torch.is_grad_enabled())
+    return moved @ zeros

@@ -71,7 +71,7 @@ class GradientSync:
     def note_experts(self, build) -> None:
         if not self.experts:
             self.experts = tuple(sorted(name for name, _ in build.captured.gm.named_parameters()
-                                        if build.layout(name).experts))
+                                        if build.layout(name).split_over_ep))
 
     def sum_experts(self) -> None:
         """Sum the gradients of the experts this rank holds over the ranks holding the same ones. Each already

@@ -50,7 +50,7 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
             else:
                 grad = grad.to_local()
         # split over ep: summed over it; every other gradient is alike on the ep ranks
-        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, bool(layout.experts))
+        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, layout.split_over_ep)
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
