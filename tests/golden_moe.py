@@ -265,3 +265,35 @@ def saved_whole(name: str, mesh_kwargs: dict, directory: str) -> dict:
     return {"differ": sorted(n for n, p in expected.items()
                              if n not in saved or not torch.allclose(saved[n], p.detach(), **TOL)),
             "stacks": {n: tuple(saved[n].shape) for n in stacks}, "held": held}
+
+
+def frozen_below(name: str, mesh_kwargs: dict, frozen: tuple[str, ...], *, steps: int = 2) -> dict:
+    """The parameters whose names start with one of ``frozen`` frozen (``requires_grad=False``) before
+    ``parallelize``, as a fine-tuning run freezes them; SGD steps over the others: every loss, every trained gradient
+    and every parameter after the steps against the model in one process."""
+    case, reference = build(name), build(name).model
+    for model in (case.model, reference):
+        for n, p in model.named_parameters():
+            p.requires_grad_(not n.startswith(frozen))
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    worst_loss, bad_grads = 0.0, {}
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(*case.inputs, target=case.target)
+        ref = case.loss_fn(reference(*case.inputs), case.target)
+        ref.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
+        grads = pm.gradients()
+        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+                          if p.grad is not None and not torch.allclose(grads[n], p.grad, **TOL)})
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    bad = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+           if not torch.allclose(full[n], p.detach(), **TOL)}
+    return {"loss": worst_loss, "bad_grads": bad_grads, "bad": bad}

@@ -358,6 +358,18 @@ def test_experts_held_as_separate_modules_split_over_ep_and_train_as_adamw_train
         assert not result["differ"], f"rank {rank}: {result['differ']}"
 
 
+@pytest.mark.parametrize("frozen", [("embed_tokens", "layers.0.input", "layers.0.self_attn", "layers.0.post"),
+                                    ("embed_tokens", "layers.0.input", "layers.0.self_attn", "layers.0.post",
+                                     "layers.0.mlp.experts.")], ids=["rows-frozen", "rows-and-experts-frozen"])
+def test_experts_held_by_one_ep_rank_train_below_frozen_layers(pools, frozen):
+    """``moe_list`` at dp2 x ep2 with everything below the first layer's experts frozen (their rows need no gradient),
+    then their parameters too: the ranks holding an expert and those not holding it run the combine's backward
+    alike (or not at all), and the trained parameters are the model's in one process."""
+    for rank, result in enumerate(pools.get(2).run(golden_moe.frozen_below, "zoo/moe_list", {"dp": 2, "ep": 2},
+                                                   frozen)):
+        assert result["loss"] < 1e-5 and not result["bad_grads"] and not result["bad"], (rank, result)
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
 def test_a_capacity_drops_the_rows_beyond_it_as_the_model_would(pools, mesh):
     """``expert_capacity=1.0``: each rank sends each expert at most an even share of its rows (16 of 128 at top-2 of

@@ -192,12 +192,12 @@ def _around(gm: fx.GraphModule, branch: _Branch, mine: bool, holder: int, size: 
             user.replace_input_with(pick, moved)
     readers = [u for u in out.users if u not in branch.body]
     if mine:
-        last = out
+        with graph.inserting_after(out):
+            last = graph.call_function(needing_grad, (out,))
     else:
-        trained = any(gm.get_parameter(name).requires_grad for name in branch.params)
         with graph.inserting_after(moved):
-            last = graph.call_function(no_rows, (moved, meta.val(out).shape[-1], trained))
-        last.meta[meta.VAL] = meta.val(out)
+            last = graph.call_function(no_rows, (moved, meta.val(out).shape[-1]))
+    last.meta[meta.VAL] = meta.val(out)
     with graph.inserting_after(last):
         combined = graph.call_module(combine_mod, (last, route))
     for new in (offsets, routed, moved, combined):
@@ -217,10 +217,17 @@ def to_holder(rows: torch.Tensor, holder: int, size: int) -> torch.Tensor:
     return torch.tensor([0] * holder + [n] * (size - holder), dtype=torch.int64, device=rows.device)
 
 
-def no_rows(moved: torch.Tensor, width: int, trained: bool) -> torch.Tensor:
+def no_rows(moved: torch.Tensor, width: int) -> torch.Tensor:
     """The output an expert held elsewhere gives the rows it receives here (none): ``(0, width)``, computed from them
-    so that the combine's backward reaches the dispatch's. It needs a gradient exactly where the holder's output does
-    (the rows need one, or the expert's parameters train), so that every rank of the ep group runs the combine's
-    backward, a collective, or none does."""
-    zeros = moved.new_zeros(moved.shape[-1], width).requires_grad_(trained and torch.is_grad_enabled())
-    return moved @ zeros
+    so that the combine's backward reaches the dispatch's, and needing a gradient wherever gradients are recorded
+    (as the holder's output does: ``needing_grad``)."""
+    return moved @ moved.new_zeros(moved.shape[-1], width).requires_grad_(torch.is_grad_enabled())
+
+
+def needing_grad(out: torch.Tensor) -> torch.Tensor:
+    """The holder's output of an expert, made to need a gradient wherever gradients are recorded, even where neither
+    its rows nor its parameters need one (frozen): every rank of the ep group then runs the combine's backward, a
+    collective, and a rank that runs it alone would pair it with another collective (wrong gradients, silently)."""
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out
+    return out + out.new_zeros(()).requires_grad_()
