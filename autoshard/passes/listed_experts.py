@@ -80,8 +80,11 @@ def _branch(pick: fx.Node) -> _Branch | None:
         return None
     body: list[fx.Node] = []
     params: dict[fx.Node, int] = {}
-    inside = {pick}
+    inside, waiting = {pick}, set(pick.users)  # only a reader of a value inside can join: none left, none joins
     for node in _after(pick):
+        if not waiting:
+            break
+        waiting.discard(node)
         if node.op != "call_function" or not (node.target in _PRODUCTS or node.target in _ROW_LOCAL
                                               or torch.Tag.pointwise in getattr(node.target, "tags", ())):
             continue
@@ -97,6 +100,7 @@ def _branch(pick: fx.Node) -> _Branch | None:
                 params.setdefault(e, len(params))
         body.append(node)
         inside.add(node)
+        waiting |= set(node.users)
     leaving = [n for n in inside if any(u not in inside for u in n.users) or not n.users]
     if not params or len(leaving) != 1 or leaving[0] is pick:
         return None
