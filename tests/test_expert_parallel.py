@@ -435,6 +435,13 @@ def test_inference_over_experts_split_by_ep(pools):
         assert result["worst"] < 1e-5
 
 
+def test_inference_over_experts_held_by_one_ep_rank(pools):
+    """``pm(ids)`` of ``moe_list`` at dp2 x ep2 (its inference capture routes each expert's rows to its holder):
+    the model's own logits."""
+    for result in pools.get(2).run(golden_moe.inference, "zoo/moe_list", {"dp": 2, "ep": 2}):
+        assert result["worst"] < 1e-5
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 4, "ep": 2}], ids=["dp2xep2", "dp4xep2"])
 def test_fsdp_with_experts_split_by_ep(pools, mesh):
     """FSDP2 shards every other parameter over dp x cp; the experts stay whole on their ep rank and their gradients
