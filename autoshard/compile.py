@@ -102,8 +102,9 @@ class RankBuild:
             tp_plan, ep_plan = self.tp_plan, self.plan.ep_plan
             placement = tp_plan.params[name].placement if tp_plan is not None and name in tp_plan.params else None
             experts = ep_plan.params().get(name, 0) if ep_plan is not None else 0
+            holder = ep_plan.holders().get(name) if ep_plan is not None else None
             made[name] = ParamLayout.of(name, tuple(self.captured.gm.get_parameter(name).shape), self.mesh,
-                                        placement, experts, name in self.spread)
+                                        placement, experts, name in self.spread, holder)
         return made[name]
 
     @property

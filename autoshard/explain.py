@@ -131,7 +131,9 @@ def _parameters(build) -> list[str]:
     for target, param in full.items():
         entry = plan.params.get(target) if plan is not None else None
         role, placement = (entry.role, repr(entry.placement)) if entry is not None else ("replicated", "R")
-        here = _shape(local[target]) if target in local else f"(stage {holder.get(target, '?')})"
+        elsewhere = build.layout(target).holder
+        here = (_shape(local[target]) if target in local else f"(ep rank {elsewhere})" if elsewhere is not None
+                else f"(stage {holder.get(target, '?')})")
         here += " (rows of pp)" if target in build.spread else ""
         why = _PREFIX.sub("", entry.reason) if entry is not None and entry.reason else ""
         rows.append((", ".join(captured.names.get(target, [target])), role, placement, _shape(param.shape) or
@@ -306,7 +308,8 @@ def _per_step(build) -> list[str]:
     data = mesh.dp * mesh.cp
     if data > 1 and build.training:
         # what the dp x cp sum moves: each gradient at its tp shard's shape (a spread weight's whole, not its rows)
-        experts = build.plan.ep_plan.params() if build.plan.ep_plan is not None else {}
+        ep_plan = build.plan.ep_plan
+        experts = {**ep_plan.params(), **ep_plan.holders()} if ep_plan is not None else {}
         params = {name: q for program in build.programs.values() for name, q in program.gm.named_parameters()
                   if q.requires_grad and name not in experts}
         grads = format_bytes(sum(math.prod(build.tp_local_shape(name)) * q.element_size()

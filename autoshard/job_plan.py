@@ -36,6 +36,7 @@ from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
 from autoshard.passes.expert_parallel import ExpertLayer, ExpertParallelPlan, plan_expert_parallel
+from autoshard.passes.listed_experts import ListLayer
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import split_pipeline
 from autoshard.passes.placements import Shard
@@ -58,7 +59,8 @@ class AxisPlanRecord:
 
 def _ep_from_json(ep: dict) -> ExpertParallelPlan:
     layers = [ExpertLayer(**dict(layer, weights=tuple(layer["weights"]))) for layer in ep["layers"]]
-    return ExpertParallelPlan(ep["size"], layers, list(ep["notes"]), ep.get("capacity"))
+    lists = [ListLayer(tuple(tuple(e) for e in layer["experts"]), layer["where"]) for layer in ep.get("lists", [])]
+    return ExpertParallelPlan(ep["size"], layers, list(ep["notes"]), ep.get("capacity"), lists)
 
 
 def _tp_line(plan: TensorParallelPlan) -> str:
@@ -189,6 +191,10 @@ def plan_job(captured: Captured, mesh: Mesh, options: CompileOptions, *, earlier
     if mesh.ep > 1:
         plan.ep_plan = _ep_plan(captured, mesh, earlier.ep_plan if earlier is not None else None)
         plan.ep_plan.capacity = options.expert_capacity
+        if options.expert_capacity is not None and plan.ep_plan.lists:
+            raise ValueError(f"expert_capacity drops rows of experts held as stacks only, and the experts at "
+                             f"{plan.ep_plan.lists[0].where} are modules of a list (every row reaches them): leave "
+                             "expert_capacity unset for this model")
         notes.extend(plan.ep_plan.notes)
     if mesh.pp > 1:
         _pipeline(captured, plan, earlier)
@@ -257,9 +263,9 @@ def _replicated_weights(captured: Captured, plan: TensorParallelPlan, tp: int, s
 def _ep_plan(captured: Captured, mesh: Mesh, earlier: ExpertParallelPlan | None) -> ExpertParallelPlan:
     """This capture's expert layers (node names differ between captures); the experts they split must be the
     first capture's, as every capture reads the parameters one store holds."""
-    plan = plan_expert_parallel(captured.gm, mesh.ep)
-    if earlier is not None and plan.params() != earlier.params():
-        differ = sorted(set(plan.params()) ^ set(earlier.params()))
+    plan = plan_expert_parallel(captured.gm, mesh.ep, lists=mesh.tp == 1 and mesh.pp == 1)
+    if earlier is not None and (plan.params() != earlier.params() or plan.holders() != earlier.holders()):
+        differ = sorted(set(plan.params()) ^ set(earlier.params()) | set(plan.holders()) ^ set(earlier.holders()))
         raise ValueError(f"the capture at input shapes {captured.input_shapes} splits other experts over ep than the "
                          f"first capture ({', '.join(differ[:3])}): every capture must read the same stacks of "
                          "experts the same way; use ep=1 for this model")

@@ -93,7 +93,10 @@ def training_loop(name: str, mesh_kwargs: dict, *, steps: int = 3, accumulate: i
     bad = {n: d for n, d in worst.items() if d > 0.02 * LR * steps}
     held = sum(p.numel() for p in pm.parameters()) / sum(p.numel() for p in reference.parameters())
     experts = {n: tuple(p.shape) for n, p in pm.named_parameters() if p.dim() == 3}
-    return {"loss": worst_loss, "norm": abs(norm.item() - ref_norm.item()), "bad": bad, "bad_grads": bad_grads,
+    listed = {n: p.numel() for n, p in reference.named_parameters() if ".experts." in n}  # the zoo's experts
+    listed_share = sum(p.numel() for n, p in pm.named_parameters() if n in listed) / max(1, sum(listed.values()))
+    return {"listed_share": listed_share, "loss": worst_loss, "norm": abs(norm.item() - ref_norm.item()), "bad": bad,
+            "bad_grads": bad_grads,
             "worst": max(worst.values()), "held": held, "experts": experts, "explain": pm.explain()}
 
 
@@ -168,11 +171,13 @@ def inference(name: str, mesh_kwargs: dict, **options) -> dict:
     """The trained parallel model called for its logits, as ``model(ids)`` is: equal to the model's own."""
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)
-    expected = case.model(*case.inputs).logits
+    expected = case.model(*case.inputs)
+    expected = getattr(expected, "logits", expected)  # a zoo model returns its logits
     pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
                                target=case.target, groups=groups_for(mesh), **options)
     pm.eval()
-    logits = pm(*case.inputs).logits
+    logits = pm(*case.inputs)
+    logits = getattr(logits, "logits", logits)
     return {"worst": (logits - expected).abs().max().item()}
 
 
@@ -234,3 +239,63 @@ def router_loss(name: str, mesh_kwargs: dict, **options) -> dict:
     report = autoshard.verify(case.model, mesh, case.inputs, loss_fn, target=case.target, groups=groups_for(mesh),
                               **options)
     return {"ok": report.ok, "report": str(report)}
+
+
+def saved_whole(name: str, mesh_kwargs: dict, directory: str) -> dict:
+    """One SGD step at ``mesh_kwargs``, then ``pm.save_pretrained`` (a zoo model gets an empty HuggingFace config to
+    be written beside it): each tensor of the files against the unsharded model trained alike, and each rank's
+    share of every stack of experts (3-D parameters) it holds."""
+    from safetensors.torch import load_file
+    from transformers import PretrainedConfig
+
+    case, reference = build(name), build(name).model
+    for model in (case.model, reference):
+        model.config = getattr(model, "config", None) or PretrainedConfig()
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    pm.step(*case.inputs, target=case.target)
+    case.loss_fn(reference(*case.inputs), case.target).backward()
+    opt.step()
+    ref_opt.step()
+    pm.save_pretrained(directory)
+    saved = load_file(f"{directory}/model.safetensors")
+    expected = dict(reference.named_parameters())
+    stacks = {n: p for n, p in expected.items() if p.dim() == 3}
+    held = {n: p.shape[0] / stacks[n].shape[0] for n, p in pm.named_parameters() if n in stacks}
+    return {"differ": sorted(n for n, p in expected.items()
+                             if n not in saved or not torch.allclose(saved[n], p.detach(), **TOL)),
+            "stacks": {n: tuple(saved[n].shape) for n in stacks}, "held": held}
+
+
+def frozen_below(name: str, mesh_kwargs: dict, frozen: tuple[str, ...], *, steps: int = 2) -> dict:
+    """The parameters whose names start with one of ``frozen`` frozen (``requires_grad=False``) before
+    ``parallelize``, as a fine-tuning run freezes them; SGD steps over the others: every loss, every trained gradient
+    and every parameter after the steps against the model in one process."""
+    case, reference = build(name), build(name).model
+    for model in (case.model, reference):
+        for n, p in model.named_parameters():
+            p.requires_grad_(not n.startswith(frozen))
+    mesh = autoshard.Mesh(**mesh_kwargs)
+    pm = autoshard.parallelize(case.model, mesh, example_inputs=case.inputs, loss_fn=case.loss_fn,
+                               target=case.target, groups=groups_for(mesh))
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    worst_loss, bad_grads = 0.0, {}
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm.step(*case.inputs, target=case.target)
+        ref = case.loss_fn(reference(*case.inputs), case.target)
+        ref.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()))
+        grads = pm.gradients()
+        bad_grads.update({n: (grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+                          if p.grad is not None and not torch.allclose(grads[n], p.grad, **TOL)})
+        opt.step()
+        ref_opt.step()
+    full = pm.full_parameters()
+    bad = {n: (full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()
+           if not torch.allclose(full[n], p.detach(), **TOL)}
+    return {"loss": worst_loss, "bad_grads": bad_grads, "bad": bad}

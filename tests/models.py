@@ -16,6 +16,10 @@ eagerly, so the zoo covers the patterns a parallelizing compiler has to get righ
   three stacks of expert matrices (experts, out, in) read transposed through a grouped matmul (an op of
   ``torch._grouped_mm``'s signature that runs in any dtype, as torchtitan falls back to on CPU), a shared
   expert, and the rows summed back with ``scatter_add``.
+  ``moe_loop`` (built by ``build`` but not in every zoo matrix) is the same model whose experts run one at a time
+  over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped matmul kernel.
+  ``moe_list`` is the Llama decoder with litgpt's ``LLaMAMoE`` in place of every MLP: each expert a module of a
+  ``ModuleList``, its rows picked by ``torch.where`` of the router's top-k, its output added back at them.
 - ``mlp``: three linears on (batch, features), MSE loss.
 - ``hf_gpt2``, ``hf_llama``: HuggingFace transformers models from tiny configs (no downloads). GPT-2's
   Conv1D stores weights (in, out) and ties its LM head; Llama uses GQA repeated by expand + reshape.
@@ -66,6 +70,10 @@ from torch import nn
 
 ZOO_NAMES = ("gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama", "megatron")
 DECODERS = ("gpt", "llama", "moe", "hf_gpt2", "hf_llama")
+# Mixtures written otherwise, for expert parallelism's own tests (not in every zoo matrix): ``moe_loop``'s experts
+# run one at a time over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped matmul
+# kernel; ``moe_list``'s are modules of a list, as litgpt's ``LLaMAMoE`` holds them.
+FORMS = ("moe_loop", "moe_list")
 
 # The pairwise-distinct sizes documented above.
 BATCH = 8
@@ -442,13 +450,28 @@ class LoopedExperts(nn.Module):
         return out * sizes[0] if self.reads_counts else out
 
 
+class LoopedGroupedExperts(GroupedExperts):
+    """The same stacks run as torchtitan's experts run without a grouped matmul kernel: the counts read back, the
+    sorted rows split by them, each expert's SwiGLU on its piece (``matmul`` with ``w[e]`` transposed), the pieces
+    concatenated."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(x, counts.long().tolist(), dim=0)
+        out = []
+        for e, piece in enumerate(pieces):
+            h = F.silu(torch.matmul(piece, self.w1[e].transpose(-2, -1)))
+            h = h * torch.matmul(piece, self.w3[e].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[e].transpose(-2, -1)))
+        return torch.cat(out, dim=0)
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int = HIDDEN, hidden: int = EXPERT_FFN, experts: int = EXPERTS, top_k: int = TOP_K,
-                 shared: int = SHARED_FFN) -> None:
+                 shared: int = SHARED_FFN, looped: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.router = TopKRouter(dim, experts, top_k)
-        self.experts = GroupedExperts(dim, hidden, experts)
+        self.experts = (LoopedGroupedExperts if looped else GroupedExperts)(dim, hidden, experts)
         self.shared_expert = SwiGLU(LlamaStyleConfig(n_embd=dim, ffn=shared))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -464,18 +487,43 @@ class MoE(nn.Module):
         return out.view(bs, slen, dim)
 
 
+class ModuleListMoE(nn.Module):
+    """litgpt's ``LLaMAMoE``: each expert a module of its own in a ``ModuleList``, its tokens found by a mask of the
+    router's top-k choices (``torch.where``), its output added at their rows (``y[token_idx] += ...``)."""
+
+    def __init__(self, dim: int = HIDDEN, hidden: int = EXPERT_FFN, experts: int = EXPERTS, top_k: int = TOP_K) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(LlamaStyleConfig(n_embd=dim, ffn=hidden)) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)  # (tokens, dim)
+        probs, indices = torch.topk(self.gate(x), self.top_k)  # (tokens, k)
+        probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        masks = indices.unsqueeze(-1) == torch.arange(len(self.experts), device=x.device)  # (tokens, k, experts)
+        masks = masks.permute(2, 0, 1)  # (experts, tokens, k)
+        y = torch.zeros_like(x)
+        for mask, expert in zip(masks, self.experts, strict=True):
+            token_idx, expert_idx = torch.where(mask)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        return y.view(bs, slen, dim)
+
+
 class MoEBlock(LlamaStyleBlock):
-    def __init__(self, cfg: LlamaStyleConfig) -> None:
+    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False, listed: bool = False) -> None:
         super().__init__(cfg)
-        self.mlp = MoE(cfg.n_embd)
+        self.mlp = ModuleListMoE(cfg.n_embd) if listed else MoE(cfg.n_embd, looped=looped)
 
 
 class MoEStyle(LlamaStyle):
-    """The Llama decoder with a mixture of experts in place of every MLP."""
+    """The Llama decoder with a mixture of experts in place of every MLP (``looped``: its experts run one at a time,
+    as ``LoopedGroupedExperts`` runs them)."""
 
-    def __init__(self, cfg: LlamaStyleConfig) -> None:
+    def __init__(self, cfg: LlamaStyleConfig, looped: bool = False, listed: bool = False) -> None:
         super().__init__(cfg)
-        self.layers = nn.ModuleList([MoEBlock(cfg) for _ in range(cfg.n_layer)])
+        self.layers = nn.ModuleList([MoEBlock(cfg, looped, listed) for _ in range(cfg.n_layer)])
         for module in self.layers.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -886,13 +934,15 @@ def _perturb_constant_params(model: nn.Module, generator: torch.Generator) -> No
 
 def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> ZooCase:
     """Build zoo entry ``name``: the same seed gives bit-identical parameters, inputs and target."""
-    if name not in ZOO_NAMES:
-        raise ValueError(f"unknown zoo model {name!r}; choose from {ZOO_NAMES}")
+    if name not in ZOO_NAMES + FORMS:
+        raise ValueError(f"unknown zoo model {name!r}; choose from {ZOO_NAMES + FORMS}")
     device = torch.device(device)
     constructors: dict[str, Callable[[], nn.Module]] = {
         "gpt": lambda: GPT(GPTConfig()),
         "llama": lambda: LlamaStyle(LlamaStyleConfig()),
         "moe": lambda: MoEStyle(LlamaStyleConfig()),
+        "moe_loop": lambda: MoEStyle(LlamaStyleConfig(), looped=True),
+        "moe_list": lambda: MoEStyle(LlamaStyleConfig(), listed=True),
         "bert": lambda: Bert(BertConfig()),
         "mlp": MLP,
         "hf_gpt2": _hf_gpt2,

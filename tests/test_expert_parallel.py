@@ -7,6 +7,8 @@ rank holding ``1/ep`` of every stack; a layer that mixes rows between the expert
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import operator
 import re
 
@@ -70,6 +72,46 @@ def test_experts_looped_over_a_stack_become_grouped_matmuls_and_split_over_ep():
     assert program.code.count("= self.expert_dispatch_") == 6 and program.code.count("= self.expert_combine_") == 6
 
 
+def test_torchtitans_loop_over_experts_becomes_the_grouped_matmuls_of_its_stacks():
+    """torchtitan's experts without a grouped matmul kernel: the counts read back, the rows split by them, each
+    expert's SwiGLU on its piece (``matmul`` with ``w1[e]``, ``w3[e]``, ``w2[e]`` transposed), ``cat``. The capture
+    holds the SwiGLU once over all rows, its three products grouped matmuls over the stacks (no read-back, no
+    per-expert node), and computes the same loss; both layers are found with their three stacks."""
+    case = models.build("moe_loop")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    gm = captured.gm
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.autoshard.grouped_mm.default) == 6
+    assert torch.ops.aten.item.default not in targets and torch.ops.aten.select.int not in targets
+    assert targets.count(torch.ops.aten.silu.default) == 4  # per layer: the experts, once, and the shared expert
+    torch.testing.assert_close(gm(*case.inputs, case.target), case.loss_fn(case.model(*case.inputs), case.target),
+                               rtol=0, atol=1e-6)
+    plan = plan_expert_parallel(gm, 2)
+    assert len(plan.layers) == 2 and not plan.notes
+    assert {w for layer in plan.layers for w in layer.weights} == {n for n, p in gm.named_parameters() if p.dim() == 3}
+
+
+def test_a_loop_whose_experts_compute_differently_stays_a_loop():
+    """One expert of the loop computing otherwise (a ``gelu`` where the others have ``silu``) is no grouped matmul:
+    the loop stays as export gave it (exact, its experts whole)."""
+
+    class Odd(models.LoopedGroupedExperts):
+        def forward(self, x, counts):
+            out = []
+            for e, piece in enumerate(torch.split(x, counts.long().tolist())):
+                act = torch.nn.functional.gelu if e == 1 else torch.nn.functional.silu
+                h = act(piece @ self.w1[e].transpose(-2, -1)) * (piece @ self.w3[e].transpose(-2, -1))
+                out.append(h @ self.w2[e].transpose(-2, -1))
+            return torch.cat(out)
+
+    torch.manual_seed(0)
+    model, x, counts = Odd(8, 12, 4), torch.randn(10, 8), torch.tensor([3, 0, 5, 2])
+    captured = capture(model, (x, counts), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
+    targets = [n.target for n in captured.gm.graph.nodes]
+    assert torch.ops.autoshard.grouped_mm.default not in targets and torch.ops.aten.gelu.default in targets
+    torch.testing.assert_close(captured.gm(x, counts, x), (model(x, counts) - x).pow(2).mean(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,rewritten", [({}, True), ({"reads_counts": True}, False), ({"swapped": True}, False)],
                          ids=["loop", "counts-read-elsewhere", "experts-out-of-order"])
 def test_a_loop_of_experts_is_rewritten_only_where_it_is_one_grouped_matmul(kwargs, rewritten):
@@ -122,6 +164,37 @@ def test_dense_experts_in_a_module_list_stay_whole_and_say_so():
     captured = capture(Dense(), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(), example_target=x)
     plan = plan_expert_parallel(captured.gm, 2)
     assert not plan.layers and "no mixture of experts found" in plan.notes[0]
+
+
+def test_experts_held_as_separate_modules_are_found_with_the_ep_rank_holding_each():
+    """litgpt's form (``moe_list``): each expert a module of a ModuleList, its rows picked by ``torch.where`` of the
+    router's top-k, its output added back at them. Each layer is found with its 8 experts and their own parameters;
+    at ep=2 experts 0-3 are ep rank 0's, 4-7 ep rank 1's; under tp or pp they stay whole, and the plan says so."""
+    from autoshard.job_plan import _ep_from_json
+    from autoshard.passes.listed_experts import find_list_layers
+
+    case = models.build("moe_list")
+    captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
+    layers = find_list_layers(captured.gm)
+    assert [len(layer.experts) for layer in layers] == [8, 8]
+    held = [p for layer in layers for expert in layer.experts for p in expert]
+    assert sorted(held) == sorted(n for n in captured.gm.state_dict() if ".experts." in n)
+    assert all(len(expert) == 3 for layer in layers for expert in layer.experts)
+    plan = plan_expert_parallel(captured.gm, 2)
+    assert not plan.layers and plan.lists == layers and not plan.notes
+    assert plan.holders()[layers[0].experts[3][0]] == 0 and plan.holders()[layers[1].experts[4][2]] == 1
+    kept = plan_expert_parallel(captured.gm, 2, lists=False)  # under tp or pp
+    assert not kept.lists and len(kept.notes) == 2
+    assert all("8 experts" in note and "separate modules" in note and "stay whole" in note for note in kept.notes)
+    assert _ep_from_json(json.loads(json.dumps(dataclasses.asdict(plan)))) == plan  # the job plan's JSON form
+
+
+def test_a_capacity_over_experts_held_as_separate_modules_is_refused():
+    """A capacity drops rows of stacked experts at their dispatch; listed experts receive every row: refused."""
+    case = models.build("moe_list")
+    with pytest.raises(ValueError, match=r"experts at model.layers.0.mlp are modules of a list.*leave expert_capacity"):
+        compile_global_batch(case.model, case.inputs, autoshard.Mesh(dp=2, ep=2), 1,
+                             CompileOptions(expert_capacity=1.0), target=case.target, loss_fn=case.loss_fn)
 
 
 def test_a_layer_that_mixes_rows_between_its_matmuls_runs_each_between_its_own_dispatch_and_combine():
@@ -255,6 +328,48 @@ def test_the_zoos_experts_split_over_ep_train_as_adamw_trains_them(pools, mesh):
         assert "2 layer(s) of experts split" in result["explain"]
 
 
+def test_torchtitans_loop_over_experts_splits_over_ep_and_trains_as_adamw_trains_it(pools, tmp_path):
+    """The zoo's mixture with its experts looped one at a time (``moe_loop``) at dp2 x ep2: each rank holds half of
+    every stack; the losses, gradients and parameters after AdamW steps are the model's in one process, and
+    ``save_pretrained`` writes every stack whole."""
+    mesh = {"dp": 2, "ep": 2}
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_loop", mesh, steps=2)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert len(result["experts"]) == 6, result["experts"]
+        assert all(shape[0] == models.EXPERTS // 2 for shape in result["experts"].values()), result["experts"]
+    for rank, result in enumerate(pools.get(2).run(golden_moe.saved_whole, "zoo/moe_loop", mesh, str(tmp_path))):
+        assert not result["differ"], f"rank {rank}: {result['differ']}"
+        assert len(result["held"]) == 6 and set(result["held"].values()) == {0.5}, (rank, result["held"])
+        assert all(shape[0] == models.EXPERTS for shape in result["stacks"].values()), result["stacks"]
+
+
+def test_experts_held_as_separate_modules_split_over_ep_and_train_as_adamw_trains_them(pools, tmp_path):
+    """``moe_list`` at dp2 x ep2: each rank holds its half of the experts (modules of the list) and nothing of the
+    other half; the losses, gradients and parameters after AdamW steps with clipping are the model's in one process,
+    and ``save_pretrained`` writes every expert."""
+    mesh = {"dp": 2, "ep": 2}
+    for rank, result in enumerate(pools.get(2).run(golden_moe.training_loop, "zoo/moe_list", mesh, steps=2)):
+        assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
+        assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+        assert result["listed_share"] == 0.5, (rank, result["listed_share"])
+        assert f"(ep rank {1 - rank})" in result["explain"], result["explain"]
+    for rank, result in enumerate(pools.get(2).run(golden_moe.saved_whole, "zoo/moe_list", mesh, str(tmp_path))):
+        assert not result["differ"], f"rank {rank}: {result['differ']}"
+
+
+@pytest.mark.parametrize("frozen", [("embed_tokens", "layers.0.input", "layers.0.self_attn", "layers.0.post"),
+                                    ("embed_tokens", "layers.0.input", "layers.0.self_attn", "layers.0.post",
+                                     "layers.0.mlp.experts.")], ids=["rows-frozen", "rows-and-experts-frozen"])
+def test_experts_held_by_one_ep_rank_train_below_frozen_layers(pools, frozen):
+    """``moe_list`` at dp2 x ep2 with everything below the first layer's experts frozen (their rows need no gradient),
+    then their parameters too: the ranks holding an expert and those not holding it run the combine's backward
+    alike (or not at all), and the trained parameters are the model's in one process."""
+    for rank, result in enumerate(pools.get(2).run(golden_moe.frozen_below, "zoo/moe_list", {"dp": 2, "ep": 2},
+                                                   frozen)):
+        assert result["loss"] < 1e-5 and not result["bad_grads"] and not result["bad"], (rank, result)
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "tp": 2}], ids=["ep2", "ep2xtp2"])
 def test_a_capacity_drops_the_rows_beyond_it_as_the_model_would(pools, mesh):
     """``expert_capacity=1.0``: each rank sends each expert at most an even share of its rows (16 of 128 at top-2 of
@@ -320,6 +435,13 @@ def test_inference_over_experts_split_by_ep(pools):
         assert result["worst"] < 1e-5
 
 
+def test_inference_over_experts_held_by_one_ep_rank(pools):
+    """``pm(ids)`` of ``moe_list`` at dp2 x ep2 (its inference capture routes each expert's rows to its holder):
+    the model's own logits."""
+    for result in pools.get(2).run(golden_moe.inference, "zoo/moe_list", {"dp": 2, "ep": 2}):
+        assert result["worst"] < 1e-5
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2}, {"dp": 4, "ep": 2}], ids=["dp2xep2", "dp4xep2"])
 def test_fsdp_with_experts_split_by_ep(pools, mesh):
     """FSDP2 shards every other parameter over dp x cp; the experts stay whole on their ep rank and their gradients
@@ -332,6 +454,21 @@ def test_fsdp_with_experts_split_by_ep(pools, mesh):
                                                        data_parallel="fsdp")):
         assert result["loss"] < 1e-5 and result["norm"] < 1e-5, f"rank {rank}: {result['loss']}, {result['norm']}"
         assert not result["bad_grads"] and not result["bad"], f"rank {rank}: {result['bad_grads']}, {result['bad']}"
+
+
+@pytest.mark.parametrize("name", ["moe_loop", "moe_list"])
+def test_fsdp_with_experts_looped_or_listed_split_by_ep(pools, name):
+    """FSDP2 at dp2 x ep2 beside the zoo's looped experts (stacks) and listed ones (modules of a list): the experts
+    are their ep rank's half, every other parameter FSDP2's shard; loss, gradients and parameters after SGD steps
+    exact."""
+    mesh = {"dp": 2, "ep": 2}
+    golden.check(pools.get(2).run(golden.golden, name, mesh, data_parallel="fsdp"), mesh)
+
+
+def test_experts_held_as_separate_modules_with_ep_carved_from_cp(pools):
+    """cp2 x ep2: the sequence's halves send each expert's rows to its holder."""
+    mesh = {"cp": 2, "ep": 2}
+    golden.check(pools.get(2).run(golden.golden, "moe_list", mesh), mesh)
 
 
 def test_save_pretrained_under_ep_loads_under_another_split_reading_each_ranks_experts(pools, tmp_path):

@@ -182,3 +182,19 @@ def test_experts_split_over_ep_resume_under_another_split(pools, tmp_path, name,
     path = str(tmp_path / "ckpt")
     first = pools.get(_world(save)).run(golden_resume.first_half, name, save, path, {})[0]
     _check(pools.get(_world(load)).run(golden_resume.second_half, name, load, path, {}), first)
+
+
+def test_experts_looped_one_at_a_time_resume_at_more_ep_ranks(pools, tmp_path):
+    """The zoo's mixture whose experts run one at a time (torchtitan's loop, split over ep as its grouped matmuls):
+    saved at dp2 x ep2 (each rank half of every stack), resumed at dp4 x ep4 (a quarter) as if it had not stopped."""
+    path = str(tmp_path / "ckpt")
+    first = pools.get(2).run(golden_resume.first_half, "moe_loop", {"dp": 2, "ep": 2}, path, {})[0]
+    _check(pools.get(4).run(golden_resume.second_half, "moe_loop", {"dp": 4, "ep": 4}, path, {}), first)
+
+
+def test_experts_held_as_separate_modules_resume_at_more_ep_ranks(pools, tmp_path):
+    """The zoo's mixture with litgpt's experts (modules of a list, each held by one ep rank): saved at dp2 x ep2 (each
+    rank half of the experts, and their AdamW moments), resumed at dp4 x ep4 (a quarter) as if it had not stopped."""
+    path = str(tmp_path / "ckpt")
+    first = pools.get(2).run(golden_resume.first_half, "moe_list", {"dp": 2, "ep": 2}, path, {})[0]
+    _check(pools.get(4).run(golden_resume.second_half, "moe_list", {"dp": 4, "ep": 4}, path, {}), first)

@@ -39,6 +39,7 @@ from torch import fx
 from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.listed_experts import ListLayer, find_list_layers, split_list_layers
 from autoshard.passes.rules_nn import is_grouped_mm
 
 aten = torch.ops.aten
@@ -71,16 +72,25 @@ class ExpertParallelPlan:
     layers: list[ExpertLayer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # layers left whole, and why
     capacity: float | None = None  # rows each rank sends each expert, as a factor of an even share (None: all)
+    lists: list[ListLayer] = field(default_factory=list)  # experts held as modules of a list, split over ep
 
     def params(self) -> dict[str, int]:
         """Every expert-split parameter -> its number of experts (the dim-0 size, split in ep equal blocks)."""
         return {w: layer.experts for layer in self.layers for w in layer.weights}
+
+    def holders(self) -> dict[str, int]:
+        """Every parameter of an expert held as a module of a list -> the ep rank that holds it alone."""
+        return {w: e // (len(layer.experts) // self.size) for layer in self.lists
+                for e, params in enumerate(layer.experts) for w in params}
 
     def __str__(self) -> str:
         lines = [f"expert-parallel plan over {self.size} ranks:"]
         for layer in self.layers:
             lines.append(f"  {layer.experts} experts, {layer.experts // self.size} per rank: "
                          f"{', '.join(layer.weights)}  ({layer.where})")
+        for layer in self.lists:
+            lines.append(f"  {len(layer.experts)} experts held as modules of a list, {len(layer.experts) // self.size} "
+                         f"per rank  ({layer.where})")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -89,8 +99,9 @@ class ExpertParallelPlan:
 # Finding the layers
 
 
-def plan_expert_parallel(gm: fx.GraphModule, size: int) -> ExpertParallelPlan:
-    """The expert layers of ``gm`` split over ``size`` ep ranks; raises when a layer's experts do not divide."""
+def plan_expert_parallel(gm: fx.GraphModule, size: int, *, lists: bool = True) -> ExpertParallelPlan:
+    """The expert layers of ``gm`` split over ``size`` ep ranks; raises when a layer's experts do not divide.
+    ``lists``: whether experts held as modules of a list are split too (not under tp or pp)."""
     plan = ExpertParallelPlan(size)
     for offsets, matmuls in _by_offsets(gm).items():
         layer, why = _layer(gm, offsets, matmuls)
@@ -103,7 +114,17 @@ def plan_expert_parallel(gm: fx.GraphModule, size: int) -> ExpertParallelPlan:
                 f"ep={size} does not divide the {layer.experts} experts at {layer.where}: each ep rank holds whole "
                 f"experts, so ep must divide their number; use ep in {fits}")
         plan.layers.append(layer)
-    if not plan.layers:
+    listed = find_list_layers(gm)
+    for layer in listed if size > 1 else []:
+        if lists and len(layer.experts) % size == 0:
+            plan.lists.append(layer)
+            continue
+        why = (f"ep={size} does not divide them" if len(layer.experts) % size else
+               "they are split only without tp and pp")
+        plan.notes.append(f"{len(layer.experts)} experts at {layer.where} are held as separate modules of a list "
+                          f"(each its own parameters, its rows picked by the router's top-k): they stay whole on every "
+                          f"ep rank ({why})")
+    if not plan.layers and not listed:
         plan.notes.append("no mixture of experts found (grouped matmuls over stacks of expert matrices): ep splits "
                           "nothing, and its ranks are data parallel")
     return plan
@@ -425,8 +446,10 @@ EXPERT_OPS: tuple[type, ...] = (ExpertRoute, ExpertDispatch, ExpertCombine)
 def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: int, group=None) -> fx.GraphModule:
     """Rewrite ``gm`` into what ep rank ``rank`` runs: its experts' slices of the stacks, routes, dispatches and
     combines around each planned layer. ``gm`` is a rank's graph after tp, cp and sp (its local shapes)."""
-    if plan.size == 1 or not plan.layers:
+    if plan.size == 1 or not (plan.layers or plan.lists):
         return gm
+    if plan.lists:
+        split_list_layers(gm, plan.lists, rank=rank, group=group, size=plan.size)
     wanted = {layer.offsets: layer for layer in plan.layers}  # a pipeline stage holds some of them
     rewritten: set[fx.Node] = set()
     for offsets, matmuls in _by_offsets(gm).items():

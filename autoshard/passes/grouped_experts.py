@@ -9,9 +9,14 @@ multiplied by its expert's matrix taken out of a stack, and the pieces concatena
     y = cat([linear(pieces[e], select(W, 0, e)) for e in range(E)])
 
 That is one grouped matmul, ``grouped_mm(x, W.transpose(1, 2), offsets=cumsum(counts))``: the same products of the
-same rows. Rewritten so, the experts are one node every pass reads the way it reads torch's ``_grouped_mm``
-(tensor parallelism splits the stack's features, expert parallelism its experts), and the graph no longer holds
-shapes that depend on the routing (the host read-backs and their assertions go with the loop).
+same rows. An expert may compute more than one product between its piece and its output (torchtitan's
+``GroupedExperts`` loop: ``silu(piece @ w1[e].T) * (piece @ w3[e].T) @ w2[e].T``): where every expert computes
+alike (the same ops in the same order, differing only in its piece and its matrices ``select(stack, 0, e)``), and
+every op is a product by one of its matrices (``linear``, ``matmul``, ``mm``) or row-local (pointwise, a cast) on
+values of its own piece, the computation runs once over all rows, each product a grouped matmul. Rewritten so,
+the experts' products are nodes every pass reads the way it reads torch's ``_grouped_mm`` (tensor parallelism splits
+the stack's features, expert parallelism its experts), and the graph no longer holds shapes that depend on the
+routing (the host read-backs and their assertions go with the loop).
 
 The rewrite is all or nothing per graph: where a loop's sizes are read by anything it does not replace, or the
 graph cannot be run on fake tensors afterwards, the capture is left as export gave it (the loop stays, each expert
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -32,6 +38,9 @@ aten = torch.ops.aten
 
 _READS = {aten.item.default, aten._local_scalar_dense.default}
 _ASSERTS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default}
+_PRODUCTS = {aten.linear.default, aten.matmul.default, aten.mm.default}  # a value times an expert's matrix
+_TRANSPOSING = {aten.linear.default}  # reads its matrix transposed
+_ROW_LOCAL = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
 _ON_SIZES = {operator.add, operator.ge, operator.le, operator.eq, operator.lt, operator.gt, operator.and_}  # checks
 
 
@@ -94,28 +103,23 @@ for _device in ("cpu", "cuda"):
 
 
 def grouped_experts_pass(gm: fx.GraphModule) -> int:
-    """Rewrite every loop of experts over a stack into a grouped matmul; returns how many were rewritten (0: the
+    """Rewrite every loop of experts over stacks into grouped matmuls; returns how many loops were rewritten (0: the
     graph is left untouched)."""
-    loops = [found for node in gm.graph.nodes if (found := _loop(node)) is not None]
-    if not loops:
+    if not any(_loop(node) is not None for node in gm.graph.nodes):
         return 0
     candidate = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     graph = candidate.graph
-    twin = {a.name: b for a, b in zip(gm.graph.nodes, graph.nodes, strict=True)}
+    loops = [found for node in graph.nodes if (found := _loop(node)) is not None]
     offsets: dict[fx.Node, fx.Node] = {}
     reads: set[fx.Node] = set()
-    for cat, x, stack, counts, sizes in loops:
-        cat, x, stack, counts = twin[cat.name], twin[x.name], twin[stack.name], twin[counts.name]
-        reads.update(twin[s.name] for s in sizes)
-        if counts not in offsets:
-            with graph.inserting_after(counts):
-                offsets[counts] = graph.call_function(aten.cumsum.default, (counts, 0))
-        with graph.inserting_before(cat):
-            w = graph.call_function(aten.transpose.int, (stack, 1, 2))
-            out = graph.call_function(torch.ops.autoshard.grouped_mm.default, (x, w, offsets[counts]))
-        for new in (w, out):
-            new.meta.update({k: v for k, v in cat.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
-        cat.replace_all_uses_with(out)
+    for loop in loops:
+        reads.update(loop.sizes)
+        if loop.counts not in offsets:
+            with graph.inserting_after(loop.counts):
+                offsets[loop.counts] = graph.call_function(aten.cumsum.default, (loop.counts, 0))
+        with graph.inserting_before(loop.cat):
+            out = _grouped(graph, loop, offsets[loop.counts])
+        loop.cat.replace_all_uses_with(out)
     graph.eliminate_dead_code()
     if not _drop_reads(graph, reads):
         return 0
@@ -128,37 +132,139 @@ def grouped_experts_pass(gm: fx.GraphModule) -> int:
     return len(loops)
 
 
-def _loop(cat: fx.Node):
-    """``(cat, x, stack, counts, sizes)`` when ``cat`` concatenates one linear per expert of a stack over the pieces
-    of one split of ``x`` by sizes read from ``counts``, in expert order; else None."""
+@dataclass
+class _Expert:
+    """One expert's computation in a loop: the nodes from its piece of the rows (``piece``) to its output (``out``),
+    and the reads of its matrices (``select(stack, 0, e)``, perhaps transposed) -> (stack, transposed)."""
+
+    piece: fx.Node
+    out: fx.Node
+    nodes: list[fx.Node]  # in graph order, the reads of matrices apart
+    matrices: dict[fx.Node, tuple[fx.Node, bool]]
+
+
+@dataclass
+class _Loop:
+    cat: fx.Node
+    x: fx.Node  # the rows, sorted by expert, that the loop splits
+    first: _Expert  # expert 0's computation, which every other expert's repeats with its own piece and matrices
+    counts: fx.Node
+    sizes: list[fx.Node]
+
+
+def _grouped(graph: fx.Graph, loop: _Loop, offsets: fx.Node) -> fx.Node:
+    """Expert 0's computation over all rows, each product with its expert's matrix one grouped matmul."""
+    first = loop.first
+    env: dict[fx.Node, fx.Node] = {first.piece: loop.x}
+    for node in first.nodes:
+        if node.target in _PRODUCTS:
+            stack, transposed = first.matrices[node.args[1]]
+            w = graph.call_function(aten.transpose.int, (stack, 1, 2)) if (node.target in _TRANSPOSING) != \
+                transposed else stack  # grouped_mm(x, w) multiplies row by w[e]: linear's W[e].T is W.transpose(1, 2)
+            new = graph.call_function(torch.ops.autoshard.grouped_mm.default, (env[node.args[0]], w, offsets))
+            if w is not stack:
+                w.meta.update({k: v for k, v in node.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+        new.meta.update({k: v for k, v in node.meta.items() if k in (meta.MODULE_STACK, meta.STACK_TRACE)})
+        env[node] = new
+    return env[first.out]
+
+
+def _loop(cat: fx.Node) -> _Loop | None:
+    """The loop whose outputs ``cat`` concatenates: one computation per expert of stacks, alike for every expert,
+    over the pieces of one split of ``x`` by sizes read from ``counts``, in expert order; else None."""
     if cat.op != "call_function" or cat.target is not aten.cat.default or not cat.args[0]:
         return None
     if (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) != 0:
         return None
-    pieces, weights = [], []
-    for e, lin in enumerate(cat.args[0]):
-        if not (isinstance(lin, fx.Node) and lin.target is aten.linear.default and len(lin.args) == 2
-                and not lin.kwargs and len(lin.users) == 1):
-            return None
-        piece, weight = lin.args
-        if not (piece.target is operator.getitem and piece.args[1] == e and len(piece.users) == 1):
-            return None
-        if not (weight.target is aten.select.int and weight.args[1] == 0 and weight.args[2] == e):
-            return None
-        pieces.append(piece.args[0])
-        weights.append(weight.args[0])
-    split, stack = pieces[0], weights[0]
-    experts = len(pieces)
-    if any(p is not split for p in pieces) or any(w is not stack for w in weights):
+    outs = cat.args[0]
+    if len(set(outs)) != len(outs):
         return None
-    if split.target is not aten.split_with_sizes.default or _dim(split) != 0 or len(split.users) != experts:
+    experts = [_expert(out, e, cat) for e, out in enumerate(outs)]
+    if any(expert is None for expert in experts):
+        return None
+    splits = {expert.piece.args[0] for expert in experts}
+    if len(splits) != 1 or len({_signature(expert) for expert in experts}) != 1:
+        return None
+    split = splits.pop()
+    if split.target is not aten.split_with_sizes.default or _dim(split) != 0 or len(split.users) != len(outs):
         return None
     x, sizes = split.args[0], split.args[1]
-    shape = _shape(stack)
-    if shape is None or len(shape) != 3 or shape[0] != experts or len(_shape(x) or ()) != 2:
+    stacks = {stack for stack, _ in experts[0].matrices.values()}
+    if len(_shape(x) or ()) != 2 or any(len(_shape(s) or ()) != 3 or _shape(s)[0] != len(outs) for s in stacks):
         return None
-    counts = _counts(sizes, experts)
-    return None if counts is None else (cat, x, stack, counts, list(sizes))
+    counts = _counts(sizes, len(outs))
+    return None if counts is None else _Loop(cat, x, experts[0], counts, list(sizes))
+
+
+def _expert(out, e: int, cat: fx.Node) -> _Expert | None:
+    """Expert ``e``'s computation ending at ``out``: products of values by its matrices (``linear``, ``matmul``,
+    ``mm``) and row-local ops (pointwise, casts) of values computed from its piece alone, read by nothing else."""
+    if not isinstance(out, fx.Node):
+        return None
+    nodes: set[fx.Node] = set()
+    matrices: dict[fx.Node, tuple[fx.Node, bool]] = {}
+    piece, todo = None, [out]
+    while todo:
+        node = todo.pop()
+        if node in nodes or node in matrices or node is piece:
+            continue
+        if node.target is operator.getitem and node.args[0].target is aten.split_with_sizes.default:
+            if piece is not None or node.args[1] != e:
+                return None  # another expert's piece
+            piece = node
+        elif (read := _matrix(node, e)) is not None:
+            matrices[node] = read
+        elif node.op == "call_function" and (node.target in _PRODUCTS or node.target in _ROW_LOCAL
+                                             or _pointwise(node)):
+            nodes.add(node)
+            todo += node.all_input_nodes
+        else:
+            return None
+    if piece is None or not nodes:
+        return None
+    for node in nodes:
+        if node.target in _PRODUCTS:
+            if len(node.args) != 2 or node.kwargs or node.args[1] not in matrices or node.args[0] in matrices:
+                return None
+        elif any(a in matrices for a in node.all_input_nodes):
+            return None
+    inside = nodes | set(matrices) | {piece}
+    if any(u not in inside for n in inside - {out} for u in n.users) or set(out.users) != {cat}:
+        return None
+    return _Expert(piece, out, [n for n in out.graph.nodes if n in nodes], matrices)
+
+
+def _matrix(node: fx.Node, e: int) -> tuple[fx.Node, bool] | None:
+    """``(stack, transposed)`` where ``node`` is ``select(stack, 0, e)`` of a parameter, perhaps transposed."""
+    transposed = node.target is aten.t.default or (node.target is aten.transpose.int
+                                                   and {d % 2 for d in node.args[1:3]} == {0, 1})
+    select = node.args[0] if transposed else node
+    if select.target is not aten.select.int or select.args[1:] != (0, e) or select.args[0].op != "get_attr":
+        return None
+    if transposed and len(select.users) != 1:
+        return None
+    return select.args[0], transposed
+
+
+def _signature(expert: _Expert) -> tuple:
+    """What an expert computes, with its own piece and matrices named by their role: alike for every expert of a loop
+    whose experts differ only in their rows and matrices."""
+    names: dict[fx.Node, object] = {expert.piece: "piece", **{n: ("matrix", s.target, t)
+                                                             for n, (s, t) in expert.matrices.items()}}
+    names.update({n: i for i, n in enumerate(expert.nodes)})
+
+    def arg(a):
+        return ("node", names[a]) if isinstance(a, fx.Node) else a
+
+    return tuple((n.target, tuple(fx.node.map_aggregate(n.args, arg)),
+                  tuple(sorted((k, fx.node.map_aggregate(v, arg)) for k, v in n.kwargs.items())))
+                 for n in expert.nodes)
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def _dim(split: fx.Node) -> int:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed.checkpoint as dcp
 
-from autoshard.passes.placements import Shard
+from autoshard.layout import ParamLayout
 from autoshard.runtime import committed, optimizer_state, spread
 from autoshard.runtime.gather import gather
 from autoshard.runtime.state import _entries, _few, fsdp_part, rank_part
@@ -46,12 +46,12 @@ _RNG = "autoshard.rng."
 
 
 class Item(NamedTuple):
-    """One tensor laid out as a parameter: its key in the checkpoint and this rank's tensor."""
+    """One tensor laid out as a parameter: its key in the checkpoint, this rank's tensor and how the parameter is
+    held (``layout.name`` is its name in the captures)."""
 
     key: str
-    target: str
     local: torch.Tensor  # the parameter itself, or optimizer state of its (local) shape
-    placement: Shard | None
+    layout: ParamLayout
 
 
 def save_checkpoint(pm, path: str, optimizer=None, extra: dict | None = None, asynchronous: bool = False,
@@ -87,10 +87,10 @@ def _save(pm, path: str, optimizer, extra: dict | None, asynchronous: bool):
     schema = optimizer_state.merged_schema(pm, optimizer) if optimizer is not None else None
     items = _parameter_items(pm)
     if optimizer is not None:
-        for target, name, param, placement in optimizer_state.held(pm, optimizer).values():
+        for _, name, param, layout in optimizer_state.held(pm, optimizer).values():
             for key, value in optimizer.state.get(param, {}).items():
                 if key in schema.params[name].tensors:
-                    items.append(Item(f"{_OPTIM}{name}.{key}", target, value, placement))
+                    items.append(Item(f"{_OPTIM}{name}.{key}", value, layout))
     if extra is not None:
         _check_extra(extra)
     view = _view(pm, items, for_load=False, metadata=None)
@@ -193,7 +193,7 @@ def _read(pm, path: str, optimizer, schema, metadata) -> None:
 
 
 def _parameter_items(pm) -> list[Item]:
-    return [Item(name, target, param, placement) for target, name, param, placement in _entries(pm)]
+    return [Item(name, param, layout) for _, name, param, layout in _entries(pm)]
 
 
 # ------------------------------------------------------------------------------------------ optimizer
@@ -218,13 +218,13 @@ def _check_optimizer(pm, path: str, optimizer, schema) -> None:
 def _optimizer_items(pm, optimizer, schema, metadata, states: dict) -> list[Item]:
     """Tensors to read the optimizer's state into, laid out as their parameters; scalars go into ``states``."""
     items = []
-    for target, name, param, placement in optimizer_state.held(pm, optimizer).values():
+    for _, name, param, layout in optimizer_state.held(pm, optimizer).values():
         saved = schema.params[name]
         values = {key: value.clone() if isinstance(value, torch.Tensor) else value
                   for key, value in saved.scalars.items()}
         for key, dtype in saved.tensors.items():
             values[key] = torch.zeros_like(param, dtype=dtype)
-            items.append(Item(f"{_OPTIM}{name}.{key}", target, values[key], placement))
+            items.append(Item(f"{_OPTIM}{name}.{key}", values[key], layout))
         if values:
             states[id(param)] = values
     return items
@@ -356,8 +356,8 @@ def _check_metadata_classes(path: str) -> None:
 def _check_matches(pm, path: str, metadata) -> None:
     """Refuse, before any collective, a checkpoint of another model: missing tensors or other shapes."""
     problems = []
-    for target, name, _, _ in _entries(pm):
-        expected = pm.full_shape(target)
+    for _, name, _, layout in _entries(pm):
+        expected = layout.shape
         blocks = _saved_blocks(metadata, name)
         if blocks:  # a fused tensor written block by block: the blocks hold its elements
             sizes = [tuple(metadata[f"{name}{_BLOCK}{i}"].size) for i in blocks]
@@ -381,13 +381,9 @@ def _is_fsdp(tensor) -> bool:
     return hasattr(tensor, "device_mesh")
 
 
-def _fsdp_direct(pm, item: Item, saved_blocks) -> bool:
+def _fsdp_direct(item: Item, saved_blocks) -> bool:
     """Whether an FSDP2 shard is written and read as it is (not padded over tp, not blocked, here or there)."""
-    if not _is_fsdp(item.local) or saved_blocks is not None:
-        return False
-    placement = item.placement
-    return placement is None or (placement.blocks is None and
-                                 pm.full_shape(item.target)[placement.dim] % pm.mesh.tp == 0)
+    return _is_fsdp(item.local) and saved_blocks is None and item.layout.tp_direct
 
 
 def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
@@ -400,26 +396,25 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
     and written as without FSDP2.
     """
     meshes: dict = {"tp": _tp_mesh(pm)}  # and the (tp, dp x cp) mesh for FSDP2 shards, the (ep, tp) mesh, made once
-    experts = pm.experts
     view = {}
     for item in items:
-        key, target, local, placement = item
-        padded = _padded(pm, target, placement)
+        key, local, layout = item
+        placement = layout.tp
         blocked_here = placement is not None and placement.blocks is not None
         saved = _saved_blocks(metadata, key) if for_load else None
-        if _fsdp_direct(pm, item, saved):
+        if _fsdp_direct(item, saved):
             view[key] = _fsdp_dtensor(pm, item, for_load, meshes)
             continue
         if _is_fsdp(local):  # the whole tp-local tensor, as without FSDP2
             local = torch.empty(local.shape, dtype=local.dtype) if for_load else local.full_tensor()
-        if padded:
+        if layout.padded:
             # a padded shard's layout depends on the degree: write and read the tensor whole
-            view[key] = (torch.empty(pm.full_shape(target), dtype=local.dtype) if for_load
-                         else gather(pm, target, local.detach()))
+            view[key] = (torch.empty(layout.shape, dtype=local.dtype) if for_load
+                         else gather(pm, layout.name, local.detach()))
             continue
-        if target in experts and "ep" not in meshes:
+        if layout.experts and "ep" not in meshes:
             meshes["ep"] = _ep_tp_mesh(pm)
-        mesh, split = (meshes["ep"], True) if target in experts else (meshes["tp"], False)
+        mesh, split = (meshes["ep"], True) if layout.experts else (meshes["tp"], False)
         same_layout = not for_load or (saved is not None) == blocked_here
         if blocked_here and same_layout:
             sizes = [b if i in placement.whole else b // pm.mesh.tp for i, b in enumerate(placement.blocks)]
@@ -441,16 +436,13 @@ def _view(pm, items: list[Item], *, for_load: bool, metadata) -> dict:
 
 def _read_local(pm, item: Item, view: dict, metadata) -> torch.Tensor:
     """This rank's part of ``item`` (in the layout of ``item.local``) from what DCP read into ``view``."""
-    key, target, local, placement = item
-    if _fsdp_direct(pm, item, _saved_blocks(metadata, key)):  # read as exactly this rank's part of its FSDP2 shard
+    key, local, layout = item
+    if _fsdp_direct(item, _saved_blocks(metadata, key)):  # read as exactly this rank's part of its FSDP2 shard
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(view[key].to_local(), local.device_mesh, local.placements, run_check=False,
                                   shape=local.shape, stride=local.stride())
-    if _padded(pm, target, placement):
-        part = rank_part(pm, target, view[key], placement)
-    else:
-        part = _assemble(pm, item, view, metadata)
+    part = rank_part(pm, layout, view[key]) if layout.padded else _assemble(pm, item, view, metadata)
     return fsdp_part(local, part)  # under FSDP2, this rank's part of the tp-local tensor
 
 
@@ -461,12 +453,12 @@ def _fsdp_dtensor(pm, item: Item, for_load: bool, meshes: dict):
 
     local = item.local.to_local()
     data = torch.empty_like(local) if for_load else local.detach()
-    shape = pm.full_shape(item.target)
+    shape = item.layout.shape
     stride = torch.empty(shape, device="meta").stride()
     if pm.mesh.tp == 1:
         return DTensor.from_local(data, item.local.device_mesh, [DShard(0)], run_check=False, shape=shape,
                                   stride=stride)
-    tp = DShard(item.placement.dim) if item.placement is not None else Replicate()
+    tp = DShard(item.layout.tp.dim) if item.layout.tp is not None else Replicate()
     if "tp x data" not in meshes:
         meshes["tp x data"] = _tp_data_mesh(pm)
     return DTensor.from_local(data, meshes["tp x data"], [tp, DShard(0)], run_check=False, shape=shape,
@@ -490,12 +482,6 @@ def _saved_blocks(metadata, key: str) -> list[int] | None:
         sizes.append(i)
         i += 1
     return sizes or None
-
-
-def _padded(pm, target: str, placement: Shard | None) -> bool:
-    """Whether ``target``'s tp shard is padded (a dim the degree does not divide, not cut in blocks)."""
-    return (placement is not None and placement.blocks is None
-            and bool(pm.full_shape(target)[placement.dim] % pm.mesh.tp))
 
 
 def _dtensor(local: torch.Tensor, mesh, dim: int | None, for_load: bool, experts: bool = False):
@@ -532,7 +518,8 @@ def _tp_mesh(pm):
 
 def _assemble(pm, item: Item, view: dict, metadata) -> torch.Tensor:
     """This rank's part of ``item`` from what DCP read into ``view``."""
-    key, target, local, placement = item
+    key, local, layout = item
+    placement = layout.tp
     blocks = _saved_blocks(metadata, key)
     keys = [f"{key}{_BLOCK}{i}" for i in blocks] if blocks else [key]
     parts = [view[k].to_local() if hasattr(view[k], "to_local") else view[k] for k in keys]
@@ -540,7 +527,7 @@ def _assemble(pm, item: Item, view: dict, metadata) -> torch.Tensor:
     if all(hasattr(view[k], "to_local") for k in keys):  # read as this rank's part already
         return torch.cat(parts, placement.dim) if blocked_here else parts[0]
     full = torch.cat(parts, _block_dim(metadata, key, local)) if blocks else parts[0]
-    return rank_part(pm, target, full, placement)
+    return rank_part(pm, layout, full)
 
 
 def _block_dim(metadata, key: str, local: torch.Tensor) -> int:

@@ -72,9 +72,9 @@ class GradientSync:
         self.note_experts(build)
 
     def note_experts(self, build) -> None:
-        plan = build.plan.ep_plan
-        if plan is not None and not self.experts:
-            self.experts = tuple(sorted(plan.params()))
+        if not self.experts:
+            self.experts = tuple(sorted(name for name, _ in build.captured.gm.named_parameters()
+                                        if build.layout(name).split_over_ep))
 
     def sum_experts(self) -> None:
         """Sum the gradients of the experts this rank holds over the ranks holding the same ones. Each already

@@ -28,8 +28,13 @@ def full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
 def _full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
     store = pm.store
     names = pm.names
-    mine = {target: gather(pm, target, read(store.find(target))) for target in sorted(names)
-            if store.find(target) is not None}
+    mine = {}
+    for target in sorted(names):
+        local = store.find(target)
+        if pm.layout(target).holder is not None:  # every rank of the ep group takes part
+            mine[target] = _from_holder(pm, pm.layout(target), read(local) if local is not None else None)
+        elif local is not None:
+            mine[target] = gather(pm, target, read(local))
     if pm.mesh.pp > 1:
         everyone: list = [None] * pm.mesh.pp
         # on the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU index
@@ -40,6 +45,14 @@ def _full_tensors(pm, read: Callable) -> dict[str, torch.Tensor | None]:
     own = dict(pm.model.named_parameters(remove_duplicate=False))
     return {name: mine[target] if target in mine else read(own[name]) for target, every in names.items()
             for name in every}
+
+
+def _from_holder(pm, layout, value: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter one ep rank holds alone (an expert held as a module of a list), sent by it to its ep group."""
+    holder = pm.mesh.expert_group_of(pm.groups.rank)[layout.holder]
+    box = [value.detach().cpu() if value is not None else None]
+    dist.broadcast_object_list(box, src=holder, group=pm.groups.group("ep"))
+    return box[0].to(pm.device) if box[0] is not None else None
 
 
 def gather(pm, target: str, local: torch.Tensor | None) -> torch.Tensor | None:

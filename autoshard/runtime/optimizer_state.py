@@ -63,7 +63,7 @@ def kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 def held(pm, optimizer: torch.optim.Optimizer) -> dict[int, tuple]:
-    """``id(parameter) -> (target, name, parameter, placement)`` for every parameter the optimizer holds.
+    """``id(parameter) -> (target, name, parameter, layout)`` for every parameter the optimizer holds.
 
     Refuses an optimizer that holds a tensor this rank's parameters do not include."""
     entries = {id(param): entry for entry in _entries(pm) for param in [entry[2]]}
@@ -198,16 +198,16 @@ def _load_full_state_dict(pm, optimizer: torch.optim.Optimizer, state_dict: dict
         raise ValueError(f"the optimizer state dict has no group for {_few(missing)}: pass the state of an optimizer "
                          "of this model (every parameter the optimizer holds)")
     states, hyper_of = {}, {}
-    for target, name, param, placement in entries.values():
+    for _, name, param, layout in entries.values():
         hyper_of[id(param)] = {k: v for k, v in _lookup(pm, group_of, name).items() if k != "params"}
         saved = _lookup(pm, state_dict["state"], name) or {}
         values = {}
         for key, value in saved.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if tuple(value.shape) != pm.full_shape(target):
+                if tuple(value.shape) != layout.shape:
                     raise ValueError(f"{name}'s optimizer state {key!r} has shape {tuple(value.shape)}, the parameter "
-                                     f"{pm.full_shape(target)}: pass the state of an optimizer of this model")
-                value = _shard_like(param, rank_part(pm, target, value, placement).to(param.device))
+                                     f"{layout.shape}: pass the state of an optimizer of this model")
+                value = _shard_like(param, rank_part(pm, layout, value).to(param.device))
             values[key] = value
         if values:
             states[id(param)] = values

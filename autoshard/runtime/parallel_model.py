@@ -133,12 +133,6 @@ class ParallelModel(nn.Module):
             raise ValueError("nothing is captured yet: run step() or pass target=... to autoshard.parallelize")
         return self.builds[0].plan
 
-    @property
-    def experts(self) -> dict[str, int]:
-        """The parameters split over ep (stacks of experts, split on dim 0) -> their number of experts."""
-        plan = self.builds[0].plan.ep_plan if self.builds else None
-        return plan.params() if plan is not None else {}
-
     def layout(self, target: str):
         """How this rank holds parameter ``target`` (its name in the captures): ``layout.ParamLayout``."""
         return self.builds[0].layout(target)
@@ -162,7 +156,7 @@ class ParallelModel(nn.Module):
 
     def full_shape(self, target: str) -> tuple[int, ...]:
         """The shape of parameter ``target`` (its name in the captured graphs) in the original model."""
-        return tuple(self.latest.captured.gm.get_parameter(target).shape)
+        return self.layout(target).shape
 
     # ------------------------------------------------------------------------------------- training
 

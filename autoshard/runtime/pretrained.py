@@ -98,13 +98,13 @@ def load_pretrained(pm, directory: str) -> int:
     for name, param in pm.model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
     plan, missing = [], []
-    for target, name, param, placement in state._entries(pm):
+    for target, name, param, layout in state._entries(pm):
         names = [*pm.names[target], *aliases.get(id(pm.model.get_parameter(name)), [])]
         key = next((n for n in names if n in where), None)
         if key is None:
             missing.append(name)
         else:
-            plan.append((key, target, param, placement))
+            plan.append((key, param, layout))
     if missing:
         raise ValueError(f"{directory} holds no tensor for {state._few(missing)}: load_pretrained reads the "
                          f"model's own names, as pm.save_pretrained writes them ({type(pm.model).__name__}); "
@@ -120,18 +120,18 @@ def load_pretrained(pm, directory: str) -> int:
             handles[where[key]] = safe_open(os.path.join(directory, where[key]), framework="pt", device="cpu")
         return handles[where[key]].get_slice(key)
 
-    for key, target, _, _ in plan:
-        if tuple(sliced(key).get_shape()) != pm.full_shape(target):
+    for key, _, layout in plan:
+        if tuple(sliced(key).get_shape()) != layout.shape:
             raise ValueError(f"{key} has shape {tuple(sliced(key).get_shape())} in {directory}, the model expects "
-                             f"{pm.full_shape(target)}")
+                             f"{layout.shape}")
     with torch.no_grad(), spread.of(pm).whole(pm.store):
-        for key, target, param, placement in plan:
-            if target in pm.experts:  # this ep rank's experts (rows of dim 0), then their tp part
-                per = pm.full_shape(target)[0] // pm.mesh.ep
+        for key, param, layout in plan:
+            if layout.experts:  # this ep rank's experts (rows of dim 0), then their tp part
+                per = layout.shape[0] // layout.ep_size
                 first = pm.mesh.expert_coord(pm.groups.coords) * per
-                local = _local_experts(sliced(key), first, per, placement, tp_rank, tp)
+                local = _local_experts(sliced(key), first, per, layout.tp, tp_rank, tp)
             else:
-                local = _read_part(sliced(key), placement, tp_rank, tp)
+                local = _read_part(sliced(key), layout.tp, tp_rank, tp)
             local = local.to(param.dtype)
             read += local.numel() * local.element_size()
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
@@ -201,7 +201,7 @@ def _layout(pm, entry: tuple) -> tuple[torch.dtype, tuple[int, ...]]:
     if entry[0] == "buffer":
         return entry[1].dtype, tuple(entry[1].shape)
     _, target, own = entry
-    return own.dtype, pm.full_shape(target) if target is not None else tuple(own.shape)
+    return own.dtype, pm.layout(target).shape if target is not None else tuple(own.shape)
 
 
 class _Writer:
@@ -320,7 +320,7 @@ def _tensor(pm, entry: tuple, holders: dict[str, int], rank: int) -> torch.Tenso
     layout.check_whole_save()
     if len(groups) == 1 and placement is None and groups[0][0] == 0:
         return local.detach()
-    full = torch.empty(pm.full_shape(target), dtype=own.dtype, device=pm.device)
+    full = torch.empty(layout.shape, dtype=own.dtype, device=pm.device)
     per = full.shape[0] // len(groups)
     for e, senders in enumerate(groups):
         out = full.narrow(0, e * per, per) if len(groups) > 1 else full

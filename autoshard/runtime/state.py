@@ -17,20 +17,19 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from autoshard.passes.collectives import local_part
-from autoshard.passes.expert_parallel import expert_part
+from autoshard.layout import ParamLayout
 from autoshard.passes.placements import Shard
 from autoshard.runtime import habits, meta_buffers, spread
 
 
 def _entries(pm):
-    """(target, original name, local parameter, placement) for every parameter this rank holds."""
+    """(target, original name, local parameter, layout) for every parameter this rank holds."""
     store = pm.replica.store
     for target, names in pm.names.items():
         local = store.find(target)
         if local is None:
             continue
-        yield target, names[0], local, pm.layout(target).tp
+        yield target, names[0], local, pm.layout(target)
 
 
 def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
@@ -38,7 +37,8 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=pm.device)
     tied = pm.pipeline.tied if pm.pipeline is not None else {}
     pp_index = pm.coord("pp")
-    for target, _, param, placement in _entries(pm):
+    for target, _, param, layout in _entries(pm):
+        placement = layout.tp
         if param.grad is None:
             continue
         if target in tied and pp_index != min(tied[target]):
@@ -50,7 +50,7 @@ def clip_grad_norm_(pm, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
             else:
                 grad = grad.to_local()
         # split over ep: summed over it; every other gradient is alike on the ep ranks
-        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, bool(pm.layout(target).experts))
+        total += share * _squares(grad, placement, pm.mesh.tp) * _ep_weight(pm, layout.split_over_ep)
     axes = ("tp", "pp", "data") if pm.sync.sharded else ("tp", "pp")
     for axis in axes:
         if (pm.mesh.dp * pm.mesh.cp if axis == "data" else pm.mesh.degree(axis)) > 1:
@@ -144,14 +144,14 @@ def load_state_dict(pm, state: dict[str, torch.Tensor], strict: bool = True) -> 
             f"{_few(unexpected)}: pass this model's state dict (model.state_dict() or pm.state_dict()), or strict=False"
         )
     with torch.no_grad(), spread.of(pm).whole(pm.store):
-        for target, name, param, placement in _entries(pm):
+        for _, name, param, layout in _entries(pm):
             if name not in state:
                 continue
             full = state[name]
-            if tuple(full.shape) != pm.full_shape(target):
+            if tuple(full.shape) != layout.shape:
                 raise ValueError(f"{name} has shape {tuple(full.shape)} in the state dict, the model expects "
-                                 f"{pm.full_shape(target)}")
-            local = rank_part(pm, target, full, placement)
+                                 f"{layout.shape}")
+            local = rank_part(pm, layout, full)
             if hasattr(param, "device_mesh"):  # an FSDP2 shard over dp x cp
                 from torch.distributed.tensor import distribute_tensor
 
@@ -175,11 +175,6 @@ def update_model(pm) -> None:
 
 def _few(names: list[str]) -> str:
     return f"{names[:5]}{'...' if len(names) > 5 else ''}"
-
-
-def _local_part(full: torch.Tensor, placement: Shard | None, rank: int, size: int) -> torch.Tensor:
-    """This tp rank's part of a full tensor (padded up first when the degree does not divide the dim)."""
-    return full if placement is None else local_part(full, placement, rank, size)
 
 
 def _set_buffer(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
@@ -272,7 +267,7 @@ def _initialise(pm, device: torch.device, init) -> None:
     if init is not True and not callable(init):
         raise ValueError(f"init={init!r}: use True (every module's reset_parameters()) or a function of a module")
     target_of = {name: target for target, names in pm.names.items() for name in names}
-    held = {target: (param, placement) for target, _, param, placement in _entries(pm)}
+    held = {target: (param, layout) for target, _, param, layout in _entries(pm)}
     order = _apply_order(pm.model)
     last_visit: dict[int, int] = {}  # a tied parameter keeps its full tensor until its last module has run
     for index, (_, module) in enumerate(order):
@@ -312,7 +307,7 @@ def _initialise(pm, device: torch.device, init) -> None:
                 target = target_of.get(name)
                 if target in held:
                     with torch.no_grad():
-                        _copy_part(pm, target, held[target][0], value, held[target][1])
+                        _copy_part(pm, held[target][0], value, held[target][1])
 
 
 def _run_initialiser(module: torch.nn.Module, init, *, defaults: bool, device: torch.device) -> None:
@@ -342,17 +337,14 @@ def _apply_order(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _copy_part(pm, target: str, local, full: torch.Tensor, placement: Shard | None) -> None:
+def _copy_part(pm, local, full: torch.Tensor, layout: ParamLayout) -> None:
     """Write this rank's part of the full tensor ``full`` into its parameter ``local``."""
-    local.copy_(fsdp_part(local, rank_part(pm, target, full.detach(), placement)))
+    local.copy_(fsdp_part(local, rank_part(pm, layout, full.detach())))
 
 
-def rank_part(pm, target: str, full: torch.Tensor, placement: Shard | None) -> torch.Tensor:
-    """This rank's part of parameter ``target``'s full tensor (or of a tensor laid out as it): its tp shard, then,
-    for a stack of experts split over ep, its ep rank's experts."""
-    local = _local_part(full, placement, pm.coord("tp"), pm.mesh.tp)
-    return expert_part(local, pm.mesh.expert_coord(pm.groups.coords), pm.mesh.ep) if pm.layout(target).experts \
-        else local
+def rank_part(pm, layout: ParamLayout, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter's full tensor (or of a tensor laid out as it), as its ``layout`` says."""
+    return layout.part(full, pm.coord("tp"), pm.mesh.expert_coord(pm.groups.coords) if layout.experts else 0)
 
 
 def fsdp_part(like, tp_local: torch.Tensor) -> torch.Tensor:
