@@ -710,10 +710,11 @@ def _pipeline_step_collectives(name: str) -> dict:
 def test_a_pipeline_step_runs_the_collectives_the_planner_counts(pools, name):
     """The loss summed over the pp ranks; GPT's tied embedding and head spread over them (gathered, a flag,
     reduce-scattered); the same tied over 63 rows no rank count divides, held whole (a flag and the gradient's
-    all-reduce): each collective the runtime runs around a pipeline's schedule, of the bytes the planner costs."""
+    all-reduce); the batch compared across the pp ranks: each collective the runtime runs around a pipeline's
+    schedule, of the bytes the planner costs."""
     for result in pools.get(2).run(_pipeline_step_collectives, name):
         assert result["seen"] == result["counted"]
-        assert len(result["counted"]) == {"gpt": 4, "llama": 1, "tied": 3}[name]
+        assert len(result["counted"]) == {"gpt": 5, "llama": 2, "tied": 4}[name]
 
 
 def _auto_from_a_profile(path: str) -> dict:

@@ -367,10 +367,12 @@ def pipeline_collectives(build, p: int) -> list[tuple[str, int, float]]:
     (``runtime.pipeline``, ``runtime.spread``): the loss summed over the pp ranks (the last stage's holds it); the
     weights spread over the pp ranks all-gathered before the step, a flag per weight, their gradients reduce-scattered
     after it; the weights held whole on several pp ranks (tied), a flag per weight and an all-reduce of each
-    gradient over its holders."""
+    gradient over its holders; and before the step, the gathers that check every rank was given the same batch."""
     from autoshard.job_plan import spread_bytes
+    from autoshard.runtime import alike
 
-    out = [("all_reduce", p, 4.0)]
+    tensors = sum(isinstance(shape, tuple) for shape in build.captured.input_shapes)
+    out = [("all_reduce", p, 4.0), *alike.collectives(build.mesh, tensors, build.options.local_batch)]
     if build.spread:
         out += [("all_gather", p, build.spread_bytes), ("all_reduce", p, 4.0 * len(build.spread)),
                 ("reduce_scatter", p, build.spread_bytes)]

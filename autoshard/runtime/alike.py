@@ -27,6 +27,7 @@ class RanksDiffer(AutoshardError, ValueError):
 
 
 _CHUNK = 1 << 24
+_NUMBERS = 3  # per tensor: its element count, its sum, its weighted sum
 _WEIGHTS = 251  # positions are weighted 1..251, cyclically: a permutation of rows or of elements changes the sum
 
 
@@ -39,7 +40,7 @@ def signature(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor
         flat = t.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
-        total = torch.zeros(3, dtype=torch.float64, device=device)
+        total = torch.zeros(_NUMBERS, dtype=torch.float64, device=device)
         total[0] = flat.numel()
         for start in range(0, flat.numel(), _CHUNK):
             part = flat[start:start + _CHUNK].to(torch.float64)
@@ -66,3 +67,15 @@ def check(what: str, tensors: list[torch.Tensor], groups: MeshGroups | None, axe
             if not torch.equal(theirs, gathered[0]):
                 raise RanksDiffer(f"{what} on rank {rank} differs from rank {ranks[0]}'s (ranks of one {axis} group): "
                                   f"{fix}")
+
+
+def batch_axes(local_batch: bool) -> tuple[str, ...]:
+    """The axes along which every rank is given the same batch: all of them, or (each dp rank its own part) the
+    ranks of one dp coordinate."""
+    return ("cp", "tp", "pp") if local_batch else ("dp", "cp", "tp", "pp")
+
+
+def collectives(mesh, tensors: int, local_batch: bool) -> list[tuple[str, int, float]]:
+    """``(kind, group size, bytes gathered)`` of the gathers that compare a batch of ``tensors`` tensors."""
+    return [("all_gather", mesh.degree(axis), 8.0 * _NUMBERS * tensors * mesh.degree(axis))
+            for axis in batch_axes(local_batch) if mesh.degree(axis) > 1]

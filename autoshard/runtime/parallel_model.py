@@ -423,13 +423,13 @@ class ParallelModel(nn.Module):
         """Every rank was given the same batch (with ``local_batch``, every rank of one dp coordinate)."""
         tensors = [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)]
         if self.options.local_batch:
-            axes, fix = ("cp", "tp", "pp"), ("with local_batch=True, the ranks of one dp coordinate (its tp, pp and "
-                                             "cp ranks) must be given the same part of the batch")
+            fix = ("with local_batch=True, the ranks of one dp coordinate (its tp, pp and cp ranks) must be given the "
+                   "same part of the batch")
         else:
-            axes, fix = ("dp", "cp", "tp", "pp"), (
-                "autoshard takes the global batch on every rank and splits it over dp itself: give every rank the "
-                "same batch (no DistributedSampler or per-rank shuffling or augmentation), or pass local_batch=True "
-                "where each dp rank reads its own part")
+            fix = ("autoshard takes the global batch on every rank and splits it over dp itself: give every rank the "
+                   "same batch (no DistributedSampler or per-rank shuffling or augmentation), or pass local_batch=True "
+                   "where each dp rank reads its own part")
+        axes = alike.batch_axes(self.options.local_batch)
         with self._guard("comparing the ranks' batches"):
             alike.check(f"step {self._steps + 1}'s batch", tensors, self.groups, axes, fix, self.device)
 
