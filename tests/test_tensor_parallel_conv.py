@@ -97,3 +97,17 @@ def test_resnet_blocks_are_column_and_row_pairs_and_a_gated_block_is_one_block()
     gated = [roles[f"2.layers.{n}.weight"] for n in ("0", "1", "3", "4", "6.reduce", "6.expand", "7", "8")]
     assert gated == ["column", "sliced", "sliced", "sliced", "row", "column", "row", "replicated"], roles
     assert plan.params["model.stem.0.weight"].role == "replicated"
+
+
+def test_an_image_model_without_a_token_sequence_stays_refused_under_cp():
+    from autoshard.compile import compile_global_batch
+    from autoshard.mesh import Mesh
+    from autoshard.options import CompileOptions
+    from autoshard.passes.context_parallel import ContextParallelError
+
+    from models import build
+
+    case = build("unet")
+    with pytest.raises(ContextParallelError, match="sequence dim could not be found"):
+        compile_global_batch(case.model, case.inputs, Mesh(cp=2), 0, CompileOptions(), target=case.target,
+                             loss_fn=case.loss_fn)
