@@ -842,7 +842,9 @@ def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset(), wh
         if held:
             layout += (f" with block{'s' if len(held) > 1 else ''} {', '.join(str(i) for i in held)} whole on every "
                        "rank (kv heads the degree does not divide, duplicated)")
-        reason = f"column of {closed}{layout}" if row is not None else "column-parallel output (vocab-parallel loss)"
+        alone = ("column alone: its output channels stay split through the layers after it" if is_convolution(c)
+                 else "column-parallel output (vocab-parallel loss)")
+        reason = f"column of {closed}{layout}" if row is not None else alone
         for name, placement in _column_seeds(c, blocks[c], held).items():
             plan.params[name] = ParamPlan(placement, "column", reason)
     if row is not None:
