@@ -483,8 +483,8 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
-            if found and _splits_a_residual(prop):
-                break  # the rows found would keep the residual stream split: the block ends at its own row
+            if (found or any(is_convolution(c) for c in live)) and _splits_a_residual(prop):
+                break  # the residual stream would stay split by channels: a block ends at its own row's sum
             _record(gm, plan, prop, live, row, blocks, dropped, inner, whole)
             return prop
         fed = [c for c in live if c not in inner and blocks[c] is None and _fed_split(prop, c)]
@@ -807,15 +807,19 @@ def _convs_fed_split(prop: Propagation, plan: TensorParallelPlan, live, row) -> 
             and _is_free(n, plan, None) and _fed_split(prop, n)]
 
 
+_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # a residual joined (``h += x``)
+
+
 def _splits_a_residual(prop: Propagation) -> bool:
-    """Whether a split value is added to a whole one, which each rank then takes its part of: a residual stream
-    joined by a block's channels, so that the sum (the stream) would stay split. Megatron's blocks end at their row's
-    all-reduce, and the stream stays whole."""
+    """Whether a split value is added to a whole one of its shape, which each rank then takes its part of: a residual
+    stream joined by a block's channels, so that the sum (the stream) would stay split. Megatron's blocks end at their
+    row's all-reduce, and the stream stays whole."""
     for node in prop.changed:
         decision = prop.decisions.get(node)
-        if node.target in (aten.add.Tensor, aten.sub.Tensor) and decision is not None and any(
-                isinstance(want, Shard) and prop.of(value) == R for value, want in decision.want.items()):
-            return True
+        if node.target in _SUMS and decision is not None and any(
+                isinstance(want, Shard) and prop.of(value) == R and meta.val(value).shape == meta.val(node).shape
+                for value, want in decision.want.items()):
+            return True  # (a bias broadcast over the image is no stream: each rank takes its channels' part)
     return False
 
 
