@@ -31,11 +31,14 @@ def groups_for(mesh: autoshard.Mesh):
 
 
 def golden(name: str, mesh_kwargs: dict, *, microbatches: int = 1, steps: int = 3, loss: str | None = None,
-           **options) -> dict:
+           eval_mode: bool = False, **options) -> dict:
     """``autoshard.verify`` on a zoo model: outputs, losses, gradients and parameters after ``steps`` steps.
 
-    ``loss`` names a variant of the zoo's token loss (see ``LOSSES``): other cross-entropy arguments."""
+    ``loss`` names a variant of the zoo's token loss (see ``LOSSES``): other cross-entropy arguments. ``eval_mode``:
+    the model trained in eval mode (BatchNorm normalising with its running statistics)."""
     case = build(name)
+    if eval_mode:
+        case.model.eval()
     if loss is not None:
         case.loss_fn, case.target = LOSSES[loss](case.target)
     mesh = autoshard.Mesh(**mesh_kwargs)

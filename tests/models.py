@@ -74,6 +74,7 @@ DECODERS = ("gpt", "llama", "moe", "hf_gpt2", "hf_llama")
 # run one at a time over the same stacks, as torchtitan's ``GroupedExperts`` runs them without a grouped matmul
 # kernel; ``moe_list``'s are modules of a list, as litgpt's ``LLaMAMoE`` holds them.
 FORMS = ("moe_loop", "moe_list")
+CONV_NAMES = ("unet", "resnet", "convnext")  # image models, built by ``build`` too (not in every zoo matrix)
 
 # The pairwise-distinct sizes documented above.
 BATCH = 8
@@ -848,6 +849,178 @@ class MegatronGPT(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Convolutional models over 8x8 images: what tp splits as Megatron splits linears (``CONV_NAMES``)
+# --------------------------------------------------------------------------------------------------------------------
+
+IMAGE = 8  # height and width
+CLASSES = 5
+TIME_FEATURES = 12  # the sinusoidal embedding of a diffusion step
+
+
+class TimeResBlock(nn.Module):
+    """A diffusers-style ResNet block: GroupNorm, SiLU, conv, plus a projection of the time embedding broadcast over
+    the image, GroupNorm, SiLU, conv, added to the input."""
+
+    def __init__(self, channels: int, time_width: int, groups: int = 4) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(groups, channels), nn.GroupNorm(groups, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.time = nn.Linear(time_width, channels)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.time(F.silu(temb))[:, :, None, None]  # (B, C) -> (B, C, 1, 1)
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class TinyUNet(nn.Module):
+    """A small diffusion UNet: a sinusoidal time embedding through an MLP, ResNet blocks at 8x8 and 4x4 joined by a
+    strided convolution down and a transposed one up, a skip connection, and a GroupNorm, SiLU, conv head."""
+
+    def __init__(self, width: int = 16, inner: int = 32, time_width: int = 40) -> None:
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(TIME_FEATURES, time_width), nn.SiLU(),
+                                      nn.Linear(time_width, time_width))
+        self.conv_in = nn.Conv2d(3, width, 3, padding=1)
+        self.block1 = TimeResBlock(width, time_width)
+        self.down = nn.Conv2d(width, inner, 3, stride=2, padding=1)
+        self.block2 = TimeResBlock(inner, time_width)
+        self.up = nn.ConvTranspose2d(inner, width, 4, stride=2, padding=1)
+        self.block3 = TimeResBlock(width, time_width)
+        self.norm_out = nn.GroupNorm(4, width)
+        self.conv_out = nn.Conv2d(width, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        half = TIME_FEATURES // 2
+        freqs = torch.exp(-math.log(1000.0) * torch.arange(half, device=steps.device) / half)
+        angles = steps[:, None].float() * freqs[None]
+        temb = self.time_mlp(torch.cat([angles.sin(), angles.cos()], dim=-1))  # (B, time_width)
+        skip = self.block1(self.conv_in(x), temb)
+        h = self.block2(self.down(skip), temb)
+        h = self.block3(self.up(h) + skip, temb)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: conv, BatchNorm, ReLU, conv, BatchNorm, plus the input (through a strided
+    1x1 conv and a BatchNorm where the block downsamples)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.shortcut(x))
+
+
+class SqueezeExcite(nn.Module):
+    """A squeeze-and-excitation gate: each channel scaled by a sigmoid of the pooled channels through two 1x1 convs."""
+
+    def __init__(self, channels: int, reduced: int) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(channels, reduced, 1), nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.expand(F.silu(self.reduce(x.mean(dim=(2, 3), keepdim=True)))))
+
+
+class InvertedResidual(nn.Module):
+    """EfficientNet's MBConv (MobileNet V2's block with a gate): a 1x1 conv expands, a depthwise 3x3 conv filters each
+    channel, a squeeze-and-excitation gate scales them, a 1x1 conv projects."""
+
+    def __init__(self, channels: int, expand: int = 2) -> None:
+        super().__init__()
+        hidden = channels * expand
+        self.layers = nn.Sequential(
+            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            SqueezeExcite(hidden, channels // 4),
+            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layers(x)
+
+
+class TinyResNet(nn.Module):
+    """A ResNet: a conv stem with BatchNorm and max pooling, a basic block, a downsampling block, an inverted
+    residual block with a squeeze-and-excitation gate, average pooling and a linear classifier."""
+
+    def __init__(self, width: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                                  nn.MaxPool2d(2))
+        self.blocks = nn.Sequential(BasicBlock(width, width), BasicBlock(width, inner, stride=2),
+                                    InvertedResidual(inner))
+        self.fc = nn.Linear(inner, CLASSES)
+        for norm in self.modules():  # running statistics of a trained model (zeros and ones hide a misplaced slice)
+            if isinstance(norm, nn.BatchNorm2d):
+                norm.running_mean.normal_(0.0, 0.3)
+                norm.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """A LayerNorm over the channels of an NCHW image (timm's): the channels moved last and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a depthwise conv, a LayerNorm over the channels, an MLP of 4x the channels, a layer scale,
+    plus the input. The MLP is two linears over the channels moved last, or (``conv_mlp``) two 1x1 convs."""
+
+    def __init__(self, channels: int, conv_mlp: bool) -> None:
+        super().__init__()
+        self.conv_mlp = conv_mlp
+        self.dwconv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.norm = LayerNorm2d(channels) if conv_mlp else nn.LayerNorm(channels)
+        make = (lambda a, b: nn.Conv2d(a, b, 1)) if conv_mlp else nn.Linear
+        self.fc1, self.fc2 = make(channels, 4 * channels), make(4 * channels, channels)
+        self.gamma = nn.Parameter(torch.full((channels,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dwconv(x)
+        if self.conv_mlp:
+            h = self.fc2(F.gelu(self.fc1(self.norm(h)))) * self.gamma[:, None, None]
+        else:
+            h = h.permute(0, 2, 3, 1)  # (B, H, W, C)
+            h = (self.fc2(F.gelu(self.fc1(self.norm(h)))) * self.gamma).permute(0, 3, 1, 2)
+        return x + h
+
+
+class TinyConvNeXt(nn.Module):
+    """A ConvNeXt: a patch stem (2x2, stride 2) with a channel LayerNorm, three blocks (channels-last linears, then
+    1x1 convs), a mean over the image, a LayerNorm and a linear classifier."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 2, stride=2), LayerNorm2d(width))
+        self.blocks = nn.Sequential(*(ConvNeXtBlock(width, conv_mlp=i > 0) for i in range(3)))
+        self.head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def image_data(name: str, gen: torch.Generator) -> tuple[tuple, torch.Tensor, Callable]:
+    """Inputs, target and loss of a convolutional model: noise to predict (MSE) for the UNet, classes else."""
+    images = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen)
+    if name == "unet":
+        steps = torch.randint(0, 1000, (BATCH,), generator=gen)
+        return (images, steps), torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen), mse_loss
+    return (images,), torch.randint(0, CLASSES, (BATCH,), generator=gen), F.cross_entropy
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # HuggingFace models (imported lazily: transformers costs seconds to import)
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -934,8 +1107,8 @@ def _perturb_constant_params(model: nn.Module, generator: torch.Generator) -> No
 
 def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> ZooCase:
     """Build zoo entry ``name``: the same seed gives bit-identical parameters, inputs and target."""
-    if name not in ZOO_NAMES + FORMS:
-        raise ValueError(f"unknown zoo model {name!r}; choose from {ZOO_NAMES + FORMS}")
+    if name not in ZOO_NAMES + FORMS + CONV_NAMES:
+        raise ValueError(f"unknown zoo model {name!r}; choose from {ZOO_NAMES + FORMS + CONV_NAMES}")
     device = torch.device(device)
     constructors: dict[str, Callable[[], nn.Module]] = {
         "gpt": lambda: GPT(GPTConfig()),
@@ -948,6 +1121,9 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> Zo
         "hf_gpt2": _hf_gpt2,
         "hf_llama": _hf_llama,
         "megatron": MegatronGPT,
+        "unet": TinyUNet,
+        "resnet": TinyResNet,
+        "convnext": TinyConvNeXt,
     }
     torch.manual_seed(seed)
     with torch.device(device):
@@ -957,7 +1133,9 @@ def build(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> Zo
     if device.type != "meta":
         _perturb_constant_params(model, torch.Generator().manual_seed(seed + 1))
     gen = torch.Generator().manual_seed(seed + 2)
-    if name == "mlp":
+    if name in CONV_NAMES:
+        inputs, target, loss_fn = image_data(name, gen)
+    elif name == "mlp":
         x = torch.randn(BATCH, MLP_IN, generator=gen)
         target = torch.randn(BATCH, MLP_OUT, generator=gen)
         inputs: tuple = (x,)

@@ -289,7 +289,7 @@ PER_SAMPLE_CASES = [
     _per_sample_case(aten.upsample_nearest2d.default, (_IMAGES, [12, 12]), Shard(0), "upsample-nearest2d"),
     _per_sample_case(aten.group_norm.default, (_IMAGES, 3, rand(3, seed=1), rand(3, seed=2), 1e-3), Shard(0),
                      "group-norm-samples"),
-    _per_sample_case(aten.group_norm.default, (rand(4, 6, 5), 2), R, "group-norm-channels-gathers",
+    _per_sample_case(aten.group_norm.default, (rand(4, 6, 5), 3), R, "group-norm-parts-of-groups-gather",
                      shard={0: Shard(1)}),
     _per_sample_case(aten.linalg_vector_norm.default, (rand(4, 6), 2, [-1], True), Shard(0), "vector-norm-rows"),
     _per_sample_case(aten.linalg_vector_norm.default, (rand(4, 6), 2, [0]), R, "vector-norm-over-split"),
@@ -372,8 +372,8 @@ MATMUL_CASES = [
     # a linear attention's short causal convolution, one filter per channel, channels split
     pytest.param(aten.conv1d.default, (rand(2, 8, 6), rand(8, 1, 3, seed=1), rand(8, seed=2), [1], [2], [1], 8),
                  {0: Shard(1)}, Shard(1), id="conv1d-depthwise"),
-    pytest.param(aten.conv1d.default, (rand(2, 8, 6), rand(4, 2, 3, seed=1), None, [1], [0], [1], 4),
-                 {0: Shard(1)}, R, id="conv1d-grouped-gathers"),
+    pytest.param(aten.conv1d.default, (rand(2, 6, 6), rand(3, 2, 3, seed=1), None, [1], [0], [1], 3),
+                 {0: Shard(1)}, R, id="conv1d-groups-not-divided-gathers"),
     pytest.param(aten.bmm.default, (rand(4, 6, 3), rand(4, 3, 8, seed=1)), {1: Shard(2)}, Shard(2),
                  id="bmm-expert-columns"),
     pytest.param(aten.bmm.default, (rand(4, 6, 8), rand(4, 8, 3, seed=1)), {0: Shard(2), 1: Shard(1)}, P,
@@ -623,4 +623,105 @@ def test_grouped_matmul_of_experts(shard, placement, size):
     offsets = torch.tensor([4, 4, 12], dtype=torch.int32)  # expert 1 gets no tokens
     out = simulate(op, (rand(12, 8), rand(3, 8, 8, seed=1), offsets), shard=shard, size=size)
     assert out.placement == placement, (out.placement, out.reason)
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ convolutions split as Megatron splits linears
+
+_CHANNELS = rand(2, 8, 6, 6)
+CONV_CASES = [  # (op, args, kwargs, shard, expected output placement)
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1), rand(4, seed=2), [1], [1]), {},
+                 {1: Shard(0), 2: Shard(0)}, Shard(1), id="conv2d-column"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1), rand(4, seed=2), [2], [1]), {},
+                 {0: Shard(1), 1: Shard(1)}, R, id="conv2d-row-strided"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1), None, [1], [2], [2]), {},
+                 {0: Shard(1), 1: Shard(1)}, R, id="conv2d-row-dilated-nobias"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(4, 8, 1, 1, seed=1), rand(4, seed=2)), {},
+                 {1: Shard(1)}, R, id="conv2d-1x1-row-alone"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1)), {"bias": rand(4, seed=2)},
+                 {0: Shard(1), 1: Shard(1)}, R, id="conv2d-row-bias-by-keyword"),
+    pytest.param(aten.conv2d.padding, (_CHANNELS, rand(4, 8, 3, 3, seed=1), rand(4, seed=2), [1], "same"), {},
+                 {0: Shard(1), 1: Shard(1)}, R, id="conv2d-same-row"),
+    pytest.param(aten.conv1d.default, (rand(2, 8, 7), rand(4, 8, 3, seed=1), rand(4, seed=2), [2]), {},
+                 {1: Shard(0), 2: Shard(0)}, Shard(1), id="conv1d-column"),
+    pytest.param(aten.conv3d.default, (rand(2, 4, 3, 4, 4), rand(4, 4, 2, 2, 2, seed=1), rand(4, seed=2)), {},
+                 {0: Shard(1), 1: Shard(1)}, R, id="conv3d-row"),
+    # transposed: the weight is stored (in, out / groups, ...): a column splits dim 1, a row dim 0
+    pytest.param(aten.conv_transpose2d.input, (_CHANNELS, rand(8, 4, 4, 4, seed=1), rand(4, seed=2), [2], [1]), {},
+                 {1: Shard(1), 2: Shard(0)}, Shard(1), id="conv-transpose2d-column"),
+    pytest.param(aten.conv_transpose2d.input, (_CHANNELS, rand(8, 4, 4, 4, seed=1), rand(4, seed=2), [2], [1], [1]),
+                 {}, {0: Shard(1), 1: Shard(0)}, R, id="conv-transpose2d-row-output-padding"),
+    pytest.param(aten.conv_transpose2d.input, (_CHANNELS, rand(8, 4, 4, 4, seed=1), rand(4, seed=2), [2], [1]), {},
+                 {0: Shard(1)}, R, id="conv-transpose2d-input-split-weight-whole-gathers"),
+    pytest.param(aten.convolution.default, (_CHANNELS, rand(8, 4, 3, 3, seed=1), rand(4, seed=2), [2, 2], [1, 1],
+                                            [1, 1], True, [1, 1], 1), {}, {0: Shard(1), 1: Shard(0)}, R,
+                 id="convolution-transposed-row"),
+    pytest.param(aten.convolution.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1), rand(4, seed=2), [1, 1], [1, 1],
+                                            [1, 1], False, [0, 0], 1), {}, {1: Shard(0), 2: Shard(0)}, Shard(1),
+                 id="convolution-column"),
+    # whole groups: depthwise (groups = channels), grouped with a channel multiplier, transposed grouped
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(8, 1, 3, 3, seed=1), rand(8, seed=2), [1], [1], [1], 8), {},
+                 {0: Shard(1)}, Shard(1), id="conv2d-depthwise"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(8, 2, 3, 3, seed=1), None, [2], [1], [1], 4), {},
+                 {0: Shard(1), 1: Shard(0)}, Shard(1), id="conv2d-grouped"),
+    pytest.param(aten.conv2d.default, (_CHANNELS, rand(8, 1, 3, 3, seed=1)), {"padding": [1], "groups": 8},
+                 {0: Shard(1)}, Shard(1), id="conv2d-depthwise-groups-by-keyword"),
+    pytest.param(aten.conv1d.default, (rand(2, 8, 7), rand(8, 1, 3, seed=1), rand(8, seed=2), [1], [1], [1], 8), {},
+                 {0: Shard(1, (4, 4))}, Shard(1, (4, 4)), id="conv1d-depthwise-blocked"),
+    pytest.param(aten.conv_transpose2d.input, (_CHANNELS, rand(8, 3, 2, 2, seed=1), rand(12, seed=2), [2], [0], [0],
+                                               4), {}, {0: Shard(1)}, Shard(1), id="conv-transpose2d-grouped"),
+    pytest.param(aten.conv2d.default, (rand(2, 6, 5, 5), rand(6, 2, 3, 3, seed=1), None, [1], [1], [1], 3), {},
+                 {0: Shard(1)}, R, id="conv2d-groups-not-divided-gathers"),
+    # what lies between a column and a row: per-channel layers keep the channel split
+    pytest.param(aten.group_norm.default, (_CHANNELS, 4, rand(8, seed=1), rand(8, seed=2), 1e-3), {},
+                 {0: Shard(1)}, Shard(1), id="group-norm-whole-groups"),
+    pytest.param(aten.group_norm.default, (_CHANNELS, 8, rand(8, seed=1), rand(8, seed=2)), {},
+                 {0: Shard(1), 1: Shard(0), 2: Shard(0)}, Shard(1), id="group-norm-a-channel-a-group"),
+    pytest.param(aten.batch_norm.default, (_CHANNELS, rand(8, seed=1), rand(8, seed=2), None, None, True, 0.1, 1e-5,
+                                           False), {}, {0: Shard(1)}, Shard(1), id="batch-norm-train-no-running-stats"),
+    pytest.param(aten.batch_norm.default, (_CHANNELS, None, None, None, None, True, 0.1, 1e-5, False), {},
+                 {0: Shard(1)}, Shard(1), id="batch-norm-train-no-affine"),
+    pytest.param(aten.max_pool2d.default, (_CHANNELS, [2, 2]), {}, {0: Shard(1)}, Shard(1), id="max-pool2d-channels"),
+    pytest.param(aten.adaptive_avg_pool2d.default, (_CHANNELS, [1, 1]), {}, {0: Shard(1)}, Shard(1),
+                 id="adaptive-avg-pool2d-channels"),
+    pytest.param(aten.upsample_nearest2d.default, (_CHANNELS, [12, 12]), {}, {0: Shard(1)}, Shard(1),
+                 id="upsample-nearest2d-channels"),
+    pytest.param(aten.avg_pool1d.default, (rand(2, 8, 6), [2]), {}, {0: Shard(2)}, R, id="avg-pool1d-length-gathers"),
+]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("op,args,kwargs,shard,placement", CONV_CASES)
+def test_convolutions_and_channel_layers(op, args, kwargs, shard, placement, size):
+    out = simulate(op, args, kwargs, shard=shard, size=size)
+    assert out.placement == placement, out.code
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_batch_norm_in_eval_mode_normalises_each_ranks_channels_with_their_statistics(size):
+    args = (_CHANNELS, rand(8, seed=1), rand(8, seed=2), rand(8, seed=3).abs(), rand(8, seed=4).abs() + 0.5, False,
+            0.1, 1e-5, False)
+    out = simulate(aten.batch_norm.default, args, shard={0: Shard(1)}, size=size, frozen=(3, 4))
+    assert out.placement == Shard(1), out.code
+    out.assert_exact(rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_norm_training_with_running_statistics_stays_whole():
+    """In training BatchNorm writes its running statistics in place: split by channels a rank would update its
+    part of a copy, so the rule takes the channels whole (the batch's statistics per channel would be exact)."""
+    from rules_sim import _build
+
+    from autoshard.passes.rules import Context, decide
+
+    _, _, node = _build(aten.batch_norm.default, (_CHANNELS, rand(8, seed=1), rand(8, seed=2), rand(8, seed=3).abs(),
+                                                  rand(8, seed=4).abs(), True, 0.1, 1e-5, False), {})
+    decision = decide(node, Context(tensor_axis(2), {node.args[0]: Shard(1)}))
+    assert decision.out == R and decision.want[node.args[0]] == R
+
+
+def test_a_row_convolution_adds_its_bias_once_after_the_sum():
+    out = simulate(aten.conv2d.default, (_CHANNELS, rand(4, 8, 3, 3, seed=1), rand(4, seed=2), [1], [1]),
+                   shard={0: Shard(1), 1: Shard(1)}, size=2)
+    assert out.modules.count("ReduceFromParallel") == 1, out.modules
     out.assert_exact(rtol=1e-5, atol=1e-5)

@@ -5,9 +5,10 @@ run in the full tier. Every parametrized test (a distributed matrix on the worke
 corpus sample alike) runs its first cell in CI, then, in collection order, each cell that runs a feature no CI cell
 before it ran, anywhere in the suite: a value of one of ``AXES`` (a mesh, an axis's degree or strategy, a pipeline
 schedule, a microbatch count; a parameter or an entry of an ``options`` parameter) or, on the worker pools, a zoo model
-(``models.ZOO_NAMES``). So every mesh, axis value, schedule and zoo model runs at least once in CI, in the first test
-that brings it. The CI tier does not run each test at each mesh, and of the architectures outside the zoo (the
-corpus sample's families, golden_gqa's styles, the mixtures of experts) it runs only those the rule or a pin keeps.
+(``models.ZOO_NAMES``, and the image models of ``models.CONV_NAMES``). So every mesh, axis value, schedule and zoo
+model runs at least once in CI, in the first test that brings it. The CI tier does not run each test at each mesh,
+and of the architectures outside the zoo (the corpus sample's families, golden_gqa's styles, the mixtures of experts)
+it runs only those the rule or a pin keeps.
 The rest of each matrix is marked ``full``; a cell its own file marks ``full`` stays there; single tests stay in CI.
 The covering is of what was collected: ``-m "not full"`` on one file covers that file alone and runs more of it.
 Pinned to the CI tier whatever the covering says, and counted as covering what they run: every test a seeded bug of
@@ -24,7 +25,7 @@ from __future__ import annotations
 import pytest
 from mutations import MUTANTS
 
-from models import ZOO_NAMES
+from models import CONV_NAMES, ZOO_NAMES
 
 QUICK_FILES = {
     "test_rules_views.py", "test_rules_layers.py", "test_rules_embedding_loss.py", "test_schedules.py",
@@ -353,6 +354,6 @@ def _features(item) -> set:
             features.add((key, repr(value)))
         elif key.endswith("options") and isinstance(value, dict):
             features |= {(k, repr(v)) for k, v in value.items() if k in AXES}
-    if "pools" in item.fixturenames and item.callspec.params.get("name") in ZOO_NAMES:
+    if "pools" in item.fixturenames and item.callspec.params.get("name") in ZOO_NAMES + CONV_NAMES:
         features.add(("zoo model", item.callspec.params["name"]))
     return features

@@ -34,6 +34,7 @@ from autoshard.passes.collectives import (
 from autoshard.passes.placements import Partial, R, Shard, local_shape
 from autoshard.passes.propagate import Propagation
 from autoshard.passes.rules import LOCALIZERS, arg, is_table_lookup, localizer
+from autoshard.passes.rules_conv import CONVOLUTIONS, channel_dims, is_patch_conv
 from autoshard.passes.rules_nn import grouped_kv_heads
 
 aten = torch.ops.aten
@@ -242,28 +243,65 @@ def _slice(node: fx.Node, rw: Rewriter) -> None:
     node.kwargs = {}
 
 
-@localizer(aten.conv1d.default)
-def _depthwise_conv(node: fx.Node, rw: Rewriter) -> None:
-    """A depthwise convolution over this rank's channels: one group per channel it holds. (Split by samples: as
-    it is.)"""
-    placement = rw.placement(node)
-    if isinstance(placement, Shard) and placement.dim == 1:
-        args = list(node.args) + [None, 1, 0, 1, 1][len(node.args) - 2:]
-        if "groups" in node.kwargs:
-            node.kwargs = {**node.kwargs, "groups": node.kwargs["groups"] // rw.size}
-        else:
-            args[6] = args[6] // rw.size
-        node.args = tuple(args)
+@localizer(*CONVOLUTIONS)
+def _conv(node: fx.Node, rw: Rewriter) -> None:
+    """A convolution over what this rank holds: a patch embedding's kernel rows, a row's input channels (summed,
+    then the bias), or whole groups (one group count per rank). A column and a split of the samples run as they
+    are."""
+    w, out = arg(node, "weight"), rw.placement(node)
+    if rw.placement(w) == Shard(2) and is_patch_conv(node):
+        _row_patch_conv(node, rw)
+    elif isinstance(out, Shard) and out.dim == 1 and arg(node, "groups") > 1:
+        _set_arg(node, "groups", arg(node, "groups") // rw.size)
+    elif arg(node, "groups") == 1 and rw.placement(w) == Shard(channel_dims(node)[1]) and out == R:
+        _row_conv(node, rw)
 
 
-@localizer(aten.conv2d.default, aten.conv2d.padding)
+@localizer(aten.group_norm.default)
+def _group_norm(node: fx.Node, rw: Rewriter) -> None:
+    """GroupNorm over this rank's channels: its whole groups."""
+    if rw.placement(node) == Shard(1):
+        _set_arg(node, "num_groups", arg(node, "num_groups") // rw.size)
+
+
+def _set_arg(node: fx.Node, name: str, value) -> None:
+    """Argument ``name`` of ``node`` set to ``value``, by position (the schema's defaults filled up to it) or by
+    keyword, as the node passes it."""
+    if name in node.kwargs:
+        node.kwargs = {**node.kwargs, name: value}
+        return
+    schema = node.target._schema.arguments
+    at = next(i for i, a in enumerate(schema) if a.name == name)
+    args = list(node.args) + [arg(node, a.name) for a in schema[len(node.args):at + 1]]
+    args[at] = value
+    node.args = tuple(args)
+
+
+def _row_conv(node: fx.Node, rw: Rewriter) -> None:
+    """This rank's input channels convolved with its slice of the filters, a partial sum: all-reduced, then the
+    bias added once (cast to the sum's dtype, as the one convolution would have it under autocast)."""
+    b = arg(node, "bias")
+    graph = node.graph
+    with graph.inserting_before(node):
+        partial = graph.call_function(node.target, node.args, node.kwargs)
+    partial.meta.update(node.meta)
+    _set_arg(partial, "bias", None)
+    out = rw.module(ReduceFromParallel(**rw.collective_args), (partial,), before=node, like=node)
+    if b is not None:
+        with graph.inserting_before(node):
+            cast = graph.call_function(aten.type_as.default, (b, out))
+            bias = graph.call_function(aten.view.default, (cast, [-1] + [1] * (meta.val(node).dim() - 2)))
+            out = graph.call_function(aten.add.Tensor, (out, bias))
+        for new in (cast, bias, out):
+            new.meta.update(node.meta)
+    rw.replace(node, out)
+
+
 def _row_patch_conv(node: fx.Node, rw: Rewriter) -> None:
     """A patch embedding with this rank's rows of the kernel: the rows of every patch they read taken from the
     image ((H / kh) patches of kh rows, this rank's kh / t of each), convolved with the patch's stride, the partial
     products all-reduced, then the bias added once."""
     x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
-    if rw.placement(w) != Shard(2):
-        return
     rw.even_parts("a patch embedding's kernel rows")
     _, channels, height, width = meta.val(x).shape
     kernel, kw = meta.val(w).shape[2:]

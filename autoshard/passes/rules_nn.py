@@ -62,88 +62,6 @@ def _reduce(node: fx.Node, ctx: Context) -> Decision:
     return Decision(p.at(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
 
 
-def _per_sample(node: fx.Node, ctx: Context) -> Decision | None:
-    """A convolution split along its batch of samples (dim 0 of a batched input, the filters whole): each rank
-    convolves its own samples. None for any other split."""
-    x, w = arg(node, "input"), arg(node, "weight")
-    p = ctx.of(x)
-    batched = isinstance(p, Shard) and p.dim == 0 and p.blocks is None and len(ctx.shape(x)) == len(ctx.shape(w))
-    if not batched or any(ctx.of(n) != R for n in tensor_inputs(node) if n is not x):
-        return None
-    return Decision(p)
-
-
-@rule(aten.conv3d.default, aten.conv_transpose2d.input, aten.convolution.default)
-def _conv(node: fx.Node, ctx: Context) -> Decision:
-    return _per_sample(node, ctx) or replicate_all(node, ctx)
-
-
-_POOLS = [aten.avg_pool1d.default, aten.avg_pool2d.default, aten.max_pool1d.default, aten.max_pool2d.default,
-          aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default, aten.upsample_nearest2d.default]
-
-
-@rule(*_POOLS)
-def _pool(node: fx.Node, ctx: Context) -> Decision:
-    """Pooling and resampling act on each (sample, channel) plane: a split of the samples stays."""
-    p = ctx.of(node.args[0])
-    if not (isinstance(p, Shard) and p.dim == 0 and p.blocks is None and len(ctx.shape(node.args[0])) >= 3):
-        return replicate_all(node, ctx)
-    return Decision(p)
-
-
-@rule(aten.group_norm.default)
-def _group_norm(node: fx.Node, ctx: Context) -> Decision:
-    """GroupNorm normalises each sample over its own channels: a split of the samples stays, weight and bias whole."""
-    x = node.args[0]
-    p = ctx.of(x)
-    if not (isinstance(p, Shard) and p.dim == 0 and p.blocks is None) or any(
-            ctx.of(n) != R for n in tensor_inputs(node) if n is not x):
-        return replicate_all(node, ctx)
-    return Decision(p)
-
-
-@rule(aten.conv1d.default)
-def _depthwise_conv(node: fx.Node, ctx: Context) -> Decision:
-    """A depthwise convolution (one filter per channel, ``groups`` = channels: a linear attention's short causal
-    conv): channels split stay split, each rank convolving its own with their filters. Split by samples: each rank
-    convolves its own."""
-    x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
-    p = ctx.of(x)
-    if (per_sample := _per_sample(node, ctx)) is not None:
-        return per_sample
-    channels = ctx.shape(x)[1] if len(ctx.shape(x)) == 3 else None
-    depthwise = channels is not None and arg(node, "groups") == channels == ctx.shape(w)[0]
-    if not (isinstance(p, Shard) and p.dim == 1 and depthwise):
-        return replicate_all(node, ctx)
-    want = {n: p.at(0) for n in (w, b) if n is not None and ctx.of(n) != p.at(0)}
-    return Decision(p, want)
-
-
-def is_patch_conv(node: fx.Node) -> bool:
-    """A 2-D convolution whose stride is its kernel, without padding, dilation or groups, over an image whose
-    height the kernel divides: a vision model's patch embedding, a linear over each patch's pixels."""
-    if node.op != "call_function" or node.target not in (aten.conv2d.default, aten.conv2d.padding):
-        return False
-    x, w, padding = arg(node, "input"), arg(node, "weight"), arg(node, "padding")
-    shape, kernel = Context.shape(x), list(Context.shape(w)[2:])
-    return (len(shape) == 4 and len(kernel) == 2 and shape[2] % kernel[0] == 0 and arg(node, "groups") == 1
-            and list(arg(node, "stride")) == kernel and (padding == "valid" or not isinstance(padding, str)
-                                                          and not any(padding))
-            and list(arg(node, "dilation")) == [1, 1])
-
-
-@rule(aten.conv2d.default, aten.conv2d.padding)
-def _patch_conv(node: fx.Node, ctx: Context) -> Decision:
-    """A patch embedding split by rows of its kernel (tp only): each rank convolves its rows of every patch, and one
-    all-reduce sums the products (the localizer's; the bias is added once, after it). Anything else replicates."""
-    w = arg(node, "weight")
-    others = [n for n in tensor_inputs(node) if n is not w]
-    if (ctx.of(w) == Shard(2) and ctx.axis.pending_sums and is_patch_conv(node) and ctx.shape(w)[2] % ctx.size == 0
-            and all(ctx.of(n) == R for n in others)):
-        return Decision(R)
-    return _per_sample(node, ctx) or replicate_all(node, ctx)
-
-
 # losses of each element: (op, position of ``reduction``); with reduction='none' element-wise
 ELEMENTWISE_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
                       aten.huber_loss.default: 2, aten.binary_cross_entropy.default: 3,
@@ -556,8 +474,8 @@ def _register_collectives() -> None:
 _register_collectives()
 
 
-# The arithmetic of the matmuls and convolutions whose sharding is decided elsewhere (tp's planner finds mm's
-# weight; the convolutions' rules above take some overloads): every overload of each op is counted alike.
+# The arithmetic of mm, whose sharding tp's planner decides (it finds the weight): every overload counted alike.
 op(aten.mm.default, flops=cost.mm_flops)
-op(aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
-   flops=cost.convolution_flops)
+
+# The rules for convolutions, pooling and the norms of images register themselves.
+from autoshard.passes import rules_conv  # noqa: E402, F401

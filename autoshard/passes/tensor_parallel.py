@@ -50,7 +50,8 @@ from autoshard.passes.collectives import (
 from autoshard.passes.placements import Placement, R, Shard
 from autoshard.passes.propagate import Propagation, cost, propagate, requires_grad
 from autoshard.passes.rules import arg, is_table_lookup, slice_bounds
-from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm, is_patch_conv
+from autoshard.passes.rules_conv import channel_dims, is_convolution, is_patch_conv
+from autoshard.passes.rules_nn import einsum_letters, is_grouped_mm
 from autoshard.passes.sharding import FALLBACKS, shard_axis  # noqa: F401 - FALLBACKS re-exported
 from autoshard.plan import ParamPlan, TensorParallelPlan
 
@@ -147,7 +148,18 @@ def _is_linear(node: fx.Node) -> bool:
     if node.target in _MATMULS:
         w, _ = _weight_node(node)
         return isinstance(w, fx.Node) and w.op == "get_attr" and len(meta.val(w).shape) == 2
-    return node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None or is_patch_conv(node)
+    return (node.target in _LINEARS or _stacked(node) or _einsum_weight(node) is not None or is_patch_conv(node)
+            or _is_dense_conv(node))
+
+
+def _is_dense_conv(node: fx.Node) -> bool:
+    """A convolution every output channel of which reads every input channel (no groups), over a batch: a linear
+    over each window, split by output channels as a column, by input channels as a row. (A grouped or depthwise one
+    keeps a channel split instead: see ``rules_conv``.)"""
+    if not is_convolution(node) or arg(node, "groups") != 1:
+        return False
+    x, w = arg(node, "input"), _undetached(arg(node, "weight"))
+    return isinstance(w, fx.Node) and w.op == "get_attr" and meta.val(x).dim() == meta.val(w).dim()
 
 
 def _is_left(node: fx.Node) -> bool:
@@ -216,6 +228,8 @@ def _weight_use(node: fx.Node) -> tuple[fx.Node | None, int]:
         return einsum[0], einsum[1]
     if is_patch_conv(node):  # (out channels, in channels, kernel rows, kernel columns)
         return arg(node, "weight"), 0
+    if is_convolution(node):  # (out, in, ...), or a transposed one's (in, out, ...)
+        return arg(node, "weight"), channel_dims(node)[0]
     if node.target in _LINEARS:
         w = arg(node, "weight" if node.target is aten.linear.default else "mat2")
         if (stack := _expert_of(w)) is not None:  # linear(x, W[i]): expert i of a stack (experts, out, in), as JetMoE's
@@ -324,12 +338,17 @@ def _in_dim(node: fx.Node) -> int:
         return einsum[2]
     if is_patch_conv(node):  # the kernel's rows: each rank reads its rows of every patch
         return 2
+    if is_convolution(node):
+        return channel_dims(node)[1]
     out = _out_dim(node)
     stacked = len(meta.val(_weight_node(node)[0]).shape) == 3
     return 3 - out if stacked else 1 - out  # (out, in) / (in, out); experts (e, out, in) / (e, in, out)
 
 
 def _bias(node: fx.Node) -> str | None:
+    if _is_dense_conv(node) and not is_patch_conv(node):  # a patch embedding's bias is added after its sum, whole
+        b = _undetached(arg(node, "bias"))
+        return b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
     if node.target not in _LINEARS:
         return None
     b = _undetached(arg(node, "bias" if node.target is aten.linear.default else "self"))  # by position or keyword
@@ -445,6 +464,7 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
     whole: dict[fx.Node, tuple[int, ...]] = {}  # blocks held whole (kv heads the degree does not divide)
     dropped: dict[fx.Node, str] = {}
     inner: set[fx.Node] = set()  # candidates fed by the region's split values: rows inside it
+    found: set[fx.Node] = set()  # convolutions outside the candidates that turned out to be rows inside it
     hinted: set[fx.Node] = set()
     baseline: dict[fx.Node, str] = {}
     prop = None
@@ -463,11 +483,19 @@ def _try_region(gm, plan, state, columns, row, indivisible, blockers: dict | Non
         gathers, fallbacks, conflicts = cost(prop, prop.changed)
         old = cost(state, prop.changed)
         if problem is None and gathers <= old[0] and fallbacks <= old[1] and not conflicts:
+            if (found or any(is_convolution(c) for c in live)) and _splits_a_residual(prop):
+                break  # the residual stream would stay split by channels: a block ends at its own row's sum
             _record(gm, plan, prop, live, row, blocks, dropped, inner, whole)
             return prop
         fed = [c for c in live if c not in inner and blocks[c] is None and _fed_split(prop, c)]
         if fed and row is not None:  # Mamba's x_proj reads the split channels: a row, its small output summed
             inner.update(fed)
+            continue
+        reached = _convs_fed_split(prop, plan, live, row)
+        if reached and row is not None:  # a squeeze-and-excitation gate's conv, the block's own last conv
+            columns = [*columns, *reached]
+            inner.update(reached)
+            found.update(reached)
             continue
         culprits = _conflicted(prop, live) if conflicts else ({problem[0]: problem[1]} if problem else {})
         hint = _hint(prop, live)
@@ -770,15 +798,41 @@ def _indivisible(gm, row: fx.Node, reason: str, size: int, mode: str) -> None:
     warnings.warn(message + "; the layer stays replicated", stacklevel=3)
 
 
+def _convs_fed_split(prop: Propagation, plan: TensorParallelPlan, live, row) -> list[fx.Node]:
+    """The convolutions outside the candidates that would gather the channels the region splits: rows inside it (a
+    squeeze-and-excitation gate's reducing conv, its small output summed; the block's projection after the gate).
+    Found by propagation, as a transformer's blocks have no such rows, only for convolutions."""
+    return [n for n in sorted(prop.changed, key=lambda n: n.name)
+            if _is_dense_conv(n) and not is_patch_conv(n) and n not in live and n is not row
+            and _is_free(n, plan, None) and _fed_split(prop, n)]
+
+
+_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}  # a residual joined (``h += x``)
+
+
+def _splits_a_residual(prop: Propagation) -> bool:
+    """Whether a split value is added to a whole one of its shape, which each rank then takes its part of: a residual
+    stream joined by a block's channels, so that the sum (the stream) would stay split. Megatron's blocks end at their
+    row's all-reduce, and the stream stays whole."""
+    for node in prop.changed:
+        decision = prop.decisions.get(node)
+        if node.target in _SUMS and decision is not None and any(
+                isinstance(want, Shard) and prop.of(value) == R and meta.val(value).shape == meta.val(node).shape
+                for value, want in decision.want.items()):
+            return True  # (a bias broadcast over the image is no stream: each rank takes its channels' part)
+    return False
+
+
 def _fed_split(prop: Propagation, c: fx.Node) -> bool:
     """Whether the region splits the features ``c`` reads, which ``c`` as a column would gather."""
     x, decision = _input(c), prop.decisions.get(c)
-    feature = len(meta.val(x).shape) - (2 if _is_left(c) else 1)
+    feature = 1 if is_convolution(c) else len(meta.val(x).shape) - (2 if _is_left(c) else 1)
     return prop.of(x) == Shard(feature) and decision is not None and decision.want.get(x) == R
 
 
 def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset(), whole=None) -> None:
-    kind = "attention" if any(_is_attention(n) for n in prop.changed) else "MLP" if row is not None else "output"
+    kind = ("attention" if any(_is_attention(n) for n in prop.changed) else "output" if row is None
+            else "convolution" if is_convolution(row) else "MLP")
     closed = f"{kind} block closed by {meta.module_path(row) or row.name}" if row is not None else ""
     for c in columns:
         if c in inner:
@@ -792,7 +846,9 @@ def _record(gm, plan, prop, columns, row, blocks, dropped, inner=frozenset(), wh
         if held:
             layout += (f" with block{'s' if len(held) > 1 else ''} {', '.join(str(i) for i in held)} whole on every "
                        "rank (kv heads the degree does not divide, duplicated)")
-        reason = f"column of {closed}{layout}" if row is not None else "column-parallel output (vocab-parallel loss)"
+        alone = ("column alone: its output channels stay split through the layers after it" if is_convolution(c)
+                 else "column-parallel output (vocab-parallel loss)")
+        reason = f"column of {closed}{layout}" if row is not None else alone
         for name, placement in _column_seeds(c, blocks[c], held).items():
             plan.params[name] = ParamPlan(placement, "column", reason)
     if row is not None:
