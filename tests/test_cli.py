@@ -93,7 +93,7 @@ def test_plan_540b_from_the_entry_point():
     done = subprocess.run([sys.executable, "-m", "autoshard.cli", *PALM_540B], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "490.5B parameters" in done.stdout and "4096 GPUs = 512 nodes x 8" in done.stdout
+    assert "490.5B parameters" in done.stdout and "4096 GPUs of the H100 preset = 512 nodes x 8" in done.stdout
     first = next(line for line in done.stdout.splitlines() if line.startswith("  1 "))
     dp, tp, pp = (int(x) for x in first.split()[1:4])
     assert tp == 8 and dp > 1 and pp > 1
