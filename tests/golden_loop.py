@@ -719,14 +719,15 @@ def spread_loop(name: str, mesh_kwargs: dict, **options) -> dict:
 
 
 class _FailsWhenAsked(torch.autograd.Function):
-    """Identity; raises in its forward on the ranks in ``ASKED["fail"]`` (a stage's own error, on a rank that runs
-    it)."""
+    """Times one; raises in its forward on the ranks in ``ASKED["fail"]`` (a stage's own error, on a rank that runs
+    it). Not the identity as traced (a Function proven the identity is seen through at capture, its Python frozen
+    as the rest of the model's is): kept whole, its forward runs each step."""
 
     @staticmethod
     def forward(ctx, x):
         if dist.is_initialized() and dist.get_rank() in ASKED["fail"]:
             raise ValueError("the stage's own error")
-        return x.view_as(x)
+        return x * 1.0
 
     @staticmethod
     def backward(ctx, grad):

@@ -138,7 +138,7 @@ def check_dot(text: str, *, collectives: int, receives: int) -> None:
     (["missing/file.py:make"], "no file 'missing/file.py'"),
     ([f"{TESTS / 'models.py'}:nothing"], "has no 'nothing'; it defines"),
     ([f"{TESTS / 'models.py'}:build"], "build() raised TypeError: build() missing 1 required positional argument"),
-    ([f'{TESTS / "models.py"}:build("resnet")'], "build() raised ValueError: unknown zoo model 'resnet'"),
+    ([f'{TESTS / "models.py"}:build("vgg")'], "build() raised ValueError: unknown zoo model 'vgg'"),
     ([f"{TESTS / 'models.py'}:GPTConfig"], "returned a GPTConfig: return a model, (model, example_inputs"),
     ([f"{TESTS / 'models.py'}:build(name)"], "only literals"),
     ([GPT, "--mesh", "tp=0"], "tp=0 is not a valid degree"),

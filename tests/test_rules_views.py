@@ -378,7 +378,7 @@ def _covered() -> set:
 
     ops = {case[0] for case in VIEW_CASES + POINTWISE_CASES + IN_PLACE_CASES}
     for table in (layers.LINEAR_CASES, layers.NORM_CASES, layers.SOFTMAX_CASES, layers.REDUCE_CASES,
-                  layers.MATMUL_CASES, layers.PER_SAMPLE_CASES):
+                  layers.MATMUL_CASES, layers.PER_SAMPLE_CASES, layers.CONV_CASES):
         ops |= {case.values[0] for case in table}
     ops |= {aten.scaled_dot_product_attention.default, aten.embedding.default, aten.cross_entropy_loss.default,
             aten._assert_tensor_metadata.default,  # test_a_metadata_check_passes_any_placement

@@ -430,7 +430,7 @@ class ParallelModel(nn.Module):
                    "same batch (no DistributedSampler or per-rank shuffling or augmentation), or pass local_batch=True "
                    "where each dp rank reads its own part")
         axes = alike.batch_axes(self.options.local_batch)
-        with self._guard("comparing the ranks' batches"):
+        with stall_guard(self.mesh, self.groups, self._steps + 1, "comparing the ranks' batches"):
             alike.check(f"step {self._steps + 1}'s batch", tensors, self.groups, axes, fix, self.device)
 
     def _divisor(self, build: RankBuild, inputs: tuple, target: torch.Tensor, microbatches: list):
