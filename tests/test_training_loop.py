@@ -219,9 +219,9 @@ def test_a_stages_failure_ends_the_step_on_its_peer_at_once_with_its_error(pools
         assert result["after"] is None, (rank, result)  # the drained pipeline's groups are in step: it trains on
 
 
-@pytest.mark.parametrize("mesh,attention,options", [
-    ({"tp": 2}, False, {}), ({"dp": 2}, False, {}), ({"cp": 2}, True, {}), ({"cp": 2}, True, {"cp_attention": "ring"})],
-    ids=["tp2", "dp2", "cp2", "cp2-ring"])
+# not the ring: a gloo point-to-point wait cannot be sliced (a timed-out wait closes its connection)
+@pytest.mark.parametrize("mesh,attention,options", [({"tp": 2}, False, {}), ({"dp": 2}, False, {}),
+                                                    ({"cp": 2}, True, {})], ids=["tp2", "dp2", "cp2"])
 def test_a_ranks_failure_ends_the_step_on_its_peers_at_once_and_later_steps_are_refused(pools, mesh, attention,
                                                                                         options):
     """Rank 1's forward raises; rank 0 waits in a collective of that step (tp's all-reduce, DDP's bucket, cp's

@@ -229,8 +229,11 @@ def _rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 
 def _wait(works: list) -> None:
+    """Wait for the ring's sends and receives for as long as the group allows. Not in ``peers.wait``'s one-second
+    slices: a gloo point-to-point wait that times out closes its connection, so a peer a second late (compiling, or
+    on a crowded machine) would end a healthy step. A peer's failure here ends the step at the group's timeout."""
     for work in works:
-        peers.wait(work)
+        work.wait()
 
 
 # ------------------------------------------------------------------------------------------- block math
