@@ -190,7 +190,7 @@ def op_name(target: object) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _linear(node: fx.Node, shape_map: ShapeMap) -> Dim:
+def linear_flops(node: fx.Node, shape_map: ShapeMap) -> Dim:
     out = _output_numel(node, shape_map)
     k = _shape(node.args[0], shape_map)[-1]
     has_bias = _arg(node, 2, "bias") is not None
@@ -208,7 +208,7 @@ def _matmul_rule(left: int, adds: bool) -> Callable[[fx.Node, ShapeMap], Dim]:
     return rule
 
 
-def _sdpa(node: fx.Node, shape_map: ShapeMap) -> Dim:
+def attention_flops(node: fx.Node, shape_map: ShapeMap) -> Dim:
     q, k, v = (_shape(a, shape_map) for a in node.args[:3])  # (B, H, Tq, D), (B, Hkv, Tk, D), (B, Hkv, Tk, Dv)
     causal = bool(_arg(node, 5, "is_causal", False))
     rows = _numel(q[:-1])  # B * H * Tq
@@ -216,7 +216,7 @@ def _sdpa(node: fx.Node, shape_map: ShapeMap) -> Dim:
     return (1 if causal else 2) * rows * k[-2] * (q[-1] + v[-1])
 
 
-def _convolution(node: fx.Node, shape_map: ShapeMap) -> Dim:
+def convolution_flops(node: fx.Node, shape_map: ShapeMap) -> Dim:
     transposed = node.target is torch.ops.aten.convolution.default and bool(_arg(node, 6, "transposed", False))
     weight = _shape(node.args[1], shape_map)  # (Cout, Cin/groups, *kernel); transposed: (Cin, Cout/groups, *kernel)
     # Every output element (every input element when transposed) is a dot product of length prod(weight[1:]).
@@ -225,7 +225,7 @@ def _convolution(node: fx.Node, shape_map: ShapeMap) -> Dim:
     return 2 * positions * _numel(weight[1:]) + (_output_numel(node, shape_map) if has_bias else 0)
 
 
-def _einsum(node: fx.Node, shape_map: ShapeMap) -> Dim:
+def einsum_flops(node: fx.Node, shape_map: ShapeMap) -> Dim:
     """``2 * `` the product of every index's size (each output element is a dot product over the contracted
     indices), per contraction of one more operand; an ellipsis counts as one index of its dims' product."""
     equation, operands = node.args[0], node.args[1]
@@ -268,12 +268,8 @@ def timing(target: object) -> str | None:
     return TIMING.get(getattr(target, "overloadpacket", target))
 
 
-linear_flops = _linear
 mm_flops = _matmul_rule(0, adds=False)
 addmm_flops = _matmul_rule(1, adds=True)
-einsum_flops = _einsum
-attention_flops = _sdpa
-convolution_flops = _convolution
 
 
 # Views of their input: no arithmetic and no new memory.

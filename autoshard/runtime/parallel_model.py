@@ -412,7 +412,7 @@ class ParallelModel(nn.Module):
 
     def _check_alike_model(self, model: nn.Module) -> None:
         """Every rank built the same model (``runtime.alike``); a model on ``meta`` is materialized alike later."""
-        params = [p for p in model.parameters()]
+        params = list(model.parameters())
         if any(p.device.type == "meta" for p in params):
             return
         alike.check("the model's parameters", params, self.groups, ("dp", "cp", "tp", "pp"),
