@@ -21,7 +21,7 @@ demo: setup
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		examples/train_gpt.py --dp 2 --tp 2 --pp 2
 
-# Tiers (tests/tiers.py): quick on every change, the CI tier (what .ci/run runs), full before resolving.
+# Tiers (tests/harness/tiers.py): quick on every change, the CI tier (what .ci/run runs), full before resolving.
 test: setup
 	$(PY) -m pytest -q -m "not full"
 
@@ -39,7 +39,7 @@ bench: setup
 gpu-check: setup
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
-# Seeded one-line bugs, each against the tests that must catch it, in a copy of HEAD (tests/mutations.py).
+# Seeded one-line bugs, each against the tests that must catch it, in a copy of HEAD (tests/harness/mutations.py).
 mutate: setup
 	$(PY) tests/mutate.py
 

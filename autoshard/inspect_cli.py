@@ -10,7 +10,7 @@ stages, the collectives per microbatch and per step, and the planner's lint. Thi
 arguments and loads the factory.
 
 The factory contract. ``FACTORY()`` (or ``FACTORY(args)`` with literal arguments, e.g.
-``tests/models.py:build("gpt")``) returns ``(model, example_inputs[, target, loss_fn])``, a dict or an object
+``tests/harness/models.py:build("gpt")``) returns ``(model, example_inputs[, target, loss_fn])``, a dict or an object
 with those (``inputs`` also works), or a bare ``nn.Module`` whose global batch is made up from its first layer
 (``--batch`` x ``--seq`` token ids, or ``--batch`` x in_features values). With ``loss_fn`` and ``target`` the
 training graph is inspected, else the inference graph. ``--schedule NAME`` picks the pipeline schedule.
@@ -45,8 +45,8 @@ HELP = "print the plan, the code and the collectives of one rank, without any pr
 _EPILOG = """\
 FACTORY returns (model, example_inputs[, target, loss_fn]), a dict with those keys, an object with those
 attributes, or a bare model (inputs made from its first layer and --batch/--seq). examples:
-  autoshard inspect 'tests/models.py:build("gpt")' --mesh tp=2,pp=2 --rank 1 --microbatches 4 --schedule
-  autoshard inspect tests/models.py:build_gpt_model --mesh cp=2 --dot graphs/
+  autoshard inspect 'tests/harness/models.py:build("gpt")' --mesh tp=2,pp=2 --rank 1 --microbatches 4 --schedule
+  autoshard inspect tests/harness/models.py:build_gpt_model --mesh cp=2 --dot graphs/
 """
 
 
@@ -252,7 +252,7 @@ def _arguments(text: str | None, spec: str) -> tuple[tuple, dict]:
         kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
     except (SyntaxError, ValueError, AssertionError) as e:
         raise InspectError(f"cannot read the arguments of {spec!r}: only literals (strings, numbers, lists, ...) "
-                           "may be passed, e.g. 'tests/models.py:build(\"gpt\", seed=1)'") from e
+                           "may be passed, e.g. 'tests/harness/models.py:build(\"gpt\", seed=1)'") from e
     return args, kwargs
 
 

@@ -31,7 +31,7 @@ def _parallel(mesh_kwargs: dict):
     sys.path.insert(0, str(ROOT / "tests"))
     import autoshard
 
-    from models import build_gpt_model, token_loss
+    from harness.models import build_gpt_model, token_loss
 
     torch.set_num_threads(1)
     model = build_gpt_model(**SHAPE, device="meta")
@@ -115,7 +115,7 @@ def main() -> None:
         "",
         "command: `.venv/bin/python bench/checkpoint.py`",
         "",
-        f"GPT of tests/models.py built on `meta`: {SHAPE['n_layer']} layers, hidden {SHAPE['n_embd']}, vocab "
+        f"GPT of tests/harness/models.py built on `meta`: {SHAPE['n_layer']} layers, hidden {SHAPE['n_embd']}, vocab "
         f"{SHAPE['vocab']} (tied embedding / LM head), fp32: {full / gib:.2f} GiB of parameters, "
         f"{state / gib:.2f} GiB with AdamW's two moments. Saved at tp=2 on 2 processes (one thread each), "
         "loaded at pp=2 (resharded) and at tp=2.",

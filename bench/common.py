@@ -1,6 +1,6 @@
 """What the benchmark scripts share: paths, the benchmark GPT's shape and data, statistics, machine load.
 
-The timed model is the nanoGPT-style GPT of the test zoo (``tests/models.py``) at a shape big enough
+The timed model is the nanoGPT-style GPT of the test zoo (``tests/harness/models.py``) at a shape big enough
 that a CPU training step takes tens of milliseconds, so that the time of a step is dominated by the
 model's own arithmetic rather than by Python overhead.
 
@@ -38,7 +38,7 @@ class GPTShape:
 
     def describe(self) -> str:
         return (
-            f"nanoGPT-style GPT from tests/models.py: {self.n_layer} layers, hidden {self.n_embd}, "
+            f"nanoGPT-style GPT from tests/harness/models.py: {self.n_layer} layers, hidden {self.n_embd}, "
             f"{self.n_head} heads, vocab {self.vocab}, sequence {self.seq}, global batch {self.batch}"
         )
 
@@ -54,7 +54,7 @@ def build_gpt_case(shape: GPTShape = GPT_SHAPE, seed: int = 0):
     """
     import torch
 
-    from models import build_gpt_model, token_data, token_loss
+    from harness.models import build_gpt_model, token_data, token_loss
 
     torch.manual_seed(seed)
     model = build_gpt_model(

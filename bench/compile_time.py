@@ -22,7 +22,7 @@ from common import REPO  # noqa: F401 - importing common puts tests/ on sys.path
 
 import autoshard
 
-from models import build_llama_model, token_loss
+from harness.models import build_llama_model, token_loss
 
 
 def peak_rss_mib() -> float:

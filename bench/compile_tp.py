@@ -5,7 +5,7 @@
         --ffn 11008 --vocab 32000 --seq 2048 --tp 8    # one shape: one JSON line
 
 What ``parallelize(model, Mesh(tp=8))`` does before the first step, phase by phase, for tp rank 0: build the
-Llama-style decoder of ``tests/models.py`` on ``meta``; ``autoshard.capture`` of model and loss (torch.export)
+Llama-style decoder of ``tests/harness/models.py`` on ``meta``; ``autoshard.capture`` of model and loss (torch.export)
 plus the token-loss rewrite that ``parallelize`` applies (``find_token_loss``, ``sum_loss_pass``);
 ``plan_tensor_parallel`` (pattern search and sharding propagation over the whole graph); ``codegen.build``
 (copy the graph, insert the collectives, rewrite sizes, slice the parameters: rank 0's program, built with no
@@ -54,7 +54,7 @@ def measure(shape: dict, tp: int) -> dict:
     from autoshard.passes.loss import find_token_loss, sum_loss_pass
     from autoshard.passes.tensor_parallel import plan_tensor_parallel
 
-    from models import build_llama_model, token_loss
+    from harness.models import build_llama_model, token_loss
 
     rss_after_import = peak_rss_mib()
     clock = [time.perf_counter()]
@@ -132,7 +132,8 @@ def section(results: dict[str, dict], tp: int) -> str:
     lines = [
         f"## Tensor-parallel compile time at tp={tp} on the `meta` device",
         "",
-        "Llama-style decoder of tests/models.py (`build_llama_model`), vocab 32000, sequence 2048, batch 1, built on "
+        "Llama-style decoder of tests/harness/models.py (`build_llama_model`), vocab 32000, sequence 2048, batch 1, "
+        "built on "
         "`meta`, one shape per fresh process, no process group. *capture*: `autoshard.capture` of model and loss "
         f"(torch.export) plus the token-loss rewrite; *plan*: `plan_tensor_parallel(gm, {tp})`; *codegen*: "
         "`codegen.build` of rank 0's program (collectives inserted, sizes made local, parameters sliced). "

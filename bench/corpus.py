@@ -41,7 +41,7 @@ from conftest import Pools as SessionPools  # noqa: E402
 from corpus import cells  # noqa: E402
 from corpus.architectures import check_eager, names  # noqa: E402
 
-from launcher import WorkerPool, WorkerTimeout  # noqa: E402
+from harness.launcher import WorkerPool, WorkerTimeout  # noqa: E402
 
 ORDER = ("tp2", "dp2", "pp2", "cp2", "dp2xtp2xpp2")  # the meshes (tests/corpus/cells.py), in the order a run fills
 # run only when asked (--meshes tp4 --only ...)

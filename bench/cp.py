@@ -3,7 +3,7 @@
     .venv/bin/python bench/cp.py            # writes bench/results_cp.md and prints it
 
 One job per cp degree (``bench/cp_worker.py``, one thread per rank): cp=1 in one plain process (``Mesh()``),
-cp=2 and cp=4 under ``torchrun --standalone``. Each job runs the 4-layer GPT of ``tests/models.py`` (hidden
+cp=2 and cp=4 under ``torchrun --standalone``. Each job runs the 4-layer GPT of ``tests/harness/models.py`` (hidden
 128, 4 heads, vocab 256, global batch 4) at sequence lengths 128, 256 and 512 (``--seqs``) with the three
 attention strategies (``cp_attention="gather"``, ``"ring"`` and ``"alltoall"``, load-balanced causal layout), and
 at the sequences of ``--unbalanced`` also without load balance. Per configuration: the bytes autograd saves for
@@ -120,7 +120,8 @@ TIME_HEADER = ["seq", "cp", "attention", "median step ms", "p10–p90 ms", "vs c
 
 def notes(jobs: dict) -> list[str]:
     out = [
-        f"- Model: the nanoGPT-style GPT of tests/models.py, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, vocab "
+        f"- Model: the nanoGPT-style GPT of tests/harness/models.py, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, "
+        "vocab "
         f"{VOCAB}, learned positions sized to the sequence; global batch 4; fp32, AdamW; one microbatch. Every "
         "configuration ran under `autoshard.parallelize(model, Mesh(cp=c), cp_attention=..., cp_load_balance=...)` "
         "on the unmodified model; cp=1 is `Mesh()` in one process. *loss diff vs unsharded* is the first step's "

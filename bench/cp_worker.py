@@ -5,7 +5,7 @@
         --seqs 128,256,512 --attention gather,ring --out result.json                           # cp=2
 
 The world size is the cp degree: ``autoshard.parallelize(model, Mesh(cp=c), cp_attention=...,
-cp_load_balance=...)`` on the unmodified GPT of ``tests/models.py`` (4 layers, hidden 128, 4 heads, vocab 256),
+cp_load_balance=...)`` on the unmodified GPT of ``tests/harness/models.py`` (4 layers, hidden 128, 4 heads, vocab 256),
 one configuration per sequence length and attention strategy (one process: ``Mesh()``). For each:
 
 1. the loss of the first step against the unsharded model's in the same process;
@@ -36,7 +36,7 @@ from step_time import pin_to_core, time_runners
 import autoshard
 from autoshard.explain import communication
 
-from models import build_gpt_model, token_data, token_loss
+from harness.models import build_gpt_model, token_data, token_loss
 
 LAYERS, HIDDEN, HEADS, VOCAB = 4, 128, 4, 256
 LR = 1e-3

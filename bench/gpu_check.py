@@ -64,7 +64,7 @@ def _error(e: BaseException) -> str:
 def _golden(name: str, mesh_kwargs: dict, device: str, groups=None, **options) -> dict:
     import autoshard
 
-    from models import build
+    from harness.models import build
 
     case = build(name, device=device)
     mesh = autoshard.Mesh(**mesh_kwargs)

@@ -100,7 +100,8 @@ def notes(eager: dict, mesh: dict) -> list[str]:
     full = result.get("full_param_bytes", 0)
     counters = max((b["step_counters"] for b in result.get("bytes", {}).get("autoshard", [])), default=0)
     out = [
-        f"- Model: the nanoGPT-style GPT of tests/models.py, {LAYERS} layers, hidden 128, 4 heads, ffn 512, vocab 256 "
+        f"- Model: the nanoGPT-style GPT of tests/harness/models.py, {LAYERS} layers, hidden 128, 4 heads, ffn 512, "
+        "vocab 256 "
         f"(tied embedding / LM head), sequence 64; global batch {BATCH}: each dp rank takes 8 rows in "
         f"{MICROBATCHES} microbatches of 2, schedule 1F1B; both split the layers 4 / 4 (autoshard's own "
         "partition cuts after block 3 here, the hand-written stages are equal by construction); fp32, AdamW "

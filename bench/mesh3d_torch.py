@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from tp_dtensor import dtensor_tp_gpt
 
-from models import token_loss
+from harness.models import token_loss
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
     GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 8 bench/mesh3d_worker.py --out result.json
     .venv/bin/python bench/mesh3d_worker.py --eager --out result.json       # the unsharded model, one process
 
-Under torchrun (8 processes) the 8-layer zoo GPT (``tests/models.py``: hidden 128, 4 heads, vocab 256, sequence
+Under torchrun (8 processes) the 8-layer zoo GPT (``tests/harness/models.py``: hidden 128, 4 heads, vocab 256, sequence
 64) trains on one global batch of 16 in two ways, taking turns step by step:
 
 - ``autoshard``: ``parallelize(model, Mesh(dp=2, tp=2, pp=2), microbatches=4, schedule="1f1b")``, the model
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 
-from models import token_loss
+from harness.models import token_loss
 
 LAYERS, BATCH, VOCAB, MICROBATCHES = 8, 16, 256, 4
 MESH = {"dp": 2, "tp": 2, "pp": 2}

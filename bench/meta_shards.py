@@ -29,7 +29,7 @@ def worker() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import autoshard
 
-    from models import GPT, build_gpt_model, token_loss
+    from harness.models import GPT, build_gpt_model, token_loss
 
     torch.set_num_threads(1)
     model = build_gpt_model(**SHAPE, device="meta")
@@ -75,7 +75,7 @@ def main() -> None:
         "",
         "command: `.venv/bin/python bench/meta_shards.py`",
         "",
-        f"GPT of tests/models.py on `meta`: {SHAPE['n_layer']} layers, hidden {SHAPE['n_embd']}, "
+        f"GPT of tests/harness/models.py on `meta`: {SHAPE['n_layer']} layers, hidden {SHAPE['n_embd']}, "
         f"vocab {SHAPE['vocab']} (tied embedding / LM head), fp32; tp=2 on 2 processes; rank 0's figures.",
         "",
         "| shards filled with | whole model | parameters allocated on rank 0 (tp=2) | largest module | peak RSS of "

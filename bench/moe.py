@@ -156,7 +156,7 @@ class Runner:
 def runners(model, tokens, target, mesh) -> dict[str, Runner]:
     import autoshard
 
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     eager = copy.deepcopy(model)
     pm = autoshard.parallelize(copy.deepcopy(model), autoshard.Mesh(tp=mesh.size()), example_inputs=(tokens,),

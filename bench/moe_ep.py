@@ -74,7 +74,7 @@ def build(name: str, seed: int = 0):
 def runners(model, tokens, target, world: int) -> dict[str, Runner]:
     import autoshard
 
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     eager = copy.deepcopy(model)
 

@@ -139,7 +139,7 @@ def _release_groups() -> None:
 def _one(model, tokens, target, mesh, opts, warmup: int, steps: int, saved: bool) -> tuple[float, int]:
     from pp_worker import SavedBytes
 
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     if str(mesh) not in _GROUPS:  # one set of groups per mesh, for both passes: a gloo group holds threads and
         _GROUPS[str(mesh)] = mesh.create_groups()  # sockets, and hundreds of them slowed the later candidates
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--calibrate", choices=("each", "once"), default="each",
                         help="calibrate before each model's candidates (default) or once before the first")
     args = parser.parse_args()
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

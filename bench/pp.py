@@ -3,7 +3,7 @@
     .venv/bin/python bench/pp.py            # writes bench/results_pp.md and prints it
 
 1. ``torchrun --standalone --nproc-per-node p`` jobs (``bench/pp_worker.py``, one thread per rank) for p = 2 and
-   4 train the 8-layer zoo GPT of ``tests/models.py`` with GPipe, 1F1B and interleaved 1F1B (v=2), each with
+   4 train the 8-layer zoo GPT of ``tests/harness/models.py`` with GPipe, 1F1B and interleaved 1F1B (v=2), each with
    autoshard (the model unmodified, cut by its own partitioner) and with ``torch.distributed.pipelining``
    (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, stages written by
    hand on the same layers), with the same schedule and microbatches: median step time, autoshard's measured
@@ -120,7 +120,7 @@ def balance_rows() -> list[list[str]]:
     from autoshard import codegen
     from autoshard.passes.partition import partition
 
-    from models import token_loss
+    from harness.models import token_loss
 
     rows = []
     for vocab in BALANCE_VOCABS:
@@ -204,7 +204,7 @@ NOTES = [
 def sections(jobs: dict[str, dict]) -> list[str]:
     out = [
         "## Pipeline parallelism: autoshard vs torch.distributed.pipelining",
-        f"nanoGPT-style GPT of tests/models.py: {LAYERS} layers, hidden 128, 4 heads, vocab 256, sequence 64, "
+        f"nanoGPT-style GPT of tests/harness/models.py: {LAYERS} layers, hidden 128, 4 heads, vocab 256, sequence 64, "
         f"global batch {BATCH}, {MICROBATCHES} microbatches; fp32, AdamW.",
         "### Step time (same split, schedule and m)\n\n" + report.table(STEP_HEADER, step_rows(jobs), "lllllll"),
         "### Bubble: measured against the formulas\n\n" + report.table(BUBBLE_HEADER, bubble_rows(jobs), "lllrrrrrr"),

@@ -3,7 +3,8 @@
     GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 2 bench/pp_worker.py \\
         --schedules gpipe,1f1b,interleaved --microbatches 8 --out result.json
 
-The zoo GPT (``tests/models.py``) trains on one global batch, for each schedule twice, taking turns step by step:
+The zoo GPT (``tests/harness/models.py``) trains on one global batch, for each schedule twice, taking turns step by
+step:
 
 - ``autoshard``: ``parallelize(model, Mesh(pp=p), microbatches=m, schedule=..., chunks=v)``, the model unmodified
   and cut by autoshard's own partitioner into ``p * v`` stages;
@@ -40,7 +41,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import autoshard
 from autoshard import meta, schedules
 
-from models import build_gpt_model, token_data, token_loss
+from harness.models import build_gpt_model, token_data, token_loss
 
 LR = 1e-3
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}

@@ -225,7 +225,7 @@ def compile_section(results: dict[str, dict]) -> str:
         "## Compile (capture) time as the model grows",
         "",
         "`autoshard.capture(model, (tokens,), loss_fn=token_loss, example_target=target)` of the Llama-style "
-        "decoder of tests/models.py (`build_llama_model`), built on the `meta` device with meta tokens and "
+        "decoder of tests/harness/models.py (`build_llama_model`), built on the `meta` device with meta tokens and "
         "targets, one shape per fresh process. *capture s* is the wall time of `capture` (torch.export of model "
         "and loss, plus parameter provenance); *RSS after imports* is the process's peak resident memory before "
         "the model is built, *peak RSS* its peak at the end (`resource.getrusage`). The gap to *fp32 weights* "

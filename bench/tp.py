@@ -4,7 +4,7 @@
 
 1. One ``torchrun --standalone --nproc-per-node 2`` job (``bench/tp_worker.py``, one thread per rank) trains the
    zoo GPT (fused qkv, tied LM head) and the Llama-style decoder (separate q/k/v, grouped-query attention,
-   SwiGLU) of ``tests/models.py`` at tp=2, each with autoshard (``parallelize(model, Mesh(tp=2))``, the model
+   SwiGLU) of ``tests/harness/models.py`` at tp=2, each with autoshard (``parallelize(model, Mesh(tp=2))``, the model
    unmodified) and with DTensor's ``parallelize_module`` under the hand-written plans and model edits of
    ``bench/tp_dtensor.py``: collectives and bytes per training step, all counted by one dispatch-level counter
    (and autoshard's analytic count), median step time taking turns step by step, parameter bytes per rank,

@@ -3,7 +3,7 @@
     GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 2 bench/tp_dtensor.py --model gpt --tp 2 --json
 
 This is what a user of ``torch.distributed.tensor.parallel`` writes by hand for the two decoders of the test
-zoo (``tests/models.py``), and what autoshard's tensor parallelism is measured against. For each model and
+zoo (``tests/harness/models.py``), and what autoshard's tensor parallelism is measured against. For each model and
 plan one run reports, from rank 0:
 
 - exactness against the unsharded model built from the same seed in the same process: the loss, every
@@ -93,7 +93,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_leaves
 
-from models import _perturb_constant_params, build_gpt_model, build_llama_model, token_data, token_loss
+from harness.models import _perturb_constant_params, build_gpt_model, build_llama_model, token_data, token_loss
 
 MODEL_EDITS = {
     "gpt": [

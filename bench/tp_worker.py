@@ -3,7 +3,7 @@
     GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc-per-node 2 bench/tp_worker.py --models gpt,llama \\
         --out result.json
 
-For each decoder of the test zoo (``tests/models.py``, at the shape of ``bench/tp_dtensor.py``), built once from
+For each decoder of the test zoo (``tests/harness/models.py``, at the shape of ``bench/tp_dtensor.py``), built once from
 one seed, four runners train the same batch:
 
 - ``eager``: the unsharded model, on each rank (the reference for exactness and time);
@@ -55,7 +55,7 @@ from tp_dtensor import (
 import autoshard
 from autoshard.explain import communication
 
-from models import token_loss
+from harness.models import token_loss
 
 _COLLECTIVE_PACKETS = (set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | c10d_collective_ops
                        | {torch.ops._dtensor.shard_dim_alltoall})

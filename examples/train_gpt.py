@@ -5,7 +5,7 @@
 Every rank builds the same model from one seed, autoshard parallelizes it for the mesh, and a few
 AdamW steps run on a fixed batch. Each rank also trains an unsharded copy on the whole batch, so the
 demo ends with the largest difference between the parallel and the unsharded losses. The model is the
-nanoGPT-style GPT of the test zoo (tests/models.py).
+nanoGPT-style GPT of the test zoo (tests/harness/models.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import autoshard  # noqa: E402
 
-from models import build  # noqa: E402
+from harness.models import build  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher import WorkerPool
+from harness.launcher import WorkerPool
 
 
 class Pools:
@@ -33,10 +33,10 @@ def pools():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the tier run on every change (make test-quick)")
-    config.addinivalue_line("markers", "full: run only by make test-full (see tests/tiers.py)")
+    config.addinivalue_line("markers", "full: run only by make test-full (see tests/harness/tiers.py)")
 
 
 def pytest_collection_modifyitems(config, items):
-    import tiers
+    from harness import tiers
 
     tiers.assign(items)

@@ -1,6 +1,6 @@
 """``make mutate``: is the suite strong enough to catch the bugs it exists to catch?
 
-Each entry of ``mutations.MUTANTS`` is a seeded one-line bug (a file, its exact original text, the text that
+Each entry of ``harness.mutations.MUTANTS`` is a seeded one-line bug (a file, its exact original text, the text that
 replaces it) and the tests that must catch it. This runner copies the repository to a temporary directory
 (the committed ``HEAD`` by default, or ``--worktree`` for the files as they are now), applies one mutant at a
 time there, runs only that mutant's tests (with a time limit) and reports each mutant caught or survived. The
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mutations import MUTANTS, Mutant  # noqa: E402 - the list sits next to this file
+from harness.mutations import MUTANTS, Mutant  # noqa: E402 - the list sits in harness/, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 _MODULES = ("autoshard", "autoshard.passes", "autoshard.passes.localize", "autoshard.runtime.parallel_model")

@@ -3,8 +3,9 @@ stops with the same error before the optimizer applies it; a finite run is uncha
 
 from __future__ import annotations
 
-import golden_anomaly
 import pytest
+
+from harness import golden_anomaly
 
 MESHES = [({"tp": 2}, 2), ({"pp": 2}, 2), ({"dp": 2}, 2)]
 

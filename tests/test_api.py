@@ -11,10 +11,10 @@ import torch
 
 import autoshard
 
-import golden
-from models import build
+from harness import golden
+from harness.models import build
 
-GPT = f'{Path(__file__).resolve().parent / "models.py"}:build("gpt")'
+GPT = f'{Path(__file__).resolve().parent / "harness" / "models.py"}:build("gpt")'
 
 
 def test_one_rank_equals_eager_bit_for_bit():
@@ -176,7 +176,7 @@ def test_options_come_as_one_object_or_as_keywords_not_both():
 
 
 def test_token_ids_given_as_floats_after_integers_are_refused_naming_the_input():
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
     pm = autoshard.parallelize(case.model, autoshard.Mesh(), example_inputs=case.inputs, loss_fn=case.loss_fn,

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from golden_batch import TwoTower, clip_loss, in_batch_negatives, per_sample_cosine, preference_loss, two_tower_batch
 
 import autoshard
 from autoshard.compile import compile_global_batch
 from autoshard.options import CompileOptions
+
+from harness.golden_batch import (
+    TwoTower,
+    clip_loss,
+    in_batch_negatives,
+    per_sample_cosine,
+    preference_loss,
+    two_tower_batch,
+)
 
 aten = torch.ops.aten
 
@@ -103,7 +111,7 @@ def test_a_per_sample_loss_through_convolutions_and_pooling_passes(mesh, microba
 def test_preference_pairs_at_one_sample_a_part_are_refused():
     """Pair ``i`` is rows ``i`` and ``i + n``: a part of one row holds a chosen row without its rejected one (0.7968
     for 0.9225 before). Refused naming the slice that pairs them."""
-    from models import build
+    from harness.models import build
 
     case = build("hf_llama")
     inputs = tuple(v[:2] for v in case.inputs)
@@ -157,9 +165,8 @@ def test_a_contrastive_loss_is_exact_under_dp_and_tp(pools, mesh, loss):
     every dp rank, with a backward that sums their gradient and keeps each rank's rows: the loss, every gradient and
     the parameters after three steps are the unsharded model's. tp keeps the batch whole; beside dp it splits the
     towers' linears while the gathered rows are the whole batch's."""
-    from golden_batch import coupled_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_batch import coupled_golden
 
     world = 1
     for degree in mesh.values():
@@ -179,9 +186,8 @@ def test_preference_pairs_are_exact_under_dp_tp_cp_and_ep(pools, name, mesh):
     batch's ``n``; tp and cp keep the batch whole (cp's sequence split summed in each row's log-probability). Beside
     tp (its vocab-parallel logits) and ep (the zoo's mixture of experts, its experts split over the dp ranks) the
     gathered rows are the same."""
-    from golden_batch import preference_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_batch import preference_golden
 
     world = 1
     for degree in mesh.values():
@@ -217,9 +223,8 @@ def test_a_contrastive_loss_is_exact_in_two_passes_under_microbatches_and_pp(poo
     whole batch; the second forwards and backwards each microbatch fed its rows of that gradient. Where the term
     reads the learnt temperature itself (``clip_scaled_last``), its gradient is fed as rows of ``1/B`` of it. The
     loss, every gradient and the parameters after three steps are the unsharded model's."""
-    from golden_batch import coupled_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_batch import coupled_golden
 
     world = 1
     for degree in mesh.values():
@@ -234,7 +239,7 @@ def test_an_ordinary_training_loop_in_two_passes(pools, loss, mesh):
     """AdamW with groups from ``named_parameters()`` and two ``step()`` calls on other batches accumulated into each
     optimizer step, each in two passes over two microbatches: the losses and the parameters after two optimizer
     steps are the unsharded loop's."""
-    from golden_batch import coupled_loop
+    from harness.golden_batch import coupled_loop
 
     for rank, result in enumerate(pools.get(2).run(coupled_loop, loss, mesh, microbatches=2)):
         assert result["loss"] < 1e-5 and result["param"] < 1e-5, f"rank {rank}: {result}"
@@ -243,7 +248,7 @@ def test_an_ordinary_training_loop_in_two_passes(pools, loss, mesh):
 def test_a_whole_value_the_term_reads_is_fed_its_gradient_as_rows():
     """The temperature read by the term itself is a whole boundary value: the second pass is fed its gradient as
     one row per sample (summed over the part's rows), beside the two embeddings' rows."""
-    from golden_batch import clip_scaled_last
+    from harness.golden_batch import clip_scaled_last
 
     inputs, target = two_tower_batch()
     build = _compile(TwoTower(), inputs, target, clip_scaled_last, {"dp": 2}, 2)
@@ -261,9 +266,8 @@ def test_preference_pairs_are_exact_in_two_passes_under_microbatches(pools, mesh
     """DPO's pairs on the zoo's HF Llama with two microbatches: the first pass forwards each microbatch to its rows'
     log-probabilities (the per-token log-softmax and gather stay in the passes, summed per row: the term reads one
     number a row), the term pairs row ``i`` with row ``i + n`` of the whole batch."""
-    from golden_batch import preference_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_batch import preference_golden
 
     world = 1
     for degree in mesh.values():
@@ -279,8 +283,9 @@ def test_a_contrastive_loss_under_dp_matches_eager_bf16_autocast(pools, loss, me
     computes it: the loss within 1e-5 and every gradient within the bf16 bound of the mixed-precision goldens
     (``test_mixed_precision.GRAD_RTOL``), and farther from float32's (autocast was on). In two passes (pp2 with two
     microbatches) the first pass runs under the same autocast as the second."""
-    from golden_batch import coupled_bf16
     from test_mixed_precision import GRAD_RTOL
+
+    from harness.golden_batch import coupled_bf16
 
     for rank, result in enumerate(pools.get(2).run(coupled_bf16, loss, mesh, microbatches=microbatches)):
         loss_off, errors = result["amp"]
@@ -297,9 +302,8 @@ def test_a_loss_summed_over_the_samples_adds_the_parts(pools, loss, mesh, microb
     """``loss.sum()`` and ``mse_loss(reduction='sum')``: the parts' losses are added, not averaged as a mean's are
     (it trained at 1/dp of the gradient before, and the loss read 6.2 off at dp2); ``sum() / x.shape[0]`` is a mean
     (its divisor doubles with the batch) and stays averaged."""
-    from golden_batch import coupled_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_batch import coupled_golden
 
     world = 1
     for degree in mesh.values():
@@ -386,7 +390,7 @@ def test_the_batch_rules_agree_with_execution_on_a_two_tower_model():
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "moe", "bert", "mlp", "hf_gpt2", "hf_llama"])
 def test_the_batch_rules_agree_with_execution_on_the_zoo(name):
-    from models import build
+    from harness.models import build
 
     case = build(name)
     assert differential_check(case.model, case.inputs, case.target, case.loss_fn) > 10
@@ -394,7 +398,7 @@ def test_the_batch_rules_agree_with_execution_on_the_zoo(name):
 
 def _corpus_sample() -> list:
     """Every fourth architecture of the corpus (about 50); three of them left to the CI tier's covering (which runs
-    one: tests/tiers.py), the rest in the full tier."""
+    one: tests/harness/tiers.py), the rest in the full tier."""
     from corpus.architectures import names
 
     sample = names()[::4]

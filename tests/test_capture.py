@@ -9,7 +9,7 @@ from torch import nn
 import autoshard
 from autoshard import meta
 
-from models import ZOO_NAMES, build
+from harness.models import ZOO_NAMES, build
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)

@@ -17,7 +17,7 @@ import torch
 import autoshard
 from autoshard.runtime import checkpoint
 
-from models import build
+from harness.models import build
 
 
 class _Calls:

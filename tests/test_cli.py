@@ -143,7 +143,7 @@ def test_plan_from_a_profile_costs_the_factorys_own_programs(capsys, tmp_path):
 
     path = tmp_path / "p.json"
     _profile().save(path)
-    factory = f"{Path(__file__).with_name('models.py')}:build(\"gpt\")"
+    factory = f"{Path(__file__).parent / 'harness' / 'models.py'}:build(\"gpt\")"
     assert cli.main(["plan", "--profile", str(path), "--factory", factory, "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith("  1. Mesh(dp=2") and " per rank (weights " in out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import golden
+from harness import golden
 
 CASES = [
     ("gpt", {"tp": 2}, {}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import golden
+from harness import golden
 
 # (mesh, options): the combinations of the seeds' 3D parallelism, on the zoo decoders.
 MESHES = [

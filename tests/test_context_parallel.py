@@ -11,8 +11,8 @@ from torch import fx
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, _check_whole_sequences
 from autoshard.passes.placements import Shard
 
-import golden
-from models import DECODERS
+from harness import golden
+from harness.models import DECODERS
 
 CP_MODELS = (*DECODERS, "bert")
 
@@ -153,7 +153,7 @@ def test_all_to_all_names_the_cp_degrees_its_heads_allow():
     from autoshard.capture import capture
     from autoshard.passes.context_parallel import plan_context_parallel
 
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
@@ -196,7 +196,7 @@ def test_a_sequence_the_ranks_do_not_divide_names_the_input_and_what_works():
     from autoshard.capture import capture
     from autoshard.passes.context_parallel import ContextParallelError, plan_context_parallel
 
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
@@ -211,7 +211,7 @@ def test_a_model_without_a_sequence_says_so():
     from autoshard.capture import capture
     from autoshard.passes.context_parallel import ContextParallelError, plan_context_parallel
 
-    from models import build
+    from harness.models import build
 
     case = build("mlp")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
@@ -228,7 +228,7 @@ def test_gathered_causal_attention_needs_no_mask_and_computes_no_key_after_its_q
     from autoshard.passes.loss import find_token_loss, sum_loss_pass
     from autoshard.passes.ring_attention import GatheredCausalAttention
 
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)
@@ -293,7 +293,7 @@ def test_every_collective_says_its_axis_and_tp_keeps_the_shared_localizers(atten
     from autoshard.passes.rules import LOCALIZERS
     from autoshard.passes.tensor_parallel import plan_tensor_parallel
 
-    from models import build
+    from harness.models import build
 
     case = build("llama")
     captured = capture(case.model, case.inputs, loss_fn=case.loss_fn, example_target=case.target)

@@ -2,7 +2,7 @@
 
 The whole corpus (``make corpus``, bench/corpus.md) takes long; this sample keeps every distinct family
 in ``make test-full``: each architecture golden at tp=2, a few also at dp=2, pp=2 or cp=2 (``make test``, the CI
-tier, runs the cells that bring a mesh, and those a seeded bug or a note names: tests/tiers.py). A cell must be
+tier, runs the cells that bring a mesh, and those a seeded bug or a note names: tests/harness/tiers.py). A cell must be
 exact or a clear refusal; never wrong, never an internal crash.
 """
 

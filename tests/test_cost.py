@@ -15,7 +15,7 @@ from torch import nn
 import autoshard
 from autoshard import cost
 
-from models import BATCH, HIDDEN, N_LAYER, SEQ, build, build_llama_model, token_loss
+from harness.models import BATCH, HIDDEN, N_LAYER, SEQ, build, build_llama_model, token_loss
 
 B, S = cost.BATCH_SYMBOL, cost.SEQ_SYMBOL
 

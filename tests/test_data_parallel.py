@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import golden
-from models import ZOO_NAMES
+from harness import golden
+from harness.models import ZOO_NAMES
 
 # (dp, microbatches): dp=1 runs in this process without torch.distributed; microbatches > 1 check that
 # gradients are synchronised once per step, after the last microbatch.
@@ -70,7 +70,7 @@ def test_a_token_mean_inside_a_larger_loss_is_refused_where_the_parts_run_apart(
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
 
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
     loss_fn, target = golden.with_z_loss(case.target)
@@ -119,7 +119,7 @@ def test_a_loss_term_of_the_whole_batch_that_is_no_sum_is_gathered_under_dp(pool
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
 
-    from models import build
+    from harness.models import build
 
     golden.check(pools.get(2).run(golden.golden, "gpt", {"dp": 2}, loss="amax"))
     case = build("gpt")
@@ -139,7 +139,7 @@ def test_a_batch_sum_divided_by_the_batchs_size_held_as_a_tensor_is_refused_unde
     from autoshard.compile import compile_global_batch
     from autoshard.options import CompileOptions
 
-    from models import build
+    from harness.models import build
 
     case = build("gpt")
 

@@ -1,6 +1,6 @@
 """Elastic ``torchrun``: a node dies, the other restarts alone, and the run goes on at the smaller world size.
 
-Two agents (``--nnodes 1:2``, 2 processes each, c10d rendezvous on the loopback) train ``elastic_worker.py`` at
+Two agents (``--nnodes 1:2``, 2 processes each, c10d rendezvous on the loopback) train ``harness/elastic_worker.py`` at
 dp=2 x tp=2, saving every 2 steps. At step 5 the second agent is killed with its processes (SIGKILL); the first
 agent (which hosts the rendezvous store, as the first node of a job does) sees its processes fail in the step's
 collectives and, once the rendezvous has dropped the dead node, restarts them in a world of 2, at tp=2, where they
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("elastic_worker.py")
+WORKER = Path(__file__).parent / "harness" / "elastic_worker.py"
 STEPS, PAUSE = 10, 5
 
 

@@ -12,7 +12,6 @@ import json
 import operator
 import re
 
-import golden_moe
 import pytest
 import torch
 from corpus import build, cells
@@ -23,8 +22,7 @@ from autoshard.compile import compile_global_batch
 from autoshard.options import CompileOptions
 from autoshard.passes.expert_parallel import ExpertParallelError, plan_expert_parallel
 
-import golden
-import models
+from harness import golden, golden_moe, models
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "granitemoe", "gpt_oss", "jetmoe")
 MESHES = ("ep2", "ep2xtp2", "dp2xep2xpp2")

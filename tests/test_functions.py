@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from golden_functions import CALLS, MODELS
 
 import autoshard
 from autoshard.capture import CaptureError, capture
@@ -16,6 +15,8 @@ from autoshard.compile import capture_for_training, compile_global_batch
 from autoshard.functions import KEPT_OP, kept_of
 from autoshard.job_plan import check_batch_split
 from autoshard.options import CompileOptions
+
+from harness.golden_functions import CALLS, MODELS
 
 
 def _captured(name: str):
@@ -187,9 +188,8 @@ def _id(name, mesh, options):
 def test_a_model_trained_through_functions_is_exact(pools, name, mesh, options):
     """Losses, every gradient and the parameters after two steps are the unsharded model's, and the estimator's
     own backward ran on every rank that holds a block."""
-    from golden_functions import functions_golden
-
-    from golden import check
+    from harness.golden import check
+    from harness.golden_functions import functions_golden
 
     world = 1
     for degree in mesh.values():
@@ -235,11 +235,11 @@ def test_megatrons_region_mappings_at_one_rank_are_seen_through_and_other_functi
     """Copy-to, reduce-from, scatter-to and gather-from a region, run at one rank, hand their input and their gradient
     back: the graph reads the input itself. A forward that is the identity with a backward that is not (a doubled
     gradient, the gradient reversal's ``-alpha``), or a forward that rounds, stays kept whole."""
-    from models import CopyToRegion, GatherFromRegion, OneRankGroup, ReduceFromRegion, ScatterToRegion
+    from harness.models import CopyToRegion, GatherFromRegion, OneRankGroup, ReduceFromRegion, ScatterToRegion
 
     for function in (CopyToRegion, ReduceFromRegion, ScatterToRegion, GatherFromRegion):
         assert _kept_names(_Through(function, OneRankGroup())) == [], function.__name__
-    from golden_functions import STE, ScaleGrad
+    from harness.golden_functions import STE, ScaleGrad
 
     assert _kept_names(_Through(_ForwardAloneIsTheIdentity)) == ["_ForwardAloneIsTheIdentity"]
     assert _kept_names(_Through(ScaleGrad, 0.5)) == ["ScaleGrad"]
@@ -254,7 +254,7 @@ def test_a_model_written_for_megatrons_tensor_parallelism_is_planned_as_its_laye
     import math
     import warnings
 
-    from models import build
+    from harness.models import build
 
     case = build("megatron")
     for rank in (0, 1):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-import golden_fuzz
 import pytest
+
+from harness import golden_fuzz
 
 
 def _same(error: str) -> str:

@@ -8,10 +8,12 @@ layout holds: ``1/tp`` of the matrices, the k and v projections whole where tp d
 
 from __future__ import annotations
 
-import golden_gqa
 import pytest
 
-# tp=4 first: the CI tier takes the cells that add a degree, and those a seeded bug or a note names (tests/tiers.py).
+from harness import golden_gqa
+
+# tp=4 first: the CI tier takes the cells that add a degree, and those a seeded bug or a note names
+# (tests/harness/tiers.py).
 # Heads tiled with kv heads tp splits have a test of their own (below): attention is not split by heads there.
 CELLS = [(style, tp, kv) for tp in (4, 8) for kv in (2, 4) for style in golden_gqa.STYLES
          if not (style == "tiled" and kv % tp == 0)]

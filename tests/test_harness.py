@@ -14,9 +14,9 @@ from autoshard.passes.placements import R
 from autoshard.plan import ParamPlan, TensorParallelPlan
 from autoshard.verify import VerifyReport, _replicas_identical, compare
 
-import golden
-from launcher import WorkerError, WorkerTimeout
-from models import build
+from harness import golden
+from harness.launcher import WorkerError, WorkerTimeout
+from harness.models import build
 
 
 def _perturbed_gradient_report(name: str, dp: int) -> str:

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher import free_port
+from harness.launcher import free_port
 
-WORKER = Path(__file__).resolve().parent / "hash_seed_worker.py"
+WORKER = Path(__file__).resolve().parent / "harness" / "hash_seed_worker.py"
 NAME = "gemma4_text"
 
 

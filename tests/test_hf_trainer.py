@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 
-import golden_hf
 import pytest
 import transformers
 
 from autoshard import hf
+
+from harness import golden_hf
 
 STEPS = 20
 CELLS = [

@@ -17,10 +17,10 @@ from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.planner import auto
 
-from models import build
+from harness.models import build
 
-TESTS = Path(__file__).resolve().parent
-GPT = f'{TESTS / "models.py"}:build("gpt")'
+HARNESS = Path(__file__).resolve().parent / "harness"
+GPT = f'{HARNESS / "models.py"}:build("gpt")'
 
 
 def inspect(capsys, *args: str) -> str:
@@ -31,7 +31,7 @@ def inspect(capsys, *args: str) -> str:
 
 
 def test_tensor_parallel_of_a_bare_model_shows_roles_local_code_and_collectives(capsys):
-    out = inspect(capsys, f"{TESTS / 'models.py'}:build_gpt_model", "--mesh", "tp=2")
+    out = inspect(capsys, f"{HARNESS / 'models.py'}:build_gpt_model", "--mesh", "tp=2")
     assert "rank 0 at pp=0, dp=0, cp=0, tp=0" in out
     assert "global batch 8x16 (made up from the first layer" in out and "inference graph" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("transformer.h.0.mlp.c_fc.weight"))
@@ -133,14 +133,14 @@ def check_dot(text: str, *, collectives: int, receives: int) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["tests/models.py"], "is not MODULE:FACTORY"),
+    (["tests/harness/models.py"], "is not MODULE:FACTORY"),
     (["no_such_module_xyz:make"], "no module named 'no_such_module_xyz'"),
     (["missing/file.py:make"], "no file 'missing/file.py'"),
-    ([f"{TESTS / 'models.py'}:nothing"], "has no 'nothing'; it defines"),
-    ([f"{TESTS / 'models.py'}:build"], "build() raised TypeError: build() missing 1 required positional argument"),
-    ([f'{TESTS / "models.py"}:build("vgg")'], "build() raised ValueError: unknown zoo model 'vgg'"),
-    ([f"{TESTS / 'models.py'}:GPTConfig"], "returned a GPTConfig: return a model, (model, example_inputs"),
-    ([f"{TESTS / 'models.py'}:build(name)"], "only literals"),
+    ([f"{HARNESS / 'models.py'}:nothing"], "has no 'nothing'; it defines"),
+    ([f"{HARNESS / 'models.py'}:build"], "build() raised TypeError: build() missing 1 required positional argument"),
+    ([f'{HARNESS / "models.py"}:build("vgg")'], "build() raised ValueError: unknown zoo model 'vgg'"),
+    ([f"{HARNESS / 'models.py'}:GPTConfig"], "returned a GPTConfig: return a model, (model, example_inputs"),
+    ([f"{HARNESS / 'models.py'}:build(name)"], "only literals"),
     ([GPT, "--mesh", "tp=0"], "tp=0 is not a valid degree"),
     ([GPT, "--mesh", "tq=2"], "unknown mesh axis 'tq'"),
     ([GPT, "--mesh", "tp=2", "--rank", "2"], "--rank 2 is not in Mesh(dp=1, tp=2, pp=1, cp=1): ranks are 0 .. 1"),

@@ -15,8 +15,8 @@ from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
 from autoshard.passes.sequence_parallel import ReduceScatterToSequence, SequenceParallelError
 
-from golden import PatchViT
-from models import build
+from harness.golden import PatchViT
+from harness.models import build
 
 
 def _vit(class_token: bool = False):

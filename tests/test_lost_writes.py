@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from corpus import build, cells
 from corpus.writes import sweep
 
-import golden
+from harness import golden
 
 WRITTEN_CELLS = [
     (2, {"pp": 2}, {"microbatches": 2}),

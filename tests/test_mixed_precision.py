@@ -8,8 +8,9 @@ receive float32 logits, and the gradients would equal the float32 model's.
 
 from __future__ import annotations
 
-import golden_amp
 import pytest
+
+from harness import golden_amp
 
 # What bf16 justifies. bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op). The tp
 # program rounds each rank's partial sum of a row-parallel matmul to bf16 and then the sum, where the one
@@ -74,7 +75,7 @@ def test_a_pipeline_cut_carries_what_autocast_computes_at_half_the_bytes():
     from autoshard.mesh import Mesh
     from autoshard.options import CompileOptions
 
-    from golden import SmallResNet
+    from harness.golden import SmallResNet
 
     pixels, target = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
     build = compile_global_batch(SmallResNet(), (pixels,), Mesh(pp=2), 0, CompileOptions(mixed_precision="bf16"),

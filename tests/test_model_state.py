@@ -7,12 +7,13 @@ buffer it still needs in one error.
 
 from __future__ import annotations
 
-import golden_loop
 import pytest
 import torch
 from torch import nn
 
 import autoshard
+
+from harness import golden_loop
 
 # ---------------------------------------------------------------------------------------------- state_dict()
 
@@ -52,7 +53,7 @@ def test_the_meta_route_end_to_end(pools, tmp_path, mesh, options):
 def test_materialize_init_true_on_an_hf_model_names_its_init_weights():
     """HuggingFace's modules initialise through the model's ``_init_weights``, not ``reset_parameters``: the
     refusal now says to pass it."""
-    from models import build
+    from harness.models import build
 
     case = build("hf_llama", device="meta")
     pm = autoshard.parallelize(case.model, autoshard.Mesh(), example_inputs=case.inputs, loss_fn=case.loss_fn,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import DECODERS, IGNORE_INDEX, ZOO_NAMES, ZooCase, build, build_gpt_model, build_llama_model
+from harness.models import DECODERS, IGNORE_INDEX, ZOO_NAMES, ZooCase, build, build_gpt_model, build_llama_model
 
 
 class LossWrapper(nn.Module):

@@ -10,7 +10,7 @@ from autoshard.capture import capture
 from autoshard.passes.partition import PartitionError, partition
 from autoshard.passes.pipeline_split import split_pipeline
 
-from models import ZOO_NAMES, build, build_gpt_model, token_loss
+from harness.models import ZOO_NAMES, build, build_gpt_model, token_loss
 
 
 def _prepared(name: str):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import golden
-from launcher import WorkerError
-from models import ZOO_NAMES
+from harness import golden
+from harness.launcher import WorkerError
+from harness.models import ZOO_NAMES
 
 # (pp, microbatches, schedule, chunks)
 CONFIGS = [
@@ -90,7 +90,7 @@ def _mismatched_handoff() -> str:
     import autoshard
     import autoshard.runtime.parallel_model as parallel_model
 
-    from models import build
+    from harness.models import build
 
     compile_rank = parallel_model.compile_rank
 

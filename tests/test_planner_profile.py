@@ -18,7 +18,7 @@ from autoshard.planner.auto import measured_mesh
 from autoshard.planner.predict import CandidateCompiler, predict
 from autoshard.planner.profile import Profile
 
-from models import N_LAYER, build
+from harness.models import N_LAYER, build
 
 DATA = Path(__file__).with_name("data")
 
@@ -136,7 +136,7 @@ def test_transformers_expert_loop_pays_for_zeroing_its_buffers():
     pass over 128 MiB (0.14 to 0.19 ms per MiB here, 0.05 in a loop)."""
     import transformers
 
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -557,7 +557,7 @@ def test_mesh_auto_with_this_machines_profile_takes_the_measured_best():
                                       attn_implementation="sdpa", use_cache=False)
     model = transformers.LlamaForCausalLM(config).train()
     tokens = torch.randint(0, 2048, (8, 128))
-    from models import hf_token_loss
+    from harness.models import hf_token_loss
 
     options = CompileOptions(planner_profile=str(DATA / "profile_cpu_2.json"))
     chosen = measured_mesh(model, (tokens,), options, loss_fn=hf_token_loss, target=tokens, world_size=2)

@@ -7,8 +7,9 @@ several, with an index), loaded by ``from_pretrained`` and compared with ``pm.st
 
 from __future__ import annotations
 
-import golden_pretrained
 import pytest
+
+from harness import golden_pretrained
 
 CELLS = [
     ("phi3", {"tp": 2}, {}),

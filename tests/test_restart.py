@@ -1,6 +1,6 @@
 """``torchrun --max-restarts``: a run whose rank is killed (SIGKILL) mid-step restarts and resumes by itself.
 
-``restart_worker.py`` is a user's loop: ``pm.resume(root)`` before it, ``save_checkpoint(root, keep=2)`` every 2
+``harness/restart_worker.py`` is a user's loop: ``pm.resume(root)`` before it, ``save_checkpoint(root, keep=2)`` every 2
 steps. Killed at random steps (a rank dies before the step while its peer waits on it inside the step), twice (a
 restarted run killed again) or 5 times (both in the full tier), it finishes with the loss curve of the run that was
 never killed, bit for bit.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("restart_worker.py")
+WORKER = Path(__file__).parent / "harness" / "restart_worker.py"
 STEPS = 10
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import golden_resume
 import pytest
+
+from harness import golden_resume
 
 FSDP = {"data_parallel": "fsdp"}
 PP = {"microbatches": 2}

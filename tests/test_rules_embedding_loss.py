@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rules_sim import simulate
 
 from autoshard.passes import localize
 from autoshard.passes.collectives import VocabParallelCrossEntropy, VocabParallelEmbedding
 from autoshard.passes.placements import P, R, Shard
+
+from harness.rules_sim import simulate
 
 aten = torch.ops.aten
 VOCAB = 10  # over 4 ranks: padded to 12, the last rank holds one real row and two padding rows
@@ -259,7 +260,7 @@ def _plan_with_warnings(model, loss_fn):
 
 
 def test_the_planner_keeps_an_embedding_it_cannot_split_replicated_and_says_why():
-    from models import build_gpt_model, token_loss
+    from harness.models import build_gpt_model, token_loss
 
     model = build_gpt_model(vocab=VOCAB)
     model.transformer.wte = torch.nn.Embedding(VOCAB, 48, scale_grad_by_freq=True)
@@ -270,7 +271,7 @@ def test_the_planner_keeps_an_embedding_it_cannot_split_replicated_and_says_why(
 
 
 def test_the_planner_keeps_a_class_weighted_loss_replicated_and_says_why():
-    from models import build_gpt_model
+    from harness.models import build_gpt_model
 
     def weighted(logits, target):
         weight = torch.linspace(0.5, 1.5, VOCAB)
@@ -349,7 +350,7 @@ def test_an_in_place_write_into_a_split_weight_is_refused_not_lost():
 
 
 def test_the_planner_keeps_an_embedding_with_max_norm_replicated_and_says_why():
-    from models import build_gpt_model, token_loss
+    from harness.models import build_gpt_model, token_loss
 
     model = build_gpt_model(vocab=VOCAB)
     model.transformer.wte = torch.nn.Embedding(VOCAB, 48, max_norm=1.0)

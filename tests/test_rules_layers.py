@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rules_sim import simulate
 
 from autoshard.passes.axis import Axis
 from autoshard.passes.placements import P, R, Shard
 from autoshard.passes.tensor_parallel import tensor_axis
+
+from harness.rules_sim import simulate
 
 aten = torch.ops.aten
 
@@ -155,10 +156,10 @@ def test_grouped_query_heads_a_rank_would_read_in_parts_are_refused():
 
 
 def test_ring_attention_refuses_dropout():
-    from rules_sim import _build
-
     from autoshard.kinds import Attention
     from autoshard.passes.rules import Context, decide
+
+    from harness.rules_sim import _build
 
     gm, _, node = _build(aten.scaled_dot_product_attention.default, (*qkv(), None, 0.1), {})
     q = node.args[0]
@@ -426,9 +427,9 @@ def test_matmuls(op, args, shard, placement, size):
 
 def test_partial_inputs_are_summed_first():
     """A row-parallel output feeding a norm: the pending sum is all-reduced before the norm reads it."""
-    from rules_sim import _build
-
     from autoshard.passes.rules import Context, decide
+
+    from harness.rules_sim import _build
 
     _, _, node = _build(aten.layer_norm.default, (rand(2, 4, 6), [6]), {})
     decision = decide(node, Context(Axis("tp", 2), {node.args[0]: P}))
@@ -474,9 +475,9 @@ def test_experts_row_products_are_summed_once_after_their_combine():
 def test_topk_keeps_each_rows_k_where_the_batch_is_split():
     """dp's propagation (the loss's statistics of the batch): a router's top-k over the experts of each token keeps
     the tokens split; over the split dim, or on another axis, it is gathered."""
-    from rules_sim import _build
-
     from autoshard.passes.rules import RULES, Context, decide
+
+    from harness.rules_sim import _build
 
     _, _, node = _build(aten.topk.default, (rand(6, 4), 2), {})
     dp = Axis("dp", 2, pending_sums=True)
@@ -535,7 +536,7 @@ CP_CASES = [  # (extra positional args after q, k, v; kwargs): export writes mas
 @pytest.mark.parametrize("load_balance", [False, True], ids=["contiguous", "balanced"])
 @pytest.mark.parametrize("extra,kwargs", CP_CASES)
 def test_attention_over_a_split_sequence(extra, kwargs, load_balance, attention):
-    from rules_sim import simulate_cp
+    from harness.rules_sim import simulate_cp
 
     qkv_ = seq_qkv(heads_kv=2 if kwargs.get("enable_gqa") else H)
     out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, *extra), kwargs, seq={0: 2, 1: 2, 2: 2},
@@ -550,7 +551,7 @@ def test_grouped_query_attention_all_to_all(kv, size, load_balance):
     """All-to-all attention splits the heads over the cp ranks: with ``enable_gqa=True`` and fewer kv heads than
     ranks, each kv head is repeated (``repeat_interleave``, which keeps query head h reading kv head h // group) until
     every rank takes the kv heads its query heads read."""
-    from rules_sim import simulate_cp
+    from harness.rules_sim import simulate_cp
 
     qkv_ = seq_qkv(heads_kv=kv)
     out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, None, 0.0, True), {"enable_gqa": True},
@@ -563,7 +564,7 @@ def test_grouped_query_attention_all_to_all(kv, size, load_balance):
 @pytest.mark.parametrize("attention", ["gather", "ring"])
 def test_attention_arguments_by_keyword_over_a_split_sequence(attention):
     """The same call with every argument by keyword (the rewrite once padded missing positions with None)."""
-    from rules_sim import simulate_cp
+    from harness.rules_sim import simulate_cp
 
     kwargs = {"attn_mask": None, "dropout_p": 0.0, "is_causal": True, "scale": 0.4}
     out = simulate_cp(aten.scaled_dot_product_attention.default, seq_qkv(), kwargs, seq={0: 2, 1: 2, 2: 2},
@@ -575,7 +576,7 @@ def test_attention_arguments_by_keyword_over_a_split_sequence(attention):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_over_a_split_sequence_keeps_the_autocast_dtype(attention, dtype):
     """SDPA is on autocast's lower-precision list: under bf16 autocast float32 inputs give a bf16 output."""
-    from rules_sim import simulate_cp
+    from harness.rules_sim import simulate_cp
 
     qkv_ = [t.to(dtype) for t in seq_qkv()]
     out = simulate_cp(aten.scaled_dot_product_attention.default, (*qkv_, None, 0.0, True), {}, seq={0: 2, 1: 2, 2: 2},
@@ -718,9 +719,9 @@ def test_a_batch_norm_in_eval_mode_normalises_each_ranks_channels_with_their_sta
 def test_a_batch_norm_training_with_running_statistics_stays_whole():
     """In training BatchNorm writes its running statistics in place: split by channels a rank would update its
     part of a copy, so the rule takes the channels whole (the batch's statistics per channel would be exact)."""
-    from rules_sim import _build
-
     from autoshard.passes.rules import Context, decide
+
+    from harness.rules_sim import _build
 
     _, _, node = _build(aten.batch_norm.default, (_CHANNELS, rand(8, seed=1), rand(8, seed=2), rand(8, seed=3).abs(),
                                                   rand(8, seed=4).abs(), True, 0.1, 1e-5, False), {})

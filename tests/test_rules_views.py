@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rules_sim import simulate
 
 from autoshard.passes.axis import Axis
 from autoshard.passes.placements import R, Shard
 from autoshard.passes.tensor_parallel import tensor_axis
+
+from harness.rules_sim import simulate
 
 aten = torch.ops.aten
 BIG = 9223372036854775807  # what export writes for an open slice end

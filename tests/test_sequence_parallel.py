@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import warnings
 
-import golden_loop
 import pytest
 import torch
 
 import autoshard
 from autoshard import meta
 
-import golden
-from launcher import WorkerError
-from models import build
+from harness import golden, golden_loop
+from harness.launcher import WorkerError
+from harness.models import build
 
 SP_MODELS = ["gpt", "llama", "bert", "hf_gpt2", "hf_llama", "megatron"]
 

@@ -71,7 +71,7 @@ def test_a_spread_model_trains_as_the_model_run_whole_in_an_ordinary_loop(pools,
     """AdamW over weight-decay groups by ``p.dim()`` (a spread weight keeps its dims), two accumulated ``step()``
     calls per optimizer step, global-norm clipping, then the full state dict: all as the model run whole, while
     each pp rank stores at most 0.6 of the parameters."""
-    import golden_loop
+    from harness import golden_loop
 
     for rank, result in enumerate(pools.get(2).run(golden_loop.spread_loop, name, {"pp": 2}, microbatches=2)):
         assert result["spread"] > 0, rank

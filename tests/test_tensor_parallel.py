@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import golden
-from models import ZOO_NAMES
+from harness import golden
+from harness.models import ZOO_NAMES
 
 
 @pytest.mark.parametrize("tp", [2, 4])

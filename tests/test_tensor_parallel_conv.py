@@ -10,8 +10,8 @@ import pytest
 
 from autoshard.passes.placements import Shard
 
-import golden
-from models import CONV_NAMES
+from harness import golden
+from harness.models import CONV_NAMES
 
 MOST_HELD = {2: 0.55, 4: 0.32}  # the largest rank's share of the parameter bytes
 EVAL = {"resnet"}  # BatchNorm split by channels in eval mode (in training it writes its running statistics)
@@ -46,7 +46,7 @@ def _planned(name: str, tp: int):
     from autoshard.mesh import Mesh
     from autoshard.options import CompileOptions
 
-    from models import build
+    from harness.models import build
 
     case = build(name)
     if name in EVAL:
@@ -105,7 +105,7 @@ def test_an_image_model_without_a_token_sequence_stays_refused_under_cp():
     from autoshard.options import CompileOptions
     from autoshard.passes.context_parallel import ContextParallelError
 
-    from models import build
+    from harness.models import build
 
     case = build("unet")
     with pytest.raises(ContextParallelError, match="sequence dim could not be found"):

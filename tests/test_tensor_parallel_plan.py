@@ -14,7 +14,7 @@ from autoshard.passes.placements import R, Shard
 from autoshard.passes.tensor_parallel import TensorParallelError, plan_tensor_parallel
 from autoshard.plan import TensorParallelPlan
 
-from models import build, build_gpt_model, build_llama_model, token_loss
+from harness.models import build, build_gpt_model, build_llama_model, token_loss
 
 
 def _captured(name: str, batch: int = 2):
@@ -69,7 +69,7 @@ def test_kv_heads_repeated_any_way_that_keeps_their_mapping_are_duplicated_or_sp
     Heads tiled by ``repeat`` (query head h reads kv head h % kv heads) are split so only when k and v are whole."""
     import warnings
 
-    import golden_gqa
+    from harness import golden_gqa
 
     for kv in (2, 4):
         model, tokens, target = golden_gqa.build(style, kv)
@@ -95,9 +95,9 @@ def test_a_fused_qkv_holds_k_and_v_whole_where_the_degree_does_not_divide_the_kv
     """One projection for q, k and v (``split`` apart): q is split by heads; k and v are split too where tp divides
     the kv heads, else every rank holds those two blocks whole, as a separate k_proj and v_proj would be. The
     placement says so, and round-trips through the plan's JSON."""
-    import golden_gqa
-
     from autoshard.passes.placements import Shard
+
+    from harness import golden_gqa
 
     model, tokens, target = golden_gqa.build("fused", kv)
     gm = capture(model, (tokens,), loss_fn=golden_gqa.token_loss, example_target=target).gm
@@ -388,7 +388,7 @@ def test_a_scan_cut_along_the_sequence_with_an_unused_initial_state_is_split_as_
     """transformers 5.25's Mamba: the scan's inputs cut along the sequence by ``tensor_split``, and an initial state
     made from the decay by ``A.new_zeros`` that nothing reads. Neither reads the split channels, so the mixer is
     split as before; without rules for the two ops in_proj was a row alone and every channel weight whole."""
-    from golden import _SelectiveScan
+    from harness.golden import _SelectiveScan
 
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
@@ -463,7 +463,7 @@ def test_experts_looped_over_a_stack_that_stays_a_loop_split_each_experts_featur
     from autoshard.passes.collectives import ReduceFromParallel
     from autoshard.passes.placements import Shard
 
-    from models import LoopedExperts
+    from harness.models import LoopedExperts
 
     x = torch.randn(12, 8)
     captured = capture(LoopedExperts(reads_counts=True), (x,), loss_fn=lambda y, t: (y - t).pow(2).mean(),
@@ -546,7 +546,7 @@ def test_pieces_of_a_packed_in_projection_are_columns_of_one_blocked_weight():
     """q from ``W[:E]`` and k, v from ``W[E:]`` unflattened into two parts (a pooling probe), or q, k, v from
     ``W.chunk(3)`` (a cross attention): one column weight blocked (E, E, E), so each rank takes its heads of q, k
     and v; the output projection is the row."""
-    from golden import _PackedAttention
+    from harness.golden import _PackedAttention
 
     x, memory = torch.randn(2, 6, 16), torch.randn(2, 5, 16)
     captured = capture(_PackedAttention(), (x, memory), loss_fn=lambda y, t: (y - t).pow(2).mean(),

@@ -8,18 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tiers
+from harness import tiers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiers(tmp_path) -> dict[str, set[str]]:
-    """Each test of the suite and its tier marks, from one collection (``tier_dump.py``)."""
+    """Each test of the suite and its tier marks, from one collection (``harness/tier_dump.py``)."""
     dump = tmp_path / "tiers.txt"
     env = {**os.environ, "AUTOSHARD_TIER_DUMP": str(dump),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
-                    "tier_dump"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
+                    "harness.tier_dump"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True)
     return {nodeid: set(marks) for nodeid, *marks in (line.split("\t") for line in dump.read_text().splitlines())}
 
 
@@ -53,7 +53,7 @@ def test_every_mutants_tests_are_in_the_ci_tier_and_quick_has_a_golden_per_axis(
 def test_every_mutants_original_text_is_in_its_file_once():
     """A mutant whose text a change rewrote judges nothing (``make mutate`` reports it stale): caught here, on
     every change, instead of at the next mutation run."""
-    from mutations import MUTANTS
+    from harness.mutations import MUTANTS
 
     stale = [(m.name, m.file) for m in MUTANTS if (ROOT / m.file).read_text().count(m.original) != 1]
     assert not stale, stale

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import golden_loop
 import pytest
 
 import autoshard
+
+from harness import golden_loop
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"cp": 2}, {"pp": 2}, {"tp": 2}], ids=["dp2", "cp2", "pp2", "tp2"])
@@ -314,7 +315,7 @@ def test_the_trainers_batch_reaches_a_peft_model_through_the_model_it_wraps():
 
     from autoshard.hf import positional_inputs
 
-    from models import build
+    from harness.models import build
 
     case = build("hf_llama")
     model = get_peft_model(case.model, LoraConfig(r=4, target_modules=["q_proj"]))

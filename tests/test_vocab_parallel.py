@@ -7,8 +7,9 @@ the parameters after an optimizer step are not. The per-argument differential te
 
 from __future__ import annotations
 
-import golden_amp
 import pytest
+
+from harness import golden_amp
 
 
 @pytest.mark.parametrize("name,tp", [("gpt", 2), ("hf_llama", 2), ("gpt", 4)])

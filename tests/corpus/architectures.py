@@ -3,7 +3,7 @@ and image-classifier families, and torch's own transformer modules; each built t
 
 Names: a causal LM is named by its ``model_type`` (``llama``); a masked LM ``mlm/<type>``; an
 encoder-decoder ``s2s/<type>``; an image classifier ``vision/<type>``; torch's modules ``torch/<name>``.
-``build(name)`` returns a ``ZooCase`` (tests/models.py) exactly as the zoo does, so the golden harness runs it
+``build(name)`` returns a ``ZooCase`` (tests/harness/models.py) exactly as the zoo does, so the golden harness runs it
 unchanged.
 
 Data as the zoo's: token ids and targets with ignored targets spread unevenly, batch 8, and a
@@ -23,7 +23,7 @@ from torch import nn
 from corpus import shrink
 from corpus.torch_models import TORCH_MODELS
 
-from models import ZooCase, _perturb_constant_params, hf_token_loss, token_data
+from harness.models import ZooCase, _perturb_constant_params, hf_token_loss, token_data
 
 BATCH = 8
 SEQ = 24
@@ -169,7 +169,7 @@ def _class_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    from models import token_loss
+    from harness.models import token_loss
 
     return token_loss(logits, target)
 

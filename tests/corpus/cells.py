@@ -32,7 +32,7 @@ import autoshard
 from autoshard.verify import compare
 from corpus.architectures import build
 
-from golden import groups_for
+from harness.golden import groups_for
 
 # Mesh label -> (degrees, parallelize options): the corpus's columns; 2 microbatches wherever pp > 1.
 MESHES: dict[str, tuple[dict, dict]] = {

@@ -5,7 +5,7 @@ generic: every field name that some family uses for "layers", "hidden", "heads",
 config's defaults gets the tiny value, recursively into sub-configs (a text config inside a multimodal
 one). Per-family fixes (``FAMILY_FIXES``) cover what the generic names do not reach.
 
-Sizes (pairwise distinct where a compiler could confuse them; see tests/models.py):
+Sizes (pairwise distinct where a compiler could confuse them; see tests/harness/models.py):
 
 =================  =====  ===========================================================
 layers                 2  per-layer lists (``layer_types``) keep one of each kind

@@ -17,7 +17,7 @@ import transformers
 import autoshard
 from autoshard import hf
 
-from golden import groups_for
+from harness.golden import groups_for
 
 SEQ, EXAMPLES, EVAL = 16, 80, 16  # the first EVAL rows are the evaluation set
 ARGS = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=2e-3, weight_decay=0.1,

@@ -16,8 +16,8 @@ import torch
 import autoshard
 from autoshard.passes import collectives
 
-from golden import groups_for
-from models import build
+from harness.golden import groups_for
+from harness.models import build
 
 
 @contextlib.contextmanager
@@ -106,7 +106,7 @@ def resnet_bf16(mesh_kwargs: dict) -> dict:
     autocast (a conv's output), where the capture, made without autocast, records float32."""
     import torch.nn.functional as F
 
-    from golden import SmallResNet
+    from harness.golden import SmallResNet
 
     g = torch.Generator().manual_seed(5)
     pixels, target = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)

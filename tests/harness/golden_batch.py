@@ -9,7 +9,7 @@ from torch import nn
 
 import autoshard
 
-from golden import groups_for
+from harness.golden import groups_for
 
 
 class TwoTower(nn.Module):
@@ -110,7 +110,7 @@ def coupled_golden(loss: str, mesh_kwargs: dict, *, steps: int = 3, microbatches
 def preference_golden(mesh_kwargs: dict, *, steps: int = 3, name: str = "hf_llama", **options) -> dict:
     """``autoshard.verify`` of a zoo model (the HF Llama) under DPO's loss over a concatenated chosen/rejected
     batch."""
-    from models import build
+    from harness.models import build
 
     case = build(name)
     mesh = autoshard.Mesh(**mesh_kwargs)

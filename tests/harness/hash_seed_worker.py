@@ -1,7 +1,7 @@
 """One rank of a corpus cell, or one capture's digest, in an interpreter of its own (as torchrun starts each rank).
 
-    python tests/hash_seed_worker.py digest NAME              # prints the digest of NAME's captured graph
-    python tests/hash_seed_worker.py cell NAME MESH           # under RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    python tests/harness/hash_seed_worker.py digest NAME      # prints the digest of NAME's captured graph
+    python tests/harness/hash_seed_worker.py cell NAME MESH   # under RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 
 The cell's outcome (``tests/corpus/cells.py``) is printed by rank 0 as one JSON line.
 """
@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``corpus`` imports from there
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

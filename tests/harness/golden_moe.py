@@ -13,8 +13,8 @@ from corpus import build as build_corpus
 
 import autoshard
 
-import models
-from golden import groups_for
+from harness import models
+from harness.golden import groups_for
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 

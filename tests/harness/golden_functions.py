@@ -10,7 +10,7 @@ from torch import nn
 
 import autoshard
 
-from golden import groups_for
+from harness.golden import groups_for
 
 CALLS = {"ste": 0}
 

@@ -16,8 +16,8 @@ from torch import nn
 import autoshard
 from autoshard.verify import compare
 
-from golden import GROUP_TIMEOUT, groups_for
-from models import VOCAB, build, token_data, token_loss
+from harness.golden import GROUP_TIMEOUT, groups_for
+from harness.models import VOCAB, build, token_data, token_loss
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -108,7 +108,7 @@ def eval_mode(name: str, mesh_kwargs: dict, **options) -> dict:
 def _dropout_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models import FFN, HIDDEN, MAX_POS, N_HEAD, N_LAYER
+    from harness.models import FFN, HIDDEN, MAX_POS, N_HEAD, N_LAYER
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=N_LAYER, n_head=N_HEAD,
                      n_inner=FFN, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
@@ -638,7 +638,7 @@ def dropout_masks(mesh_kwargs: dict, steps: int = 2, **options) -> dict:
     parameters, are the model's own; the replicated parameters stay bit-identical on every rank."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from models import FFN, HIDDEN, MAX_POS, N_HEAD, hf_token_loss
+    from harness.models import FFN, HIDDEN, MAX_POS, N_HEAD, hf_token_loss
 
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=N_HEAD,
                      intermediate_size=FFN, max_position_embeddings=MAX_POS, hidden_dropout_prob=0.1,

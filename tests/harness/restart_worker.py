@@ -1,6 +1,6 @@
 """A training run as a user writes it for ``torchrun --max-restarts``: resume, train, save every 2 steps.
 
-    torchrun --max-restarts 5 --nproc-per-node 2 tests/restart_worker.py RUN_DIR STEPS [KILL_STEP ...]
+    torchrun --max-restarts 5 --nproc-per-node 2 tests/harness/restart_worker.py RUN_DIR STEPS [KILL_STEP ...]
 
 Trains the zoo GPT at tp=2 for STEPS steps (each step's batch drawn from the step number), saving into
 RUN_DIR/ckpt every 2 steps (the newest 2 kept). At each KILL_STEP, rank 1 kills itself with SIGKILL before the
@@ -17,14 +17,14 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``harness`` imports from there
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autoshard  # noqa: E402
 
-from models import build, token_data  # noqa: E402
+from harness.models import build, token_data  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from corpus.architectures import build
 
 import autoshard
 
-from golden import groups_for
+from harness.golden import groups_for
 
 
 def saved_and_loaded(name: str, mesh_kwargs: dict, directory: str, **options) -> dict:
@@ -47,7 +47,7 @@ def user_loop(name: str, mesh_kwargs: dict, *, bf16: bool = False, **options) ->
     parameter difference after three optimizer steps."""
     import copy
 
-    from models import token_data
+    from harness.models import token_data
 
     case = build(name)
     reference = copy.deepcopy(case.model)

@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 import autoshard
 
-from golden import groups_for
-from models import build as build_zoo
+from harness.golden import groups_for
+from harness.models import build as build_zoo
 
 HALF = 3
 CLIP = 0.05
@@ -28,14 +28,14 @@ def build(name: str, seed: int = 0):
 
         return build_corpus(name.removeprefix("corpus/"), seed=seed)
     if name == "gpt_vocab101":
-        from models import ZooCase, build_gpt_model, token_data, token_loss
+        from harness.models import ZooCase, build_gpt_model, token_data, token_loss
 
         torch.manual_seed(seed)
         model = build_gpt_model(vocab=101)
         tokens, target = token_data(torch.Generator().manual_seed(seed + 2), vocab=101)
         return ZooCase(name, model, (tokens,), target, token_loss)
     if name == "hf_gpt2_dropout":
-        from golden_loop import _dropout_gpt2
+        from harness.golden_loop import _dropout_gpt2
 
         case = build_zoo("hf_gpt2", seed=seed)
         torch.manual_seed(seed)
@@ -45,7 +45,7 @@ def build(name: str, seed: int = 0):
 
 def _with_model(case, model):
     """``case`` with another model (the same data and loss)."""
-    from models import ZooCase
+    from harness.models import ZooCase
 
     return ZooCase(case.name, model, case.inputs, case.target, case.loss_fn)
 

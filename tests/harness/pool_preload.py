@@ -20,4 +20,4 @@ import autoshard.runtime.parallel_model  # noqa: E402, F401
 for _name in ("LlamaConfig", "LlamaForCausalLM", "GPT2Config", "GPT2LMHeadModel", "BertConfig", "BertForMaskedLM"):
     getattr(transformers, _name)
 
-import golden  # noqa: E402, F401 - the zoo and the golden helpers the tests send to the workers
+from harness import golden  # noqa: E402, F401 - the zoo and the golden helpers the tests send to the workers

@@ -1,7 +1,7 @@
 """A training run for elastic ``torchrun`` (``--nnodes 1:2``): its mesh follows the world size it is given.
 
     torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
-        tests/elastic_worker.py RUN_DIR STEPS [PAUSE_STEP]
+        tests/harness/elastic_worker.py RUN_DIR STEPS [PAUSE_STEP]
 
 The zoo GPT at dp = world / 2 x tp = 2, each step's global batch drawn from the step number (the same whatever the
 world), saving into RUN_DIR/ckpt every 2 steps. It resumes from the newest complete checkpoint whatever mesh saved
@@ -21,14 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: ``harness`` imports from there
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autoshard  # noqa: E402
 
-from models import build, token_data  # noqa: E402
+from harness.models import build, token_data  # noqa: E402
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ from torch import nn
 import autoshard
 from autoshard.verify import compare
 
-from golden import groups_for
-from models import build
+from harness.golden import groups_for
+from harness.models import build
 
 
 class _Raises(nn.Module):

@@ -7,8 +7,8 @@ from torch import nn
 
 import autoshard
 
-from golden import groups_for
-from models import build
+from harness.golden import groups_for
+from harness.models import build
 
 
 class _LogOfNegative(nn.Module):

@@ -164,10 +164,10 @@ def _context():
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pool_preload"])
+    ctx.set_forkserver_preload(["harness.pool_preload"])
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), before) if p)
-    try:  # the server imports ``pool_preload`` from here (Python 3.11's fork server ignores the parent's sys.path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent), before) if p)
+    try:  # the server imports ``harness`` from tests/ (Python 3.11's fork server ignores the parent's sys.path)
         forkserver.ensure_running()
     finally:
         if before is None:

@@ -1,4 +1,4 @@
-"""Seeded one-line bugs and the tests that must catch each (run by ``make mutate``; see ``mutate.py``).
+"""Seeded one-line bugs and the tests that must catch each (run by ``make mutate``; see ``tests/mutate.py``).
 
 Every mutant is a bug of a kind that gives silently wrong training, or a test harness that would pass it:
 a dropped argument, a missing collective, a wrong normaliser, an index off by one. ``original`` must occur

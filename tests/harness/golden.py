@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import autoshard
 
-from launcher import GROUP_TIMEOUT
-from models import IGNORE_INDEX, build
+from harness.launcher import GROUP_TIMEOUT
+from harness.models import IGNORE_INDEX, build
 
 _GROUPS: dict = {}
 
@@ -317,7 +317,7 @@ class _CycledWithoutGrad(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from models import GPT, GPTConfig
+        from harness.models import GPT, GPTConfig
 
         self.gpt = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab=64, seq=16, ffn=64))
         self.init = torch.nn.Parameter(torch.randn(32))
@@ -469,7 +469,7 @@ class _CumulativeGPT(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from models import build
+        from harness.models import build
 
         self.inner = build("gpt").model
 
@@ -485,7 +485,7 @@ def token_mixing_op(cp: int) -> tuple[bool, list[str]]:
     """cumsum over the sequence under cp: gathered first, with a warning; the result stays exact."""
     import warnings
 
-    from models import build
+    from harness.models import build
 
     torch.manual_seed(0)
     model = _CumulativeGPT()
@@ -860,7 +860,7 @@ def odd_vocab(name: str, vocab: int, mesh_kwargs: dict) -> dict:
     """A vocabulary the tp degree does not divide (GPT-2's 50257): padded shards, exact results."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models import HIDDEN, MAX_POS, N_HEAD, N_LAYER, build_gpt_model, hf_token_loss, token_data, token_loss
+    from harness.models import HIDDEN, MAX_POS, N_HEAD, N_LAYER, build_gpt_model, hf_token_loss, token_data, token_loss
 
     torch.manual_seed(0)
     if name == "hf_gpt2":

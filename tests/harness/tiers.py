@@ -23,9 +23,9 @@ one golden per axis on 2 ranks, less ``NOT_QUICK``: the few tests of those files
 from __future__ import annotations
 
 import pytest
-from mutations import MUTANTS
 
-from models import CONV_NAMES, ZOO_NAMES
+from harness.models import CONV_NAMES, ZOO_NAMES
+from harness.mutations import MUTANTS
 
 QUICK_FILES = {
     "test_rules_views.py", "test_rules_layers.py", "test_rules_embedding_loss.py", "test_schedules.py",

@@ -28,8 +28,8 @@ from torch import nn
 
 import autoshard
 
-from golden import groups_for
-from models import rotate_half
+from harness.golden import groups_for
+from harness.models import rotate_half
 
 BATCH, SEQ, HEADS, HEAD_DIM, FFN, VOCAB = 3, 12, 8, 6, 56, 72
 HIDDEN = HEADS * HEAD_DIM
