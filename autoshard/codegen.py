@@ -13,9 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -24,15 +22,12 @@ from torch.utils import _pytree as pytree
 from autoshard import meta
 from autoshard.capture import Captured
 from autoshard.passes.axis import Outputs
-from autoshard.passes.batch_norm import batch_norm_pass
-from autoshard.passes.batch_statistics import batch_statistics_pass
-from autoshard.passes.context_parallel import context_parallel_pass, insert_splits
-from autoshard.passes.expert_parallel import expert_parallel_pass
+from autoshard.passes.axis_pass import BatchSync, On, Sharding  # noqa: F401 - On, BatchSync re-exported
+from autoshard.passes.axis_passes import AXIS_PASSES
+from autoshard.passes.context_parallel import insert_splits
 from autoshard.passes.pipeline_split import Stage, TensorSpec, split_pipeline
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import handed_on, propagate
-from autoshard.passes.sequence_parallel import region_exits, sequence_parallel_pass
-from autoshard.passes.tensor_parallel import tensor_parallel_pass
 
 aten = torch.ops.aten
 
@@ -80,50 +75,6 @@ class RankProgram:
     @property
     def code(self) -> str:
         return self.gm.code
-
-
-@dataclass(frozen=True)
-class On:
-    """One axis of a rank's sharding: the axis's plan, this rank's coordinate on the axis and its process group."""
-
-    plan: Any
-    rank: int = 0
-    group: object = None
-
-
-@dataclass(frozen=True)
-class BatchSync:
-    """What a sum over the ``size`` dp ranks needs: a BatchNorm's statistics (``batch`` and ``sizes`` unused), or the
-    loss's whole-batch statistics, with the local ``batch`` and the numbers that are sizes of the batch, by node."""
-
-    size: int
-    batch: int = 0
-    sizes: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """What one rank applies to a captured graph: each axis's plan, with this rank's coordinate and group on it
-    (``axes``, by the name of the ``AXIS_PASSES`` entry that applies it), and how the graph is run."""
-
-    axes: Mapping[str, On] = field(default_factory=dict)
-    training: bool = True
-    keep_outputs: bool = False  # a pipeline stage that hands its activations on
-    stage: bool = False  # the graph is one pipeline stage
-
-    def plan(self, axis: str):
-        """The plan of ``axis``, or None where this sharding does not apply it."""
-        on = self.axes.get(axis)
-        return on.plan if on is not None else None
-
-    def splits(self, axis: str) -> bool:
-        """Whether ``axis`` splits over more than one rank."""
-        plan = self.plan(axis)
-        return plan is not None and plan.size > 1
-
-    def with_plan(self, axis: str, plan) -> Sharding:
-        """This sharding with ``axis``'s plan replaced (its coordinate and group kept)."""
-        return dataclasses.replace(self, axes={**self.axes, axis: dataclasses.replace(self.axes[axis], plan=plan)})
 
 
 def build(captured: Captured, sharding: Sharding, *, store: ParamStore | None = None,
@@ -278,94 +229,6 @@ def _specs(nodes: list[fx.Node], whole: list[TensorSpec]) -> list[TensorSpec]:
     """Local shapes, in the memory order the whole graph's values have (the same on sender and receiver)."""
     return [TensorSpec(tuple(meta.val(n).shape), meta.val(n).dtype, spec.order)
             for n, spec in zip(nodes, whole, strict=True)]
-
-
-@dataclass(frozen=True)
-class AxisPass:
-    """One axis's rewrite of a rank's graph: whether this rank's sharding asks for it, and the rewrite.
-
-    ``after``: the passes that must have run first where both run (checked as data, below, as torch.fx's
-    PassManager checks its constraints). ``apply(gm, sharding, found)``: ``found`` carries what a pass reads off
-    the graph for a later one (sequence parallelism's region exits, read while the graph is tp's)."""
-
-    name: str
-    after: tuple[str, ...]
-    applies: Callable[[Sharding], bool]
-    apply: Callable[[fx.GraphModule, Sharding, dict], None]
-
-
-def _batch_sums(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["batch statistics"]
-    batch_statistics_pass(gm, batch=on.plan.batch, size=on.plan.size, rank=on.rank, group=on.group,
-                          sizes=on.plan.sizes)
-
-
-def _tensor(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["tp"]
-    tensor_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, mark_entries="sp" in sharding.axes)
-
-
-def _regions(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    found["sp exits"] = region_exits(gm, sharding.plan("sp"))
-
-
-def _context(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["cp"]
-    context_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, training=sharding.training,
-                          keep_outputs=sharding.keep_outputs)
-
-
-def _sequence(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["sp"]
-    plan = on.plan
-    if sharding.splits("cp"):  # tp splits each cp rank's tokens
-        cp = sharding.axes["cp"]
-        plan = plan.for_cp_rank(len(cp.plan.positions(cp.rank)))
-    sequence_parallel_pass(gm, plan, rank=on.rank, group=on.group, stage=sharding.stage, exits=found["sp exits"])
-
-
-def _batch_norm(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["batch norm"]
-    batch_norm_pass(gm, group=on.group, size=on.plan.size, rank=on.rank)
-
-
-def _experts(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
-    on = sharding.axes["ep"]
-    expert_parallel_pass(gm, on.plan, rank=on.rank, group=on.group)
-
-
-def _present(axis: str) -> Callable[[Sharding], bool]:
-    return lambda sharding: axis in sharding.axes
-
-
-_EARLIER = ("batch statistics", "tp", "sp regions", "cp", "sp", "batch norm")
-AXIS_PASSES: tuple[AxisPass, ...] = (
-    # first: it finds the loss's whole-batch statistics on the graph as the job plan did
-    AxisPass("batch statistics", (), _present("batch statistics"), _batch_sums),
-    AxisPass("tp", ("batch statistics",), lambda s: s.splits("tp"), _tensor),
-    AxisPass("sp regions", ("tp",), _present("sp"), _regions),  # read while the graph is tp's
-    AxisPass("cp", ("tp", "sp regions"), lambda s: s.splits("cp"), _context),
-    AxisPass("sp", ("sp regions", "cp"), _present("sp"), _sequence),
-    AxisPass("batch norm", ("tp", "cp", "sp"), _present("batch norm"), _batch_norm),
-    # last: it reads the rows each routed layer holds after every other split
-    AxisPass("ep", _EARLIER, _present("ep"), _experts),
-)
-
-
-def check_order(passes: tuple[AxisPass, ...]) -> None:
-    """Every pass comes after the passes it names in ``after`` (and those exist)."""
-    seen: set[str] = set()
-    names = {p.name for p in passes}
-    for axis_pass in passes:
-        unknown = set(axis_pass.after) - names
-        early = set(axis_pass.after) - seen
-        if unknown or early:
-            raise AssertionError(f"axis pass {axis_pass.name!r} must come after {sorted(early)}"
-                                 + (f" (no such passes: {sorted(unknown)})" if unknown else ""))
-        seen.add(axis_pass.name)
-
-
-check_order(AXIS_PASSES)
 
 
 def _shard(gm: fx.GraphModule, sharding: Sharding, store: ParamStore | None) -> None:

@@ -31,6 +31,8 @@ from autoshard.layout import ParamLayout
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.axis import Axis, Outputs
+from autoshard.passes.axis_pass import BatchSync, On, Sharding
+from autoshard.passes.axis_passes import PLANNED
 from autoshard.passes.context_parallel import PARTIAL_OUTPUT, ContextParallelPlan, check_divisible
 from autoshard.passes.input_checks import InputChecks, input_checks
 from autoshard.passes.loss import find_token_loss, sum_loss_pass, token_count_graph
@@ -240,24 +242,23 @@ def compile_rank(captured: Captured, plan: JobPlan, coords: dict[str, int], *, g
 
 
 def sharding_of(plan: JobPlan, coords: dict[str, int], groups: MeshGroups | None = None, *, training: bool = True,
-                batch: int = 0) -> codegen.Sharding:
-    """What the rank at ``coords`` applies of ``plan``: each axis's plan with its coordinate and group (None without
-    ``groups``: a build that runs no collective). ``batch``: the local batch the capture holds."""
+                batch: int = 0) -> Sharding:
+    """What the rank at ``coords`` applies of ``plan``: each axis's plan with its coordinate and group on the axis's
+    mesh axis (None without ``groups``: a build that runs no collective). ``batch``: the local batch the capture
+    holds."""
     mesh = plan.mesh
 
     def group(axis: str):
         return groups.group(axis) if groups is not None and getattr(mesh, axis) > 1 else None
 
-    dp = codegen.On(codegen.BatchSync(mesh.dp), coords["dp"], groups.group("dp") if groups is not None else None)
-    axes = {"tp": codegen.On(plan.tp_plan, coords["tp"], group("tp")),
-            "sp": codegen.On(plan.sp_plan, coords["tp"], group("tp")),
-            "cp": codegen.On(plan.cp_plan, coords["cp"], group("cp")),
-            "ep": codegen.On(plan.ep_plan, mesh.expert_coord(coords), group("ep"))}
+    axes = {name: On(plan.axes[name], mesh.coord(axis.mesh_axis, coords), group(axis.mesh_axis))
+            for name, axis in PLANNED.items() if plan.axes.get(name) is not None}
+    dp = On(BatchSync(mesh.dp), coords["dp"], groups.group("dp") if groups is not None else None)
     if plan.batch_norm_sync:
         axes["batch norm"] = dp
     if plan.batch_sums:
-        axes["batch statistics"] = dataclasses.replace(dp, plan=codegen.BatchSync(mesh.dp, batch, plan.batch_sizes))
-    return codegen.Sharding({name: on for name, on in axes.items() if on.plan is not None}, training=training)
+        axes["batch statistics"] = dataclasses.replace(dp, plan=BatchSync(mesh.dp, batch, plan.batch_sizes))
+    return Sharding(axes, training=training)
 
 
 def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int, options: CompileOptions, *,
@@ -285,7 +286,7 @@ def compile_global_batch(model: nn.Module, inputs: tuple, mesh: Mesh, rank: int,
     return compile_rank(captured, plan, coords)
 
 
-def _pipeline(build: RankBuild, sharding: codegen.Sharding, store: codegen.ParamStore | None) -> None:
+def _pipeline(build: RankBuild, sharding: Sharding, store: codegen.ParamStore | None) -> None:
     """This rank's stages of the plan's cuts, what each pp rank holds, and the schedule."""
     p, v, options, plan = build.mesh.pp, build.options.chunks, build.options, build.plan
     if plan.partition is not None:

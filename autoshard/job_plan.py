@@ -22,7 +22,6 @@ import datetime
 import json
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +33,9 @@ from autoshard.capture import Captured
 from autoshard.layout import ParamLayout
 from autoshard.mesh import Mesh
 from autoshard.options import CompileOptions
+from autoshard.passes.axis_passes import PLANNED
 from autoshard.passes.context_parallel import ContextParallelError, ContextParallelPlan, plan_context_parallel
-from autoshard.passes.expert_parallel import ExpertLayer, ExpertParallelPlan, plan_expert_parallel
-from autoshard.passes.listed_experts import ListLayer
+from autoshard.passes.expert_parallel import ExpertParallelPlan, plan_expert_parallel
 from autoshard.passes.partition import Partition, partition
 from autoshard.passes.pipeline_split import split_pipeline
 from autoshard.passes.placements import Shard
@@ -45,40 +44,6 @@ from autoshard.passes.tensor_parallel import plan_tensor_parallel, tensor_parall
 from autoshard.plan import TensorParallelPlan
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class AxisPlanRecord:
-    """How a job plan holds one axis's plan: its JSON form (under ``{name}_plan``) and its line in ``str(plan)``."""
-
-    name: str
-    encode: Callable[[Any], Any]
-    decode: Callable[[Any], Any]
-    describe: Callable[[Any], str]
-
-
-def _ep_from_json(ep: dict) -> ExpertParallelPlan:
-    layers = [ExpertLayer(**dict(layer, weights=tuple(layer["weights"]))) for layer in ep["layers"]]
-    lists = [ListLayer(tuple(tuple(e) for e in layer["experts"]), layer["where"]) for layer in ep.get("lists", [])]
-    return ExpertParallelPlan(ep["size"], layers, list(ep["notes"]), ep.get("capacity"), lists)
-
-
-def _tp_line(plan: TensorParallelPlan) -> str:
-    split = sum(isinstance(p.placement, Shard) for p in plan.params.values())
-    return f"{split} of {len(plan.params)} parameters split over {plan.size} ranks"
-
-
-AXIS_PLANS: dict[str, AxisPlanRecord] = {record.name: record for record in (
-    AxisPlanRecord("tp", lambda plan: json.loads(plan.to_json()),
-                   lambda data: TensorParallelPlan.from_json(json.dumps(data)), _tp_line),
-    AxisPlanRecord("cp", dataclasses.asdict, lambda data: ContextParallelPlan(**data),
-                   lambda plan: f"the sequence of {plan.seq_len} over {plan.size} ranks, {plan.attention} attention"
-                                f"{', load-balanced' if plan.load_balance else ''}"),
-    AxisPlanRecord("sp", dataclasses.asdict, SequenceParallelPlan.from_json,
-                   lambda plan: f"the sequence of {plan.seq_len} split over tp between its regions"),
-    AxisPlanRecord("ep", dataclasses.asdict, _ep_from_json,
-                   lambda plan: f"{len(plan.layers)} expert layers split over {plan.size} ranks"),
-)}
 
 
 def _axis(name: str, doc: str) -> property:
@@ -98,8 +63,9 @@ def _axis(name: str, doc: str) -> property:
 class JobPlan:
     """The decisions of a whole job for one capture (see the module docstring).
 
-    ``axes``: each sharding axis's plan by name (``AXIS_PLANS`` says how each is written and read back); ``tp_plan``,
-    ``cp_plan``, ``sp_plan`` and ``ep_plan`` read and set them."""
+    ``axes``: each sharding axis's plan by name (the codec of its ``AxisPass`` in ``passes.axis_passes.PLANNED``
+    says how each is written and read back); ``tp_plan``, ``cp_plan``, ``sp_plan`` and ``ep_plan`` read and set
+    them."""
 
     mesh: Mesh
     options: CompileOptions
@@ -129,8 +95,8 @@ class JobPlan:
         options["tp_plan"] = options["tp_plan"] is not None  # the plan given is the tp plan below
         options = {k: (str(v) if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v)
                    for k, v in options.items()}
-        axes = {f"{name}_plan": record.encode(self.axes[name]) if name in self.axes else None
-                for name, record in AXIS_PLANS.items()}
+        axes = {f"{name}_plan": axis.codec.encode(self.axes[name]) if name in self.axes else None
+                for name, axis in PLANNED.items()}
         return json.dumps({
             "mesh": dataclasses.asdict(self.mesh), "options": options, **axes,
             "cut_after": list(self.cut_after) if self.cut_after is not None else None,
@@ -142,7 +108,7 @@ class JobPlan:
     @classmethod
     def from_json(cls, text: str) -> JobPlan:
         data = json.loads(text)
-        axes = {name: record.decode(data[f"{name}_plan"]) for name, record in AXIS_PLANS.items()
+        axes = {name: axis.codec.decode(data[f"{name}_plan"]) for name, axis in PLANNED.items()
                 if data.get(f"{name}_plan")}
         options = dict(data["options"], timeout=datetime.timedelta(seconds=data["options"]["timeout"]))
         options["tp_plan"] = axes.get("tp") if options["tp_plan"] else None
@@ -156,7 +122,7 @@ class JobPlan:
 
     def __str__(self) -> str:
         lines = [f"job plan for {self.mesh}:"]
-        lines += [f"  {name}: {record.describe(self.axes[name])}" for name, record in AXIS_PLANS.items()
+        lines += [f"  {name}: {axis.codec.describe(self.axes[name])}" for name, axis in PLANNED.items()
                   if name in self.axes]
         if self.cut_after is not None:
             lines.append(f"  pp: cuts after {', '.join(self.cut_after)}")

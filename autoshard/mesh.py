@@ -182,6 +182,11 @@ class Mesh:
         """How many ranks hold each expert alike (``dp x cp / ep``; each one's group in ``expert_replica_groups``)."""
         return self.dp * self.cp // self.ep
 
+    def coord(self, axis: str, coords: Mapping[str, int]) -> int:
+        """The coordinate on ``axis`` (``AXES`` or ep) of the rank at ``coords``: ep adds no ranks of its own, so a
+        rank's ep coordinate is its place in its ep group (``expert_coord``)."""
+        return self.expert_coord(coords) if axis == "ep" else coords[axis]
+
     def expert_coord(self, coords: Mapping[str, int]) -> int:
         """The ep coordinate of the rank at ``coords``: its place in its ep group."""
         rank = self.rank_of(**{axis: coords[axis] for axis in AXES})

@@ -94,29 +94,71 @@ def test_every_exception_class_of_autoshard_has_one_root():
 
 
 def test_the_axis_passes_run_in_an_order_their_constraints_allow(monkeypatch):
-    """Each axis pass names the passes that must run before it; the order is checked as data, and a failure inside
-    a pass says which pass it was and which ran before it."""
+    """Each axis pass names the passes that must run before it; the order is checked as data (a pass named after
+    one that comes later, or after one that does not exist, is refused), and a failure inside a pass says which
+    pass it was and which ran before it."""
     import pytest
     import torch
     from torch import fx
 
     from autoshard import codegen
+    from autoshard.passes.axis_pass import AxisPass, Sharding, check_order
+    from autoshard.passes.axis_passes import AXIS_PASSES
 
-    codegen.check_order(codegen.AXIS_PASSES)
-    swapped = (codegen.AXIS_PASSES[1], codegen.AXIS_PASSES[0], *codegen.AXIS_PASSES[2:])
+    check_order(AXIS_PASSES)
+    swapped = (AXIS_PASSES[1], AXIS_PASSES[0], *AXIS_PASSES[2:])
     with pytest.raises(AssertionError, match=r"'tp' must come after \['batch statistics'\]"):
-        codegen.check_order(swapped)
+        check_order(swapped)
+    stray = AxisPass("stray", after=("nowhere",), applies=lambda s: True, apply=lambda gm, s, found: None)
+    with pytest.raises(AssertionError, match=r"'stray' must come after .*no such passes: \['nowhere'\]"):
+        check_order((*AXIS_PASSES, stray))
+    with pytest.raises(AssertionError, match=r"named twice: \['tp'\]"):
+        check_order((*AXIS_PASSES, AXIS_PASSES[1]))
 
     def fails(gm, sharding, found):
         raise RuntimeError("a rewrite failed")
 
-    passes = (codegen.AxisPass("first", (), lambda s: True, lambda gm, s, found: None),
-              codegen.AxisPass("second", ("first",), lambda s: True, fails))
+    passes = (AxisPass("first", (), lambda s: True, lambda gm, s, found: None),
+              AxisPass("second", ("first",), lambda s: True, fails))
     gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
     monkeypatch.setattr(codegen, "AXIS_PASSES", passes)
     with pytest.raises(RuntimeError, match="a rewrite failed") as raised:
-        codegen._shard(gm, codegen.Sharding(), None)
+        codegen._shard(gm, Sharding(), None)
     assert "in the second pass, after first" in "\n".join(getattr(raised.value, "__notes__", [])), raised.value
+
+
+def test_each_axis_is_one_record_beside_its_pass_with_its_plan():
+    """An axis is one ``AxisPass``, defined in its own pass module: its rewrite and, where the job plan holds its
+    plan, that plan's JSON form, its line in ``str(plan)`` and the mesh axis it is applied on. The registry lists
+    every record defined anywhere in the passes; the job plan's JSON keys are the records' names (the keys plans
+    written before hold)."""
+    import importlib
+    import json
+
+    import pytest
+
+    from autoshard import mesh
+    from autoshard.job_plan import JobPlan
+    from autoshard.options import CompileOptions
+    from autoshard.passes.axis_pass import AxisPass, PlanCodec
+    from autoshard.passes.axis_passes import AXIS_PASSES, PLANNED
+
+    defined = {}
+    for name in sorted(n for n in _modules() if n.startswith("autoshard.passes.")):
+        module = importlib.import_module(name)
+        defined |= {id(v): (name, v) for v in vars(module).values() if isinstance(v, AxisPass)}
+    assert {id(p) for p in AXIS_PASSES} == set(defined), "an AxisPass defined in the passes is not in AXIS_PASSES"
+    for axis_pass in AXIS_PASSES:
+        home, _ = defined[id(axis_pass)]
+        assert home not in ("autoshard.passes.axis_pass", "autoshard.passes.axis_passes"), axis_pass.name
+        parts = [axis_pass.apply] + ([axis_pass.codec.describe] if axis_pass.codec is not None else [])
+        assert all(part.__module__ == home for part in parts), f"{axis_pass.name}'s record is not beside its pass"
+    assert list(PLANNED) == ["tp", "cp", "sp", "ep"]  # the JSON keys tp_plan, ... that plans written before hold
+    written = json.loads(JobPlan(mesh.Mesh(), CompileOptions()).to_json())
+    assert [key for key in written if key.endswith("_plan")] == [f"{name}_plan" for name in PLANNED]
+    assert all(p.mesh_axis in (*mesh.AXES, "ep") for p in PLANNED.values())
+    with pytest.raises(ValueError, match="give both or neither"):
+        AxisPass("half", (), lambda s: True, lambda gm, s, found: None, codec=PlanCodec(str, str, str))
 
 
 def test_what_autoshard_knows_of_an_op_is_one_record_whatever_was_imported():

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import meta, peers
+from autoshard.passes.axis_pass import AxisPass, Sharding, present
 from autoshard.passes.collectives import ProcessGroup, _all_reduce, _ParallelOp
 
 aten = torch.ops.aten
@@ -123,3 +124,11 @@ def batch_norm_pass(gm: fx.GraphModule, *, group: ProcessGroup | None, size: int
         gm.graph.lint()
         gm.recompile()
     return len(found)
+
+
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["batch norm"]
+    batch_norm_pass(gm, group=on.group, size=on.plan.size, rank=on.rank)
+
+
+BATCH_NORM = AxisPass("batch norm", after=("tp", "cp", "sp"), applies=present("batch norm"), apply=_apply)

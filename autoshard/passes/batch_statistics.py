@@ -44,6 +44,7 @@ from autoshard import meta
 from autoshard.errors import AutoshardError
 from autoshard.functions import KEPT_OP, kept_of
 from autoshard.passes.axis import Axis, Outputs
+from autoshard.passes.axis_pass import AxisPass, Sharding, present
 from autoshard.passes.batch_gather import insert_dp_collective
 from autoshard.passes.batch_split import _FULL  # full reductions -> by dims
 from autoshard.passes.collectives import _all_reduce, _ParallelOp
@@ -207,6 +208,16 @@ def batch_statistics_pass(gm: fx.GraphModule, *, batch: int, size: int, rank: in
     gm.graph.lint()
     gm.recompile()
     return plan
+
+
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["batch statistics"]
+    batch_statistics_pass(gm, batch=on.plan.batch, size=on.plan.size, rank=on.rank, group=on.group,
+                          sizes=on.plan.sizes)
+
+
+# first: it finds the loss's whole-batch statistics on the graph as the job plan did
+BATCH_STATISTICS = AxisPass("batch statistics", after=(), applies=present("batch statistics"), apply=_apply)
 
 
 def whole_batch_region(gm: fx.GraphModule, batch: int, parts: int) -> tuple[Propagation, set[fx.Node]]:

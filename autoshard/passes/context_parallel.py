@@ -16,6 +16,7 @@ Gradients of parameters are summed over dp x cp by the data-parallel reduction, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from autoshard.errors import AutoshardError
 from autoshard.kinds import Attention
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis, Outputs
+from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, splitting
 from autoshard.passes.collectives import _ParallelOp, reduce_scatter_single
 from autoshard.passes.placements import Partial, Placement, Replicate, Shard
 from autoshard.passes.propagate import cost, propagate
@@ -352,6 +354,22 @@ def context_parallel_pass(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["cp"]
+    context_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, training=sharding.training,
+                          keep_outputs=sharding.keep_outputs)
+
+
+def _describe(plan: ContextParallelPlan) -> str:
+    return (f"the sequence of {plan.seq_len} over {plan.size} ranks, {plan.attention} attention"
+            f"{', load-balanced' if plan.load_balance else ''}")
+
+
+CONTEXT_PARALLEL = AxisPass(
+    "cp", after=("tp", "sp regions"), applies=splitting("cp"), apply=_apply, mesh_axis="cp",
+    codec=PlanCodec(encode=dataclasses.asdict, decode=lambda data: ContextParallelPlan(**data), describe=_describe))
 
 
 def _attention(plan: ContextParallelPlan, node: fx.Node, rw: localize.Rewriter) -> None:

@@ -28,6 +28,7 @@ whole on every ep rank (data parallel, as without ep), and the plan says why.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -38,6 +39,7 @@ from torch import fx
 
 from autoshard import meta, peers
 from autoshard.errors import AutoshardError
+from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, present
 from autoshard.passes.collectives import _ParallelOp
 from autoshard.passes.listed_experts import ListLayer, find_list_layers, split_list_layers
 from autoshard.passes.rules_nn import is_grouped_mm
@@ -475,6 +477,25 @@ def expert_parallel_pass(gm: fx.GraphModule, plan: ExpertParallelPlan, *, rank: 
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["ep"]
+    expert_parallel_pass(gm, on.plan, rank=on.rank, group=on.group)
+
+
+def _from_json(ep: dict) -> ExpertParallelPlan:
+    layers = [ExpertLayer(**dict(layer, weights=tuple(layer["weights"]))) for layer in ep["layers"]]
+    lists = [ListLayer(tuple(tuple(e) for e in layer["experts"]), layer["where"]) for layer in ep.get("lists", [])]
+    return ExpertParallelPlan(ep["size"], layers, list(ep["notes"]), ep.get("capacity"), lists)
+
+
+# last: it reads the rows each routed layer holds after every other split
+EXPERT_PARALLEL = AxisPass(
+    "ep", after=("batch statistics", "tp", "sp regions", "cp", "sp", "batch norm"), applies=present("ep"),
+    apply=_apply, mesh_axis="ep",
+    codec=PlanCodec(encode=dataclasses.asdict, decode=_from_json,
+                    describe=lambda plan: f"{len(plan.layers)} expert layers split over {plan.size} ranks"))
 
 
 def _rewrite(gm, offsets: fx.Node, groups: list[list[fx.Node]], layer: ExpertLayer, rank: int, group, size: int,

@@ -35,6 +35,7 @@ from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
+from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, present
 from autoshard.passes.collectives import (
     CopyToParallel,
     GatherFromParallel,
@@ -274,6 +275,27 @@ def sequence_parallel_pass(gm: fx.GraphModule, plan: SequenceParallelPlan, *, ra
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _regions(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    found["sp exits"] = region_exits(gm, sharding.plan("sp"))
+
+
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["sp"]
+    plan = on.plan
+    if sharding.splits("cp"):  # tp splits each cp rank's tokens
+        cp = sharding.axes["cp"]
+        plan = plan.for_cp_rank(len(cp.plan.positions(cp.rank)))
+    sequence_parallel_pass(gm, plan, rank=on.rank, group=on.group, stage=sharding.stage, exits=found["sp exits"])
+
+
+# the regions' exits are read while the graph is tp's, before cp splits its sequence
+SP_REGIONS = AxisPass("sp regions", after=("tp",), applies=present("sp"), apply=_regions)
+SEQUENCE_PARALLEL = AxisPass(
+    "sp", after=("sp regions", "cp"), applies=present("sp"), apply=_apply, mesh_axis="tp",
+    codec=PlanCodec(encode=dataclasses.asdict, decode=SequenceParallelPlan.from_json,
+                    describe=lambda plan: f"the sequence of {plan.seq_len} split over tp between its regions"))
 
 
 _NO_REGION = ("sequence parallelism found no tensor-parallel region whose output carries the sequence (no row-parallel "

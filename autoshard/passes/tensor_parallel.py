@@ -29,6 +29,7 @@ sizes to local ones, and replaces sharded parameters by this rank's shards.
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 import re
 import warnings
@@ -40,6 +41,7 @@ from autoshard import meta
 from autoshard.errors import AutoshardError
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis
+from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, splitting
 from autoshard.passes.collectives import (
     CopyToParallel,
     ReadWhole,
@@ -927,6 +929,22 @@ def tensor_parallel_pass(gm: fx.GraphModule, plan: TensorParallelPlan, *, rank: 
     return gm
 
 
+def _apply(gm: fx.GraphModule, sharding: Sharding, found: dict) -> None:
+    on = sharding.axes["tp"]
+    tensor_parallel_pass(gm, on.plan, rank=on.rank, group=on.group, mark_entries="sp" in sharding.axes)
+
+
+def _describe(plan: TensorParallelPlan) -> str:
+    split = sum(isinstance(p.placement, Shard) for p in plan.params.values())
+    return f"{split} of {len(plan.params)} parameters split over {plan.size} ranks"
+
+
+TENSOR_PARALLEL = AxisPass(
+    "tp", after=("batch statistics",), applies=splitting("tp"), apply=_apply, mesh_axis="tp",
+    codec=PlanCodec(encode=lambda plan: json.loads(plan.to_json()),
+                    decode=lambda data: TensorParallelPlan.from_json(json.dumps(data)), describe=_describe))
+
+
 _BORDERS = {CopyToParallel: "entry", ScatterToParallel: "split entry", ReduceFromParallel: "exit",
             ReadWhole: "whole entry"}
 
@@ -950,4 +968,5 @@ def _shard_parameters(gm: fx.GraphModule, plan: TensorParallelPlan, rank: int) -
                                    full.requires_grad)
         owner, _, attr = name.rpartition(".")
         setattr(gm.get_submodule(owner) if owner else gm, attr, local)
+
 
