@@ -14,7 +14,8 @@ from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes import rules as _rules  # noqa: F401 - every op's record, before anything counts or shards
 from autoshard.runtime.anomaly import NonFiniteError
+from autoshard.runtime.communication import CommunicationDiffers
 from autoshard.verify import VerifyReport, verify
 
-__all__ = ["AutoshardError", "CaptureError", "CompileOptions", "Mesh", "MeshGroups", "NonFiniteError", "VerifyReport",
-           "capture", "parallelize", "verify"]
+__all__ = ["AutoshardError", "CaptureError", "CommunicationDiffers", "CompileOptions", "Mesh", "MeshGroups",
+           "NonFiniteError", "VerifyReport", "capture", "parallelize", "verify"]

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard import batching, codegen, meta, schedules, spread_choice
 from autoshard.capture import Captured, capture
+from autoshard.certificate import Certificate, of_build
 from autoshard.job_plan import JobPlan, holders_of, plan_job, spread_bytes, two_passes
 from autoshard.layout import ParamLayout
 from autoshard.mesh import Mesh, MeshGroups
@@ -113,6 +114,13 @@ class RankBuild:
     def largest_held_share(self) -> float:
         """Under pp: the most parameter bytes one pp rank stores, over the bytes of all the stages read."""
         return max(self.held_bytes) / self.read_bytes if self.read_bytes else 0.0
+
+    @property
+    def certificate(self) -> Certificate:
+        """What this rank sends for its programs in a training step: each collective, its kind, group, dtype and
+        elements (``autoshard.certificate.of_build``; a step adds the batch check, the loss's sums and the gradient
+        sync: ``ParallelModel.certificate``)."""
+        return of_build(self)
 
     @property
     def training(self) -> bool:

@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="draw the pipeline timeline of schedule NAME: gpipe, 1f1b (default), interleaved "
                              "(the default with --chunks > 1), zb-h1 or zbv (zero-bubble)")
     parser.add_argument("--dot", metavar="DIR", help="write a Graphviz .dot file of each rewritten graph into DIR")
+    parser.add_argument("--certificate", action="store_true",
+                        help="print, as JSON, the collectives the rank's programs issue in a training step (kind, "
+                             "group, dtype, elements, node and model line): its communication certificate")
     parser.add_argument("--job-plan", action="store_true",
                         help="print only the job's plan as JSON (what a running job's pm.job_plan.to_json() gives)")
     c = parser.add_argument_group("compiler options, as in parallelize()")
@@ -100,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
             build = inspect_rank(case, mesh=mesh, rank=rank, options=options)
             if args.job_plan:
                 print(build.plan.to_json(), flush=True)
+                return 0
+            if args.certificate:
+                print(build.certificate.to_json(), flush=True)
                 return 0
             print(report(case, build, timeline=args.schedule is not None), flush=True)
             if args.dot:

@@ -29,6 +29,7 @@ CHOICES = {
     "pipeline_balance": ("both", "time", "memory"),
     "batch_norm": ("unsharded", "local"),
     "batch_statistics": ("unsharded", "local"),
+    "verify_communication": ("first", "every", "never"),
 }
 _MEANINGS = {
     "tp_indivisible": "'error' (name the layer and the degrees that work) or 'replicate' (keep such blocks whole)",
@@ -43,6 +44,8 @@ _MEANINGS = {
                         "load-balancing loss: summed over the dp ranks, refused where microbatches split the batch) "
                         "or 'local' (each rank's and each microbatch's part computes it from its own samples, as DDP "
                         "and gradient accumulation do)",
+    "verify_communication": "'first' (the first training step's collectives checked against the certificate), "
+                            "'every' (every step's) or 'never'",
     "pipeline_balance": "'both' (each stage's larger share of time or of parameter memory), 'time' or 'memory'",
     "schedule": "'gpipe', '1f1b', 'interleaved' (with chunks > 1), 'zb-h1' (1F1B with each backward split into "
                 "input and weight gradients, the weight part deferred into the bubble), 'zbv' (two chunks per rank "
@@ -139,6 +142,10 @@ class CompileOptions:
         no MFU on a CPU.
     tensorboard: a log directory: rank 0 writes each step's metrics there (``torch.utils.tensorboard``; needs the
         ``tensorboard`` package). ``None`` (the default): none written.
+    verify_communication: when a training step records what each collective autoshard issues is handed and
+        compares it with the build's communication certificate (``autoshard.certificate``: kind, group, dtype and
+        elements of each, per step), raising ``CommunicationDiffers`` on a difference: ``"first"`` (the default: the
+        first step, and the first after a new capture), ``"every"`` or ``"never"``.
     progress: say (rank 0) how long the capture, the compile, ``calibrate`` and each ``autotune`` trial took, on the
         ``autoshard`` logger where it speaks at INFO, else on stderr: ``None`` (the default) where stderr is a
         terminal, ``True`` always, ``False`` never.
@@ -171,6 +178,7 @@ class CompileOptions:
     peak_tflops: float | str | None = None  # the device's peak for MFU: a number, "measure", or None (a known GPU's)
     tensorboard: str | None = None  # a log directory: each step's metrics written there by rank 0
     progress: bool | None = None  # say what took how long before training: None, on a terminal; True; False
+    verify_communication: str = "first"  # a step's collectives checked against its certificate: first, every, never
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():

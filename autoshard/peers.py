@@ -23,11 +23,15 @@ import collections
 import contextlib
 import datetime
 import json
+import os
 import threading
 import time
+import traceback
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from autoshard.errors import AutoshardError
 
@@ -37,6 +41,19 @@ POLL = datetime.timedelta(seconds=1)
 class PeerFailed(AutoshardError, RuntimeError):
     """Another rank failed in this step, or a failed step left this model's groups out of step; the message says
     which rank failed and with what."""
+
+
+class Sent(NamedTuple):
+    """A collective this rank issued while ``recording``: what for (``phase``), its kind, its group's ranks (a
+    point-to-point message: ``to R`` or ``from R``), the dtype and elements of what this rank handed it (as
+    ``passes.collectives.Wire`` counts them), and the lines that issued it."""
+
+    phase: str
+    kind: str
+    group: str
+    dtype: torch.dtype
+    numel: int
+    where: tuple[str, ...] = ()
 
 
 class _Step:
@@ -53,6 +70,8 @@ _watched: list[torch.futures.Future] = []  # DDP buckets' futures not yet done i
 _watcher: threading.Thread | None = None
 _names: dict[int, str] = {}  # a group's name (its ranks), by id
 _finished: dict[str, _Step] = {}  # each parallel model's last exchange that ended without an error here
+_sent: list[list[Sent]] = []  # while recording: the lists what this rank puts on the wire goes into
+_phase: str | None = None  # what the collectives issued now are for, where the caller says (a gradient sync)
 
 
 def store():
@@ -111,15 +130,76 @@ def running(model: str, index: int, ranks: list[int], rank: int, who: str, timeo
 
 
 def run(collective, *args, group=None, **kwargs):
-    """``collective(*args, group=group, **kwargs)`` (a ``torch.distributed`` collective, in place), counted and
-    waited on as ``wait`` does."""
-    if torch.compiler.is_compiling() or _step is None:
+    """``collective(*args, group=group, **kwargs)`` (a ``torch.distributed`` collective, in place), recorded
+    (``recording``), counted and waited on as ``wait`` does."""
+    if torch.compiler.is_compiling():
+        return collective(*args, group=group, **kwargs)
+    if fake(args):  # a program run on fake tensors for its shapes (``autoshard.certificate``): nothing to send
+        return None
+    if _sent:
+        kind, position = _KINDS.get(collective.__name__, (collective.__name__, 0))
+        sent(kind, args[position] if len(args) > position else kwargs.get("input", kwargs.get("tensor")), group)
+    if _step is None:
         return collective(*args, group=group, **kwargs)
     issued(group)
     if not _on_cpu(args):
         return collective(*args, group=group, **kwargs)
     wait(collective(*args, group=group, async_op=True, **kwargs))
     return None
+
+
+# a torch.distributed collective's name -> (its kind, the position of the tensor this rank hands it)
+_KINDS = {"all_reduce": ("all_reduce", 0), "all_gather": ("all_gather", 1), "all_gather_single": ("all_gather", 1),
+          "all_gather_into_tensor": ("all_gather", 1), "reduce_scatter_single": ("reduce_scatter", 1),
+          "reduce_scatter_tensor": ("reduce_scatter", 1), "all_to_all_single": ("all_to_all", 1),
+          "broadcast": ("broadcast", 0)}
+_HERE = os.path.abspath(__file__)
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every collective this rank issues through ``run`` and ``sent`` inside; yields the list they are
+    appended to (``Sent``). Recordings nest: each records all that is issued inside it."""
+    found: list[Sent] = []
+    _sent.append(found)
+    try:
+        yield found
+    finally:
+        _sent.remove(found)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """The collectives issued inside are for ``name`` (a gradient sync, the loss's sum), not the forward or
+    backward they would otherwise be counted in."""
+    global _phase
+    outer, _phase = _phase, name
+    try:
+        yield
+    finally:
+        _phase = outer
+
+
+def sent(kind: str, tensor: torch.Tensor, group, *, peer: str | None = None, phase: str | None = None) -> None:
+    """While recording: this rank hands ``tensor`` to a collective of ``kind`` on ``group`` (or a message to or
+    from ``peer``, ``to R`` / ``from R``), for ``phase`` (by default the one ``phase()`` set, else the forward or
+    the backward it runs in)."""
+    if not _sent or torch.compiler.is_compiling():
+        return
+    now = phase or _phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+    frames = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in traceback.extract_stack(limit=16)
+              if not f.filename.startswith((_HERE, _TORCH, "<"))]
+    record = Sent(now, kind, peer or _name(group), tensor.dtype, tensor.numel(), tuple(frames[-3:]))
+    for found in _sent:
+        found.append(record)
+
+
+def fake(args) -> bool:
+    """Whether the tensors handed to a collective are fake (shapes and dtypes only, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(args))
 
 
 def issued(group) -> None:

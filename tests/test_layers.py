@@ -19,7 +19,7 @@ LAYERS = {
                    "peers"),
     "passes": ("passes", "plan", "functions"),  # plan: the tp plan, made by passes.tensor_parallel; functions: the
     # kept calls, whose rule (passes.rules_nn) proves them per-sample on their trace
-    "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot", "layout"),
+    "compile": ("capture", "codegen", "job_plan", "compile", "explain", "dot", "layout", "certificate"),
     "runtime": ("runtime",),
     "api": ("api", "verify", "inspect_cli", "cli", "planner", "hf", "accelerate", "__init__"),
 }

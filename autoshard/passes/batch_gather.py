@@ -30,7 +30,7 @@ from torch import fx
 
 from autoshard import meta, peers
 from autoshard.errors import AutoshardError
-from autoshard.passes.collectives import _all_gather, _ParallelOp
+from autoshard.passes.collectives import Wire, _all_gather, _ParallelOp
 from autoshard.passes.placements import Shard
 from autoshard.passes.propagate import Propagation
 
@@ -71,6 +71,9 @@ class DataAllGather(_ParallelOp):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         moved = int(torch.Size(input_shape).numel()) * elem_size * (self.size - 1)
         return moved, moved
+
+    def wires(self, x, *others):
+        return (Wire("all_gather", x.numel(), x.dtype),), (Wire("reduce_scatter", x.numel() * self.size, x.dtype),)
 
 
 class CoupledTermError(AutoshardError, ValueError):

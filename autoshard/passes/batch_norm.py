@@ -29,7 +29,7 @@ from torch import fx
 
 from autoshard import meta, peers
 from autoshard.passes.axis_pass import AxisPass, Sharding, present
-from autoshard.passes.collectives import ProcessGroup, _all_reduce, _ParallelOp
+from autoshard.passes.collectives import ProcessGroup, Wire, _all_reduce, _ParallelOp
 
 aten = torch.ops.aten
 
@@ -96,6 +96,13 @@ class BatchNormOverGroup(_ParallelOp):
             return 0, 0
         stats = 3 * int(input_shape[1]) * max(elem_size, 4)
         return stats * self.size, stats * self.size
+
+    def wires(self, x, *others):
+        """Every rank's mean, variance and count per channel gathered (in fp32 at least); backward, their
+        gradients summed, where the input takes a gradient (the statistics depend on it alone)."""
+        stats = Wire("all_gather", 3 * x.shape[1], torch.promote_types(x.dtype, torch.float32))
+        back = (Wire("all_reduce", 3 * x.shape[1] * self.size, stats.dtype),) if x.requires_grad else ()
+        return (stats,), back
 
 
 def training_batch_norms(gm: fx.GraphModule) -> list[fx.Node]:

@@ -47,7 +47,7 @@ from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.axis_pass import AxisPass, Sharding, present
 from autoshard.passes.batch_gather import insert_dp_collective
 from autoshard.passes.batch_split import _FULL  # full reductions -> by dims
-from autoshard.passes.collectives import _all_reduce, _ParallelOp
+from autoshard.passes.collectives import Wire, _all_reduce, _ParallelOp
 from autoshard.passes.loss import _TOKEN_LOSSES, is_token_mean
 from autoshard.passes.placements import Partial, R, Shard
 from autoshard.passes.propagate import Propagation, propagate, redistributions
@@ -92,6 +92,9 @@ class DataAllReduce(_ParallelOp):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         moved = int(torch.Size(input_shape).numel()) * elem_size * 2 * (self.size - 1) // self.size
         return moved, moved
+
+    def wires(self, x, *others):
+        return (Wire("all_reduce", x.numel(), x.dtype),), (Wire("all_reduce", x.numel(), x.dtype),)
 
 
 class _Summand(nn.Module):

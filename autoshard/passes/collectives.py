@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -202,6 +202,36 @@ class _Scatter(torch.autograd.Function):
 # Modules
 
 
+class Seen(NamedTuple):
+    """A module's input as the program runs, for ``wires``: its shape, dtype, whether a gradient flows back through
+    it, and the device it is on (a fake tensor answers the same questions)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+    device: torch.device = torch.device("cpu")
+
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+class Wire(NamedTuple):
+    """One collective a module issues in one call of its forward or backward, as this rank puts it on the wire:
+    its kind and the elements and dtype of what this rank hands it (an all-reduce's buffer, an all-gather's part,
+    a reduce-scatter's whole input, an all-to-all's input, a point-to-point message). ``routed``: how many
+    elements depends on the data (rows routed to experts): not certified, only the call and its dtype. ``peer``: a
+    message's other rank, as an offset in the group (+1: the next rank, -1: the previous)."""
+
+    kind: str
+    numel: int
+    dtype: torch.dtype
+    routed: bool = False
+    peer: int = 0
+
+
 class _ParallelOp(nn.Module):
     """Common part: the group, its degree and this rank's index; ``kind`` names the forward communication."""
 
@@ -238,6 +268,12 @@ class _ParallelOp(nn.Module):
         """Bytes produced per rank by the (forward, backward) collectives for an input of ``input_shape``."""
         raise NotImplementedError
 
+    def wires(self, *inputs) -> tuple[tuple[Wire, ...], tuple[Wire, ...]]:
+        """The collectives one call issues in its (forward, backward), for ``inputs`` (each with the ``shape``
+        and ``dtype`` it has as the program runs; None where not a tensor): what ``autoshard.certificate``
+        certifies and the first step checks."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it sends")
+
     def __deepcopy__(self, memo: dict) -> _ParallelOp:
         # A process group is a handle on live communicators, not a value: copies share it.
         if self.group is not None:
@@ -266,6 +302,9 @@ class CopyToParallel(_ParallelOp):
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, (_numel(input_shape) * elem_size if self.size > 1 else 0)
 
+    def wires(self, x, *others):
+        return (), ((Wire("all_reduce", x.numel(), x.dtype),) if self.size > 1 else ())
+
 
 class ReadWhole(_ParallelOp):
     """The input of blocks every rank computes whole (the k and v of a fused projection whose kv heads the degree
@@ -285,6 +324,9 @@ class ReadWhole(_ParallelOp):
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, 0
 
+    def wires(self, *inputs):
+        return (), ()
+
 
 class ReduceFromParallel(_ParallelOp):
     """Megatron's g: sums a partial value over the group; the gradient of a sum is passed through."""
@@ -299,6 +341,9 @@ class ReduceFromParallel(_ParallelOp):
 
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return (_numel(input_shape) * elem_size if self.size > 1 else 0), 0
+
+    def wires(self, x, *others):
+        return ((Wire("all_reduce", x.numel(), x.dtype),) if self.size > 1 else ()), ()
 
 
 class _AlongDim(_ParallelOp):
@@ -328,6 +373,9 @@ class GatherFromParallel(_AlongDim):
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return (_numel(input_shape) * self.size * elem_size if self.size > 1 else 0), 0
 
+    def wires(self, x, *others):
+        return ((Wire("all_gather", x.numel(), x.dtype),) if self.size > 1 else ()), ()
+
 
 class ScatterToParallel(_AlongDim):
     """Keeps this rank's (blocked) shard of a replicated tensor along ``dim``; backward all-gathers."""
@@ -339,6 +387,13 @@ class ScatterToParallel(_AlongDim):
 
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, (_numel(input_shape) * elem_size if self.size > 1 else 0)
+
+    def wires(self, x, *others):
+        if self.size == 1:
+            return (), ()
+        shape = tuple(x.shape)
+        held = sum(part for _, part in _pieces(shape[self.dim], self.rank, self.size, self.blocks, self.whole))
+        return (), (Wire("all_gather", _numel(shape) // shape[self.dim] * held, x.dtype),)
 
 
 class _VocabRange(_ParallelOp):
@@ -418,6 +473,9 @@ class VocabParallelEmbedding(_VocabRange):
     def comm_bytes(self, input_shape: Sequence[int], elem_size: int) -> tuple[int, int]:
         return 0, 0
 
+    def wires(self, *inputs):
+        return (), ()
+
 
 class VocabParallelCrossEntropy(_VocabRange):
     """``F.cross_entropy`` over logits sharded along the vocab (last) dim, without gathering the logits.
@@ -474,6 +532,13 @@ class VocabParallelCrossEntropy(_VocabRange):
         rows = _numel(input_shape[:-1])
         sums = 3 if self.label_smoothing else 2
         return rows * 4 * (1 + sums), 0  # fp32 whatever the logits' dtype: max, then the stacked sums
+
+    def wires(self, logits, *others):
+        if self.size == 1:
+            return (), ()
+        rows, compute = _numel(logits.shape[:-1]), torch.promote_types(logits.dtype, torch.float32)
+        sums = 3 if self.label_smoothing else 2
+        return (Wire("all_reduce", rows, compute), Wire("all_reduce", rows * sums, compute)), ()
 
 
 class _CrossEntropy(torch.autograd.Function):

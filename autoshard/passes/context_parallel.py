@@ -31,7 +31,7 @@ from autoshard.kinds import Attention
 from autoshard.passes import localize
 from autoshard.passes.axis import Axis, Outputs
 from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, splitting
-from autoshard.passes.collectives import _ParallelOp, reduce_scatter_single
+from autoshard.passes.collectives import Wire, _ParallelOp, reduce_scatter_single
 from autoshard.passes.placements import Partial, Placement, Replicate, Shard
 from autoshard.passes.propagate import cost, propagate
 from autoshard.passes.rules import Decision, arg, rule
@@ -619,6 +619,16 @@ class _SequenceOp(nn.Module):
             return numel * elem_size * self.size, numel * elem_size * self.size
         return 0, 0
 
+    def wires(self, x, *others):
+        """A gather sends this rank's part padded to the most any rank holds; its backward reduce-scatters every
+        rank's part, so padded. A scatter sends nothing either way."""
+        if self.kind != "all_gather":
+            return (), ()
+        n = self.full(x.shape[self.dim])
+        most = max(len(self.index(n, r)) for r in range(self.size))
+        part = x.numel() // x.shape[self.dim] * most
+        return (Wire("all_gather", part, x.dtype),), (Wire("reduce_scatter", part * self.size, x.dtype),)
+
 
 class SequenceScatter(_SequenceOp):
     """Keeps this rank's token positions of a full-length value; its gradient stays a partial sum."""
@@ -705,6 +715,9 @@ class _HeadExchange(_ParallelOp):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         moved = int(torch.Size(input_shape).numel()) * elem_size * (self.size - 1) // self.size
         return moved, moved
+
+    def wires(self, x, *others):
+        return (Wire("all_to_all", x.numel(), x.dtype),), (Wire("all_to_all", x.numel(), x.dtype),)
 
 
 class SequenceToHeads(_HeadExchange):

@@ -40,7 +40,7 @@ from torch import fx
 from autoshard import meta, peers
 from autoshard.errors import AutoshardError
 from autoshard.passes.axis_pass import AxisPass, PlanCodec, Sharding, present
-from autoshard.passes.collectives import _ParallelOp
+from autoshard.passes.collectives import Wire, _ParallelOp
 from autoshard.passes.listed_experts import ListLayer, find_list_layers, split_list_layers
 from autoshard.passes.rules_nn import is_grouped_mm
 
@@ -398,6 +398,9 @@ class ExpertRoute(_ParallelOp):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         return self.experts * 8 * self.size, 0
 
+    def wires(self, offsets, *others):
+        return (Wire("all_gather", self.experts, torch.int64),), ()
+
 
 def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
     """The indices ``starts[i] .. starts[i] + lengths[i] - 1`` of every run ``i``, one run after another."""
@@ -420,6 +423,10 @@ class _Rows(_ParallelOp):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         moved = _numel(input_shape) * elem_size * (self.size - 1) // self.size  # a uniform routing's share
         return moved, moved
+
+    def wires(self, x, *others):
+        routed = Wire("all_to_all", x.numel(), x.dtype, routed=True)
+        return (routed,), (routed,)
 
 
 class ExpertDispatch(_Rows):

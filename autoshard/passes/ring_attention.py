@@ -51,7 +51,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from autoshard import peers
-from autoshard.passes.collectives import _ParallelOp, on_host
+from autoshard.passes.collectives import Wire, _ParallelOp, on_host
 
 _KV_TAG, _GRAD_TAG = 71, 72  # p2p tags of the key/value blocks and of their travelling gradients
 
@@ -178,6 +178,25 @@ class RingAttention(_ParallelOp):
         block, hops = int(torch.Size(input_shape).numel()), self.size - 1
         return 2 * block * elem_size * hops, 2 * block * (elem_size * hops + max(elem_size, 4) * self.size)
 
+    def wires(self, q, k, v, mask=None):
+        """Forward: ``size - 1`` shifts of the key and value blocks (each sent on, the previous rank's received),
+        padded to the most tokens a rank holds, in the dtype attention runs in. Backward: those shifts again, and
+        ``size`` shifts of the travelling key and value gradients, in the accumulation dtype."""
+        if self.size == 1:
+            return (), ()
+        dtype = k.dtype
+        if torch.amp.is_autocast_available(k.device.type) and torch.is_autocast_enabled(k.device.type):
+            dtype = torch.get_autocast_dtype(k.device.type)
+        acc = torch.promote_types(dtype, torch.float32) if q.is_floating_point() else q.dtype
+        blocks = [t.numel() // t.shape[-2] * self.most for t in (k, v)]
+
+        def shifts(times: int, of: torch.dtype) -> tuple[Wire, ...]:
+            return tuple(Wire(kind, block, of, peer=peer) for _ in range(times) for kind, peer in
+                         (("recv", -1), ("send", 1)) for block in blocks)
+
+        return shifts(self.size - 1, dtype), shifts(self.size - 1, dtype) + shifts(self.size, acc)
+
+
 class _Ring:
     """Shifts tensors one step around the cp ring: send to ``rank + 1``, receive from ``rank - 1``."""
 
@@ -188,9 +207,15 @@ class _Ring:
         """Post the exchange; returns the requests and the buffers that will hold the previous rank's tensors."""
         sends = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sends]
+        if peers.fake(sends):  # run on fake tensors for its shapes: nothing to send
+            return [], received
         ops = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag) for t in received]
         ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag) for t in sends]
         peers.issued(self.group)
+        for t in received:
+            peers.sent("recv", t, self.group, peer=f"from {dist.get_global_rank(self.group, self.prev)}")
+        for t in sends:
+            peers.sent("send", t, self.group, peer=f"to {dist.get_global_rank(self.group, self.next)}")
         return dist.batch_isend_irecv(ops), received
 
 

@@ -41,6 +41,7 @@ from autoshard.passes.collectives import (
     GatherFromParallel,
     ReadWhole,
     ScatterToParallel,
+    Wire,
     _ParallelOp,
     reduce_scatter_single,
 )
@@ -150,6 +151,10 @@ class ReduceScatterToSequence(_AlongSequence):
         numel = int(torch.Size(input_shape).numel())
         return numel * elem_size, numel * elem_size
 
+    def wires(self, x):
+        numel, dtype = x.numel(), x.dtype
+        return (Wire("reduce_scatter", numel, dtype),), (Wire("all_gather", numel // self.size, dtype),)
+
 
 class GatherSequenceToParallel(_AlongSequence):
     """A region's entry: every rank's tokens all-gathered into the whole sequence for the column-parallel
@@ -166,6 +171,10 @@ class GatherSequenceToParallel(_AlongSequence):
     def comm_bytes(self, input_shape, elem_size: int) -> tuple[int, int]:
         numel = int(torch.Size(input_shape).numel()) * self.size
         return numel * elem_size, numel * elem_size
+
+    def wires(self, x):
+        numel, dtype = x.numel(), x.dtype
+        return (Wire("all_gather", numel, dtype),), (Wire("reduce_scatter", numel * self.size, dtype),)
 
 
 class _EntryMark(CopyToParallel):

@@ -62,7 +62,8 @@ def check(what: str, tensors: list[torch.Tensor], groups: MeshGroups | None, axe
             continue
         ranks = groups.ranks(axis)
         gathered = [torch.empty_like(mine) for _ in ranks]
-        peers.run(dist.all_gather, gathered, mine, group=groups.group(axis))
+        with peers.phase("checks"):
+            peers.run(dist.all_gather, gathered, mine, group=groups.group(axis))
         for rank, theirs in zip(ranks[1:], gathered[1:], strict=True):
             if not torch.equal(theirs, gathered[0]):
                 raise RanksDiffer(f"{what} on rank {rank} differs from rank {ranks[0]}'s (ranks of one {axis} group): "

@@ -25,6 +25,7 @@ import operator
 
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 from autoshard import codegen, peers
@@ -84,7 +85,8 @@ class GradientSync:
         for name in self.experts:
             param = self.replica.store.find(name)
             if param is not None and param.grad is not None:
-                dist.all_reduce(param.grad, group=self.experts_group)
+                with peers.phase("gradient sync"):
+                    peers.run(dist.all_reduce, param.grad, group=self.experts_group)
 
     def module(self, build=None) -> nn.Module:  # noqa: ARG002 - the strategies that configure per build read it
         """What runs the forward and backward of ``build``'s program without pipelining."""
@@ -206,6 +208,8 @@ class FullyShard(GradientSync):
         # rather than all-gathering them again for every microbatch (torchtitan's default too).
         fully_shard(self.replica, mesh=mesh, reshard_after_forward=self.pipeline is None,
                     ignored_params=experts or None)
+        self.replica.set_custom_all_gather(_RecordedAllGather())  # FSDP2's own, seen by ``peers.recording``
+        self.replica.set_custom_reduce_scatter(_RecordedReduceScatter())
         self.replica.set_gradient_divide_factor(1.0)  # losses are normalised globally: gradients are sums
         self.replica.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
         self.replica.sharded_data = True
@@ -244,6 +248,22 @@ class FullyShard(GradientSync):
             yield
 
 
+class _RecordedAllGather(DefaultAllGather):
+    """FSDP2's all-gather of the parameters, recorded (``peers.sent``) as autoshard's own collectives are."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        peers.sent("all_gather", input_tensor, group, phase="parameter gathers")
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _RecordedReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter of the gradients, recorded."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        peers.sent("reduce_scatter", input_tensor, group, phase="gradient sync")
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
 @contextlib.contextmanager
 def _set_aside(params):
     """Take the gradients ``params`` hold away for the block, then add them back to what it left."""
@@ -271,6 +291,7 @@ def gradient_sync(replica: Replica, *, data_parallel: str, ranks: int, group, pi
 
 def _sum_hook(group, bucket):
     """DDP communication hook that sums gradients (DDP's default divides by the group size)."""
+    peers.sent("all_reduce", bucket.buffer(), group, phase="gradient sync")
     future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
     return peers.watched(future, group) if bucket.buffer().device.type == "cpu" else future
 

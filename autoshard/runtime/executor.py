@@ -276,6 +276,8 @@ class PipelineExecutor:
     def _send(self, tensors: list[torch.Tensor], to_stage: int) -> list:
         peer = self._peer(to_stage)
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=self._group_to(peer)) for t in tensors]
+        for op in ops:
+            peers.sent("send", op.tensor, None, peer=f"to {peer}", phase="pipeline")
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _receive(self, specs: list[TensorSpec], from_stage: int, laid_out: bool = False) -> list[torch.Tensor]:
@@ -285,6 +287,8 @@ class PipelineExecutor:
         pairs = [spec.allocate(self.device) if laid_out else (torch.empty(spec.shape, dtype=spec.dtype,
                  device=self.device),) * 2 for spec in specs]
         ops = [dist.P2POp(dist.irecv, buffer, peer, group=self._group_from(peer)) for buffer, _ in pairs]
+        for op in ops:
+            peers.sent("recv", op.tensor, None, peer=f"from {peer}", phase="pipeline")
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait(self.timeout)
         return [value for _, value in pairs]

@@ -29,12 +29,13 @@ from torch.utils import _pytree as pytree
 
 from autoshard import batching, codegen, peers
 from autoshard.capture import capture, shapes_of
+from autoshard.certificate import Certificate
 from autoshard.compile import RankBuild, capture_for_training, compile_rank, with_coords
 from autoshard.job_plan import plan_job, two_passes
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
 from autoshard.passes.writes import written_state
-from autoshard.runtime import alike, gather, habits, inference, recompute
+from autoshard.runtime import alike, communication, gather, habits, inference, recompute
 from autoshard.runtime.anomaly import AnomalyWatch
 from autoshard.runtime.compiled import Compiler
 from autoshard.runtime.data_parallel import Replica, gradient_sync
@@ -73,6 +74,8 @@ class ParallelModel(nn.Module):
         self._runners: dict[tuple, dict] = {}  # under pipeline parallelism: this rank's stage runners, by build
         self._traced: dict[tuple, object] = {}  # inference captures taken with a training one, by (shapes, mode)
         self._steps = 0
+        self._verified: set = set()  # the batch shapes whose step's communication was checked
+        self._checked: tuple | None = None  # the last step checked, its build and its certificate
         self._metrics = Metrics(self)
         self.padding_is_read: bool | None = None  # by generate: whether right padding changes the logits before it
         self._name, self._exchanges = f"autoshard/exchanges/{next(_MODELS)}", itertools.count(1)  # alike on every rank
@@ -178,9 +181,43 @@ class ParallelModel(nn.Module):
                             f"call gave {len(inputs)} positional input(s) and no target: write pm.step(x, target=y)")
         with self._running(f"step {self._steps + 1}"):
             self._metrics.begin()
-            loss, build = self._train(inputs, target, divisor, loss_scale)
+            verify = self._verifies(inputs, target)
+            with peers.recording() if verify else contextlib.nullcontext() as sent:
+                loss, build = self._train(inputs, target, divisor, loss_scale)
+            if verify:
+                self._check_communication(sent, inputs, target)
             self._metrics.end(build, inputs, loss)
             return loss
+
+    def certificate(self, *inputs, target: torch.Tensor, exact: bool = True) -> Certificate:
+        """What this rank sends in a training step on this batch (``autoshard.certificate``): every collective, its
+        kind, group, dtype and elements, per step; what the first step is checked against."""
+        microbatches = self.microbatch_views(inputs, target)
+        builds = [self._training_build(*mb) for mb in microbatches]
+        return communication.step_certificate(self, builds, (*inputs, target), exact=exact)
+
+    def _verifies(self, inputs: tuple, target: torch.Tensor) -> bool:
+        """Whether this step's collectives are recorded and checked against its certificate."""
+        when = self.options.verify_communication
+        if self.groups is None or when == "never" or self.compiler is not None:
+            return False
+        key = shapes_of((*inputs, target))
+        if when == "first" and key in self._verified:
+            return False
+        self._verified.add(key)
+        return True
+
+    def _check_communication(self, sent: list, inputs: tuple, target: torch.Tensor) -> None:
+        build = self._training_build(*self.microbatch_views(inputs, target)[0])
+        if build.captured.key in self._two_passes:
+            return  # a loss that couples the samples: its two passes are not certified yet
+        # read off the programs' recorded values first (milliseconds); where that differs from the record, the
+        # programs run on fake tensors decide (a value a pass inserted can carry the shape of what it stands for)
+        certificate = self.certificate(*inputs, target=target, exact=False)
+        if communication.differences(certificate, sent):
+            certificate = self.certificate(*inputs, target=target)
+        communication.check(certificate, sent, self._steps)
+        self._checked = (self._steps, build, certificate)
 
     def metrics(self) -> dict[str, float]:
         """The last step's numbers: its seconds, tokens, tokens per second (global and per device), TFLOP/s per
@@ -457,7 +494,8 @@ class ParallelModel(nn.Module):
         if self.mesh.dp * self.mesh.cp == 1:
             return value
         value = value.clone()
-        peers.run(dist.all_reduce, value, group=self.groups.group("data"))
+        with peers.phase("loss"):
+            peers.run(dist.all_reduce, value, group=self.groups.group("data"))
         return value
 
     def _running(self, what: str):
@@ -533,8 +571,15 @@ class ParallelModel(nn.Module):
         """A readable report of what the compiler did for this rank (the report ``autoshard inspect`` prints)."""
         from autoshard.explain import render
 
-        return render(self.builds, model=self.model, mesh=self.mesh, rank=self.rank, options=self.options,
+        text = render(self.builds, model=self.model, mesh=self.mesh, rank=self.rank, options=self.options,
                       lint=self.lint, code=code, compiler=self.compiler, ranking=self.ranking)
+        if self._checked is None:
+            return text
+        step, build, certificate = self._checked
+        lines = [f"{certificate}", f"  step {step} sent exactly this (its collectives recorded and compared)",
+                 "bytes on the wire per step against the least each axis's pattern needs:",
+                 *communication.against_minimum(self, build, certificate)]
+        return text + "\n\n" + "\n".join(lines)
 
     # the state functions live in ``state``; these are the model's own methods for them
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature

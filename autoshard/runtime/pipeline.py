@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import codegen, meta, schedules
+from autoshard import codegen, meta, peers, schedules
 from autoshard.compile import RankBuild
 from autoshard.mesh import Mesh, MeshGroups
 from autoshard.options import CompileOptions
@@ -105,7 +105,8 @@ class Pipeline:
         )
         total = self.executor.run(self.actions[self.pp_index], microbatches, divisor, step, call=call,
                                   reducer=reducer)
-        dist.all_reduce(total, group=self.groups.group("pp"))  # only the last stage's rank holds the loss
+        with peers.phase("loss"):  # only the last stage's rank holds the loss
+            peers.run(dist.all_reduce, total, group=self.groups.group("pp"))
         return total
 
     def forward_only(self, build: RankBuild, inputs: tuple, device: torch.device | None = None) -> list[torch.Tensor]:
@@ -203,23 +204,38 @@ class Pipeline:
                  for r in records if r.action.is_compute]
         return head + "\n  " + " ".join(cells)
 
-    def sum_tied_gradients(self, store: codegen.ParamStore) -> None:
-        """Sum the gradients of the weights held on several pp ranks over those ranks. A weight no holder got a
-        gradient for this step (read only without gradients, as a top-k indexer's is to pick positions; an expert
-        no token reached) keeps none, as in the model run whole; first one flag per weight says which had any."""
+    def tied_certified(self, store: codegen.ParamStore) -> list[tuple[list[int], torch.dtype, int, int | None]]:
+        """The all-reduces ``sum_tied_gradients`` issues, for ``runtime.communication``: (the global ranks, dtype,
+        elements, calls or None where the gradients found decide)."""
+        found = []
+        for ranks, params in self._tied_by_ranks(store).items():
+            members = [self.groups.ranks("pp")[i] for i in sorted(ranks)]
+            found.append((members, torch.float32, len(params), 1))
+            found += [(members, p.dtype, p.numel(), None) for p in params]
+        return found
+
+    def _tied_by_ranks(self, store: codegen.ParamStore) -> dict[frozenset[int], list]:
         by_ranks: dict[frozenset[int], list] = {}
         for name, ranks in self.tied.items():
             param = store.get_parameter(name) if self.pp_index in ranks else None
             if param is not None and param.requires_grad:
                 by_ranks.setdefault(ranks, []).append(param)
-        for ranks, params in by_ranks.items():
+        return by_ranks
+
+    def sum_tied_gradients(self, store: codegen.ParamStore) -> None:
+        """Sum the gradients of the weights held on several pp ranks over those ranks. A weight no holder got a
+        gradient for this step (read only without gradients, as a top-k indexer's is to pick positions; an expert
+        no token reached) keeps none, as in the model run whole; first one flag per weight says which had any."""
+        for ranks, params in self._tied_by_ranks(store).items():
             group = self.groups.across_pp(ranks)
             some = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-            dist.all_reduce(some, group=group)
+            with peers.phase("gradient sync"):
+                peers.run(dist.all_reduce, some, group=group)
             for param, found in zip(params, some.tolist(), strict=True):
                 if not found:
                     continue
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # an FSDP2 shard:
-                dist.all_reduce(grad, group=group)  # the same part of the weight on every rank
+                with peers.phase("gradient sync"):  # the same part of the weight on every rank
+                    peers.run(dist.all_reduce, grad, group=group)

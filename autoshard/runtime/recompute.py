@@ -21,6 +21,7 @@ import weakref
 import torch
 from torch import fx, nn
 
+from autoshard import peers
 from autoshard.cost import activation_bytes
 from autoshard.passes.writes import aliases, written_arguments, written_state
 
@@ -165,15 +166,20 @@ class _Checkpointed(nn.Module):
 class Restored:
     """Activation checkpointing's recomputation runs the forward again: the buffers the forward updated in place
     (BatchNorm's running statistics, its step counter) are put back as the forward left them, not updated twice.
-    Reusable: a split backward (input, then weight gradients) may recompute more than once."""
+    Reusable: a split backward (input, then weight gradients) may recompute more than once. The collectives the
+    recomputation issues are recorded as the recompute's (``peers.phase``): how many of them run, torch's early
+    stop decides."""
 
     def __init__(self, state: list[torch.Tensor]) -> None:
-        self.state, self.saved = state, []
+        self.state, self.saved, self.phases = state, [], []
 
     def __enter__(self) -> None:
         self.saved.append([t.detach().clone() for t in self.state])
+        self.phases.append(peers.phase("recompute"))
+        self.phases[-1].__enter__()
 
     def __exit__(self, *exc) -> None:
+        self.phases.pop().__exit__(*exc)
         with torch.no_grad():
             for tensor, value in zip(self.state, self.saved.pop(), strict=True):
                 tensor.copy_(value)

@@ -134,6 +134,7 @@ def _launch(bucket: _Bucket, group) -> None:
     if bucket.grads:
         bucket.flat = torch._utils._flatten_dense_tensors(bucket.grads)
         peers.issued(group)
+        peers.sent("all_reduce", bucket.flat, group, phase="gradient sync")
         bucket.work = dist.all_reduce(bucket.flat, group=group, async_op=True)
 
 

@@ -71,6 +71,18 @@ class Spread:
         for gm in programs:
             store.adopt(gm)
 
+    def certified(self, store) -> list[tuple[str, str, torch.dtype, int, bool]]:
+        """The collectives a step's ``gather`` and ``scatter`` issue over pp, for ``runtime.communication``:
+        (phase, kind, dtype, elements, whether the data decides them and their calls: the weights that got a
+        gradient)."""
+        params = self._params(store) if self.names else []
+        found = [("gradient sync", "all_reduce", torch.float32, len(params), False)] if params else []
+        for indices in _by_dtype(params):
+            rows = sum(params[i].numel() for i in indices)
+            found.append(("parameter gathers", "all_gather", params[indices[0]].dtype, rows, False))
+            found.append(("gradient sync", "reduce_scatter", params[indices[0]].dtype, rows * self.p, True))
+        return found
+
     def _params(self, store) -> list[nn.Parameter]:
         return [store.get_parameter(name) for name in self.names]
 
@@ -112,7 +124,9 @@ class Spread:
         if not self.names:
             return
         params = self._params(store)
-        for param, whole in zip(params, self._gather([p.data for p in params]), strict=True):
+        with peers.phase("parameter gathers"):
+            wholes = self._gather([p.data for p in params])
+        for param, whole in zip(params, wholes, strict=True):
             param.data = whole
         self._gathered = True
 
@@ -123,9 +137,10 @@ class Spread:
             return
         params = self._params(store)
         some = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-        peers.run(dist.all_reduce, some, group=self.group)
-        found = [p for p, flag in zip(params, some.tolist(), strict=True) if flag]
-        grads = self._reduce_scatter([p.grad if p.grad is not None else torch.zeros_like(p) for p in found])
+        with peers.phase("gradient sync"):
+            peers.run(dist.all_reduce, some, group=self.group)
+            found = [p for p, flag in zip(params, some.tolist(), strict=True) if flag]
+            grads = self._reduce_scatter([p.grad if p.grad is not None else torch.zeros_like(p) for p in found])
         grad_of = {id(p): g for p, g in zip(found, grads, strict=True)}
         for param in params:
             param.data = self._rows(param.data)

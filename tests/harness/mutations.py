@@ -939,4 +939,29 @@ MUTANTS = (
            "    dims[a] = dims[b]",
            "a transpose of a split value leaves the split where the dim was, not where it went",
            ("tests/test_rules_views.py",)),
+    # ------------------------------------------------------------------------- the communication certificate
+    Mutant("collective-in-another-dtype", "autoshard/passes/collectives.py",
+           "    out = x.contiguous().clone()\n    peers.run(dist.all_reduce, out, op=op, group=group)\n"
+           "    return out\n",
+           "    out = x.contiguous().to(torch.float64)\n    peers.run(dist.all_reduce, out, op=op, group=group)\n"
+           "    return out.to(x.dtype)\n",
+           "Megatron's all-reduces sent in float64: the same sums at twice the bytes, nothing else notices",
+           (TP + "test_golden_tensor_parallel[gpt-2]",)),
+    Mutant("an-extra-all-reduce", "autoshard/passes/collectives.py",
+           "    peers.run(dist.all_reduce, out, op=op, group=group)\n    return out\n",
+           "    peers.run(dist.all_reduce, out, op=op, group=group)\n"
+           "    peers.run(dist.all_reduce, torch.zeros_like(out), group=group)\n    return out\n",
+           "every all-reduce followed by one more of zeros: the same numbers, twice the all-reduces",
+           (TP + "test_golden_tensor_parallel[gpt-2]",)),
+    Mutant("pipeline-flags-in-another-width", "autoshard/runtime/executor.py",
+           "flags = torch.tensor([x.grad is not None for x in mb.inputs], dtype=torch.uint8, device=self.device)",
+           "flags = torch.tensor([x.grad is not None for x in mb.inputs], dtype=torch.int64, device=self.device)",
+           "the pipeline's gradient messages carry their flags 8 bytes wide: a message of another shape than planned",
+           (PP + "test_golden_pipeline[gpt-pp2-m4-1f1b]",)),
+    Mutant("certificate-skips-the-backward", "autoshard/certificate.py",
+           "        if node in backward and grad:",
+           "        if False:",
+           "the certificate leaves out every backward collective: the check would refuse every healthy step, or "
+           "with the record cut alike, pass a backward that sends anything",
+           ("tests/test_certificate.py::test_a_programs_certificate_calls_what_explain_counts[tp2]",)),
 )
