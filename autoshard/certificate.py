@@ -36,6 +36,7 @@ from autoshard.kinds import ActionKind
 from autoshard.mesh import Mesh
 from autoshard.passes.collectives import Seen, Wire
 from autoshard.passes.propagate import requires_grad
+from autoshard.passes.writes import closure
 
 PHASES = ("checks", "forward", "backward", "recompute", "pipeline", "parameter gathers", "gradient sync", "loss")
 
@@ -285,17 +286,18 @@ def _autocast(device: str, dtype: torch.dtype | None):
 
 
 def _reaching_gradients(gm: fx.GraphModule, last: bool) -> set[fx.Node]:
-    """The nodes a gradient reaches in the backward: those the loss (a pipeline stage's every output) reads."""
+    """The nodes a gradient reaches in the backward: those the loss (a pipeline stage's every output) reads through
+    floating-point values (not a router's scores read only for the top-k's indices), a value written in place into
+    one it reads included (keys written into a buffer)."""
+    grad = requires_grad(gm)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    roots = list(pytree.tree_leaves(output.args[0]))
-    roots = [r for r in (roots[:1] if last else roots) if isinstance(r, fx.Node)]
-    found, todo = set(), roots
-    while todo:
-        node = todo.pop()
-        if node not in found:
-            found.add(node)
-            todo += node.all_input_nodes
-    return found
+    roots = [r for r in pytree.tree_leaves(output.args[0]) if isinstance(r, fx.Node)]
+
+    def sources(node: fx.Node) -> list[fx.Node]:
+        return [] if node.target is torch.ops.aten.detach.default else [n for n in node.all_input_nodes if n in grad]
+
+    return closure([r for r in (roots[:1] if last else roots) if r in grad], inputs=sources,
+                   admit=lambda writer: writer in grad)
 
 
 def pipeline_messages(actions: Iterable, local_specs: dict, p: int, placement: str, pp_ranks: list[int]

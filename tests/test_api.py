@@ -116,12 +116,16 @@ def test_step_without_a_loss():
 @pytest.mark.parametrize("mesh", ["tp=2", "pp=2", "dp=2", "dp=2,pp=2"])
 def test_explain_and_inspect_print_the_same_report(pools, capsys, mesh):
     """One renderer over one compile: ``pm.explain(code=True)`` on each rank is ``autoshard inspect --rank``; also
-    where a spread weight (GPT's tied embedding at pp=2) stores its rows between steps but is summed whole over dp."""
+    where a spread weight (GPT's tied embedding at pp=2) stores its rows between steps but is summed whole over dp.
+    After a step, ``explain()`` adds what the step was checked against (its communication certificate), which no
+    compile without processes has run."""
     from autoshard import cli
 
     degrees = {axis: int(degree) for axis, degree in (part.split("=") for part in mesh.split(","))}
     explained = pools.get(math.prod(degrees.values())).run(golden.explain, "gpt", degrees, microbatches=2, code=True)
     for rank, text in enumerate(explained):
+        text, checked = text.split("\n\ncommunication certificate of rank", 1)
+        assert "sent exactly this" in checked
         assert cli.main(["inspect", GPT, "--mesh", mesh, "--rank", str(rank), "--microbatches", "2"]) == 0
         inspected = capsys.readouterr().out.split("\n\n", 1)[1]  # after the factory's line
         assert _untimed(inspected).strip() == _untimed(text).strip(), f"rank {rank}"

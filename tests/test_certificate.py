@@ -24,7 +24,7 @@ from autoshard.options import CompileOptions
 from autoshard.passes.collectives import _ParallelOp
 
 from harness import golden_certificate
-from harness.models import build
+from harness.models import ZOO_NAMES, build
 
 
 def _communicating_classes() -> list[type]:
@@ -110,6 +110,33 @@ def test_every_step_sends_what_its_certificate_lists(pools, name, mesh, options)
         assert result["differences"] == [] and result["round trip"], result
         assert {"forward", "pipeline", "gradient sync"} & set(result["phases"]), result["text"]
         assert not result["unchecked"], result["unchecked"]
+
+
+ZOO_MESHES = {
+    "tp2": ({"tp": 2}, {}), "tp2-sp": ({"tp": 2}, {"sequence_parallel": True}),
+    "cp2-gather": ({"cp": 2}, {}), "cp2-ring": ({"cp": 2}, {"cp_attention": "ring"}),
+    "cp2-alltoall": ({"cp": 2}, {"cp_attention": "alltoall"}),
+    "pp2-1f1b": ({"pp": 2}, {"microbatches": 2}), "pp2-zbv": ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}),
+    "dp2-ddp": ({"dp": 2}, {}), "dp2-fsdp": ({"dp": 2}, {"data_parallel": "fsdp"}),
+    "dp2xep2": ({"dp": 2, "ep": 2}, {}), "dp2xtp2xpp2": ({"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2}),
+}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mesh", list(ZOO_MESHES))
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_every_zoo_model_at_every_mesh_sends_what_its_certificate_lists(pools, name, mesh):
+    """The zoo at every axis: two steps, each recorded and equal to its certificate on every rank (a cell autoshard
+    refuses, such as ep on a model without experts, says why and is skipped)."""
+    degrees, options = ZOO_MESHES[mesh]
+    if "ep" in degrees and name not in ("moe",):
+        pytest.skip("expert parallelism needs a mixture of experts")
+    results = pools.get(autoshard.Mesh(**degrees).world_size).run(golden_certificate.certified_or_refused, name,
+                                                                  degrees, **options)
+    if "refused" in results[0]:
+        pytest.skip(f"refused: {results[0]['refused']}")
+    for result in results:
+        assert result["differences"] == [] and result["round trip"] and not result["unchecked"], result
 
 
 def test_a_collective_sent_in_another_dtype_is_refused_on_every_rank(pools):

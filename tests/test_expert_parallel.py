@@ -168,7 +168,7 @@ def test_experts_held_as_separate_modules_are_found_with_the_ep_rank_holding_eac
     """litgpt's form (``moe_list``): each expert a module of a ModuleList, its rows picked by ``torch.where`` of the
     router's top-k, its output added back at them. Each layer is found with its 8 experts and their own parameters;
     at ep=2 experts 0-3 are ep rank 0's, 4-7 ep rank 1's; under tp or pp they stay whole, and the plan says so."""
-    from autoshard.job_plan import _ep_from_json
+    from autoshard.passes.expert_parallel import _from_json as _ep_from_json
     from autoshard.passes.listed_experts import find_list_layers
 
     case = models.build("moe_list")

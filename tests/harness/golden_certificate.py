@@ -43,6 +43,17 @@ def certified(name: str, mesh_kwargs: dict, **options) -> dict:
             "unchecked": certificate.unchecked, "text": str(certificate)}
 
 
+def certified_or_refused(name: str, mesh_kwargs: dict, **options) -> dict:
+    """``certified``, or what the cell was refused with where autoshard refuses the model at that mesh (a sequence
+    context parallelism cannot find, heads the degree does not divide)."""
+    try:
+        return certified(name, mesh_kwargs, **options)
+    except autoshard.AutoshardError as e:
+        if isinstance(e, CommunicationDiffers):
+            raise
+        return {"refused": str(e).splitlines()[0]}
+
+
 def tampered(name: str, mesh_kwargs: dict, fault: str, **options) -> str:
     """The first step with ``fault`` seeded: ``"dtype"`` (Megatron's all-reduces sent in float64, the same sums at
     twice the bytes), ``"extra"`` (one more all-reduce of zeros after each), ``"shape"`` (every pipeline message a
