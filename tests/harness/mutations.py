@@ -145,7 +145,7 @@ MUTANTS = (
            (f"{PP}test_golden_pipeline[mlp-pp4-m4-1f1b]",
             f"{LOOP}test_a_tiny_head_leaves_no_pipeline_stage_without_parameters[pp2]")),
     Mutant("tied-gradient-sum", "autoshard/runtime/pipeline.py",
-           "dist.all_reduce(grad, group=group)  # the same part", "grad.add_(0)  # the same part",
+           "peers.run(dist.all_reduce, grad, group=group)", "grad.add_(0)",
            "a weight tied across stages (embedding and LM head; held whole on both under FSDP2) does not sum its "
            "two gradients",
            (f"{COMPOSED}test_golden_fully_sharded_data_parallel[dp2xpp2]",)),
