@@ -142,10 +142,10 @@ def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
 
 # the subscripts of leading (batch) dims: any letter but a matmul's m, k and n
 _BATCH = "".join(c for c in string.ascii_letters if c not in "mkn")
+Operands = list[tuple[fx.Node, str]]  # each operand with its subscripts
 
 
-def _product(node: fx.Node, ctx: Context, operands: list[tuple[fx.Node, str]], out: str, letter: str,
-             split: Shard) -> Decision:
+def _product(node: fx.Node, ctx: Context, operands: Operands, out: str, letter: str, split: Shard) -> Decision:
     """The product split along subscript ``letter`` as ``split`` is (its blocks; its dim is not read): every operand
     with that subscript takes the same part of it, one broadcast along it (size 1) or without it is taken whole, and
     the output is split along it where it keeps it, else (a summed subscript) each rank's product is a summand."""
@@ -214,12 +214,12 @@ def _matmul(node: fx.Node, ctx: Context) -> Decision:
     """Split as ``_matmul_split`` picks; a product of two whole operands is element-wise's (it may scale a pending
     sum); a vector operand is taken whole."""
     a, b = node.args[:2]
-    operands = _matmul_subscripts(node, ctx, a, b)
-    if operands is None:
+    subscripts = _matmul_subscripts(node, ctx, a, b)
+    if subscripts is None:
         return replicate_all(node, ctx)
-    split = _matmul_split(ctx, operands)
+    split = _matmul_split(ctx, subscripts[0])
     if split is not None:
-        return _product(node, ctx, operands, _matmul_out(node, ctx), *split)
+        return _product(node, ctx, *subscripts, *split)
     return _pointwise(node, ctx) if ctx.of(a) == R and ctx.of(b) == R else replicate_all(node, ctx)
 
 
@@ -231,27 +231,24 @@ def _baddbmm(node: fx.Node, ctx: Context) -> Decision:
     bias, a, b = node.args[:3]
     if ctx.of(a) == R and ctx.of(b) == R:  # the product is whole: so must the bias be
         return Decision(R, {} if ctx.of(bias) == R else {bias: R})
-    operands, out = _matmul_subscripts(node, ctx, a, b), _matmul_out(node, ctx)
+    operands, out = _matmul_subscripts(node, ctx, a, b)  # both 3-D
     split = _matmul_split(ctx, operands)
     if split is None or split[0] not in out:
         return replicate_all(node, ctx)
     return _product(node, ctx, [*operands, (bias, _trailing(out, bias))], out, *split)
 
 
-def _matmul_out(node: fx.Node, ctx: Context) -> str:
-    return _BATCH[:len(ctx.shape(node)) - 2] + "mn"
-
-
-def _matmul_subscripts(node: fx.Node, ctx: Context, a: fx.Node, b: fx.Node) -> list[tuple[fx.Node, str]] | None:
-    """``...mk, ...kn -> ...mn``, the batch dims broadcast from the right; None for a vector operand."""
-    batch = _matmul_out(node, ctx)[:-2]
-    na, nb = len(ctx.shape(a)), len(ctx.shape(b))
+def _matmul_subscripts(node: fx.Node, ctx: Context, a: fx.Node, b: fx.Node) -> tuple[Operands, str] | None:
+    """``...mk, ...kn -> ...mn``, the batch dims broadcast from the right: the operands' subscripts and the output's;
+    None for a vector operand."""
+    na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
     if na < 2 or nb < 2:
         return None
-    return [(a, batch[len(batch) + 2 - na:] + "mk"), (b, batch[len(batch) + 2 - nb:] + "kn")]
+    batch = _BATCH[:nout - 2]
+    return [(a, batch[nout - na:] + "mk"), (b, batch[nout - nb:] + "kn")], batch + "mn"
 
 
-def _matmul_split(ctx: Context, operands: list[tuple[fx.Node, str]]) -> tuple[str, Shard] | None:
+def _matmul_split(ctx: Context, operands: Operands) -> tuple[str, Shard] | None:
     """The subscript a matmul splits, and how; None where none of its cases holds:
 
     - a batch dim either operand splits, a's first (a blocked one, heads merged into (batch * heads): each rank holds
