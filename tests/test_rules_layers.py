@@ -56,6 +56,14 @@ LINEAR_CASES = [  # (op, args, kwargs, shard, expected output placement)
                  {2: Shard(0)}, R, id="addmm-row-beta0"),
     pytest.param(aten.addmm.default, (rand(6, seed=2), rand(3, 8), rand(8, 6, seed=1)), {"beta": 3, "alpha": -1},
                  {2: Shard(1), 0: Shard(0)}, Shard(1), id="addmm-column-alpha-beta"),
+    # a bias of the output's shape is cut as the output is: with x's rows, or with the weight's columns
+    pytest.param(aten.addmm.default, (rand(4, 6, seed=2), rand(4, 8), rand(8, 6, seed=1)), {}, {1: Shard(0)}, Shard(0),
+                 id="addmm-rows-bias-2d"),
+    pytest.param(aten.addmm.default, (rand(1, 6, seed=2), rand(4, 8), rand(8, 6, seed=1)), {},
+                 {2: Shard(1), 0: Shard(1)}, Shard(1), id="addmm-column-bias-2d"),
+    # x split by samples against a weight split along its input features by blocks: the weight is taken whole
+    pytest.param(aten.linear.default, (rand(4, 3, 8), rand(6, 8, seed=1)), {}, {0: Shard(0), 1: Shard(1, (4, 4))},
+                 Shard(0), id="linear-batch-split-weight-gathered"),
 ]
 
 
@@ -369,6 +377,12 @@ MATMUL_CASES = [
                  {0: Shard(0), 1: Shard(0), 2: Shard(0)}, Shard(0), id="baddbmm-all-split"),
     pytest.param(aten.baddbmm.default, (rand(4, 5, 6), rand(4, 5, 3, seed=1), rand(4, 3, 6, seed=2)),
                  {0: Shard(2)}, R, id="baddbmm-bias-split-elsewhere"),
+    # a summed subscript would add the bias into every rank's summand: taken whole
+    pytest.param(aten.baddbmm.default, (rand(4, 5, 6), rand(4, 5, 8, seed=1), rand(4, 8, 6, seed=2)),
+                 {1: Shard(2), 2: Shard(1)}, R, id="baddbmm-summed-gathers"),
+    # an operand broadcast along the split dim (size 1 there) is read whole by every rank
+    pytest.param(aten.matmul.default, (rand(4, 4, 5, 3), rand(1, 4, 3, 6, seed=1)), {0: Shard(0), 1: Shard(0)},
+                 Shard(0), id="matmul-broadcast-batch-split-both"),
     # Llama 4's experts: tokens gathered per expert (experts, tokens, in) @ a stack of expert matrices
     # a linear attention's short causal convolution, one filter per channel, channels split
     pytest.param(aten.conv1d.default, (rand(2, 8, 6), rand(8, 1, 3, seed=1), rand(8, seed=2), [1], [2], [1], 8),

@@ -6,6 +6,8 @@ what a rule decides. Also the rules for the collectives one axis inserts, as see
 
 from __future__ import annotations
 
+import string
+
 import torch
 from torch import fx
 
@@ -133,68 +135,152 @@ def _layer_norm(node: fx.Node, ctx: Context) -> Decision:
 
 
 # ------------------------------------------------------------------------------------- matmuls and attention
+#
+# The products (linear, addmm, matmul, bmm, baddbmm, einsum) decide in einsum subscripts, as DTensor's einsum
+# strategies do: each op names the subscripts of its operands and of its output (linear: x ``...k``, weight ``nk``,
+# bias ``n`` -> ``...n``), picks the split subscript its own cases allow, and ``_product`` lays that split on all.
+
+# the subscripts of leading (batch) dims: any letter but a matmul's m, k and n
+_BATCH = "".join(c for c in string.ascii_letters if c not in "mkn")
+Operands = list[tuple[fx.Node, str]]  # each operand with its subscripts
+
+
+def _product(node: fx.Node, ctx: Context, operands: Operands, out: str, letter: str, split: Shard) -> Decision:
+    """The product split along subscript ``letter`` as ``split`` is (its blocks; its dim is not read): every operand
+    with that subscript takes the same part of it, one broadcast along it (size 1) or without it is taken whole, and
+    the output is split along it where it keeps it, else (a summed subscript) each rank's product is a summand."""
+    want: dict[fx.Node, Placement] = {}
+    for o, spec in operands:
+        d, p = spec.find(letter), ctx.of(o)
+        if d >= 0 and ctx.shape(o)[d] != 1:
+            if p != split.at(d):
+                want[o] = split.at(d)
+        elif not isinstance(p, Replicate):
+            want[o] = R
+    return Decision(split.at(out.index(letter)) if letter in out else Partial(), want)
+
+
+def _subscript(spec: str, p: Placement) -> str | None:
+    """The subscript an operand of subscripts ``spec`` is split along, if it is split."""
+    return spec[p.dim] if isinstance(p, Shard) else None
+
+
+def _trailing(out: str, value) -> str:
+    """The subscripts of a value broadcast against an output of subscripts ``out`` (a bias): its trailing ones."""
+    return out[len(out) - len(Context.shape(value)):]
 
 
 @rule(aten.linear.default, flops=cost.linear_flops)
 def _linear(node: fx.Node, ctx: Context) -> Decision:
     x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
-    return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=0)
+    return _with_weight(node, ctx, x, (w, "nk"), b)
 
 
 @rule(aten.addmm.default, flops=cost.addmm_flops)
 def _addmm(node: fx.Node, ctx: Context) -> Decision:
     b, x, w = arg(node, "self"), arg(node, "mat1"), arg(node, "mat2")
-    return _matmul_with_weight(node, ctx, x, w, b, out_dim_of_weight=1)
+    return _with_weight(node, ctx, x, (w, "kn"), b)
 
 
-def _matmul_with_weight(node, ctx: Context, x, w, b, out_dim_of_weight: int) -> Decision:
-    """A linear layer: column-parallel when the weight's output dim is sharded, row when its input dim is."""
+def _with_weight(node: fx.Node, ctx: Context, x: fx.Node, weight: tuple[fx.Node, str], b) -> Decision:
+    """A linear layer, ``...k, nk (addmm: kn), n -> ...n``. Column-parallel when the weight's ``n`` is split: the bias
+    must be cut with the columns already (a parameter, not sliced here). Row-parallel when its ``k`` is, unblocked:
+    x taken split alike, the bias whole, the sum taken inside (the localizer's all-reduce, on any axis) so the output
+    is whole, unless it reaches zeros (experts' products joined, JetMoE's): then it stays pending, summed once after
+    the join. Else split along x's leading dims, with a whole bias."""
+    w, spec = weight
+    out = _BATCH[:len(ctx.shape(node)) - 1] + "n"
+    operands = [(x, out[:-1] + "k"), weight] + ([(b, _trailing(out, b))] if b is not None else [])
     px, pw = ctx.of(x), ctx.of(w)
-    x_last = len(ctx.shape(x)) - 1
-    out_last = len(ctx.shape(node)) - 1
-    if isinstance(pw, Shard) and pw.dim == out_dim_of_weight:
-        bias_ok = b is None or ctx.of(b) == pw.at(0)
-        if not bias_ok:
-            return replicate_all(node, ctx)
-        return Decision(pw.at(out_last), {x: R} if px != R else {})
-    if isinstance(pw, Shard) and pw.blocks is None:  # row-parallel: input sharded on its last dim; summed inside
-        want = {} if px == Shard(x_last) else {x: Shard(x_last)}
-        if b is not None and ctx.of(b) != R:
-            want[b] = R
-        if b is None and ctx.axis.pending_sums and sum_reaches_zeros(node):
-            return Decision(Partial(), want)  # experts' products joined (JetMoE's): summed once, after the join
-        return Decision(R, want)
+    letter = _subscript(spec, pw)
+    if letter == "n":
+        decision = _product(node, ctx, operands, out, "n", pw)
+        return replicate_all(node, ctx) if b in decision.want else decision
+    if letter == "k" and pw.blocks is None:
+        decision = _product(node, ctx, operands, out, "k", pw)
+        if b is not None or not ctx.axis.pending_sums or not sum_reaches_zeros(node):
+            decision.out = R
+        return decision
     if b is not None and ctx.of(b) != R or isinstance(px, Partial):
         return replicate_all(node, ctx)
-    if isinstance(px, Shard) and px.dim != x_last:
-        return Decision(px.at(px.dim + out_last - x_last))
-    return replicate_all(node, ctx)
+    letter = _subscript(operands[0][1], px)
+    if letter is None or letter == "k":  # x's features split against a whole weight: gathered
+        return replicate_all(node, ctx)
+    return _product(node, ctx, operands, out, letter, px)
 
 
 @rule(aten.matmul.default, aten.bmm.default, flops=cost.mm_flops)
 def _matmul(node: fx.Node, ctx: Context) -> Decision:
-    return _batched_matmul(node, ctx, node.args[0], node.args[1])
+    """Split as ``_matmul_split`` picks; a product of two whole operands is element-wise's (it may scale a pending
+    sum); a vector operand is taken whole."""
+    a, b = node.args[:2]
+    subscripts = _matmul_subscripts(node, ctx, a, b)
+    if subscripts is None:
+        return replicate_all(node, ctx)
+    split = _matmul_split(ctx, subscripts[0])
+    if split is not None:
+        return _product(node, ctx, *subscripts, *split)
+    return _pointwise(node, ctx) if ctx.of(a) == R and ctx.of(b) == R else replicate_all(node, ctx)
 
 
 @rule(aten.baddbmm.default, flops=cost.addmm_flops)
 def _baddbmm(node: fx.Node, ctx: Context) -> Decision:
-    """``bias + a @ b`` (BLOOM adds its ALiBi bias to the scores so): the product's shard, and the bias cut the same
-    way (a per-head bias built in the graph: each rank takes its heads' rows, no communication)."""
+    """``bias + a @ b`` (BLOOM adds its ALiBi bias to the scores so): the product's split, and the bias cut the same
+    way (a per-head bias built in the graph: each rank takes its heads' rows, no communication). A summed subscript
+    is refused: every rank's summand would add the bias."""
     bias, a, b = node.args[:3]
     if ctx.of(a) == R and ctx.of(b) == R:  # the product is whole: so must the bias be
         return Decision(R, {} if ctx.of(bias) == R else {bias: R})
-    decision = _batched_matmul(node, ctx, a, b)
-    out, p = decision.out, ctx.of(bias)
-    if not isinstance(out, Shard) or decision.fallback:
-        return decision if p == R or decision.fallback else replicate_all(node, ctx)
-    shape, nout = ctx.shape(bias), len(ctx.shape(node))
-    d = out.dim - (nout - len(shape))
-    if p != Shard(d, out.blocks):
-        if d >= 0 and shape[d] != 1:
-            decision.want[bias] = Shard(d, out.blocks)
-        elif not isinstance(p, Replicate):
-            decision.want[bias] = R
-    return decision
+    operands, out = _matmul_subscripts(node, ctx, a, b)  # both 3-D
+    split = _matmul_split(ctx, operands)
+    if split is None or split[0] not in out:
+        return replicate_all(node, ctx)
+    return _product(node, ctx, [*operands, (bias, _trailing(out, bias))], out, *split)
+
+
+def _matmul_subscripts(node: fx.Node, ctx: Context, a: fx.Node, b: fx.Node) -> tuple[Operands, str] | None:
+    """``...mk, ...kn -> ...mn``, the batch dims broadcast from the right: the operands' subscripts and the output's;
+    None for a vector operand."""
+    na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
+    if na < 2 or nb < 2:
+        return None
+    batch = _BATCH[:nout - 2]
+    return [(a, batch[nout - na:] + "mk"), (b, batch[nout - nb:] + "kn")], batch + "mn"
+
+
+def _matmul_split(ctx: Context, operands: Operands) -> tuple[str, Shard] | None:
+    """The subscript a matmul splits, and how; None where none of its cases holds:
+
+    - a batch dim either operand splits, a's first (a blocked one, heads merged into (batch * heads): each rank holds
+      its heads of every sample, stays blocked, and the other operand takes the same blocks);
+    - a's rows ``m`` (tokens), b taken whole;
+    - ``k`` (each rank's product a summand) where one operand is a weight (``_sums_k``);
+    - b's columns ``n`` with a whole, where b is a weight: ``x @ W.T`` or a stack of experts' matrices (Llama 4's)."""
+    (a, sa), (b, sb) = operands
+    pa, pb = ctx.of(a), ctx.of(b)
+    la, lb = _subscript(sa, pa), _subscript(sb, pb)
+    if la is not None and la in _BATCH:
+        return la, Shard(0, pa.blocks)
+    if lb is not None and lb in _BATCH:
+        return lb, Shard(0, pb.blocks)
+    if la == "m":
+        return "m", pa
+    if ctx.axis.pending_sums and _sums_k(pa, pb, la, lb, len(sa), len(sb)):
+        return "k", pa if la == "k" else pb
+    if lb == "n" and pa == R and len(sb) <= 3:
+        return "n", pb
+    return None
+
+
+def _sums_k(pa: Placement, pb: Placement, la: str | None, lb: str | None, na: int, nb: int) -> bool:
+    """Whether a matmul splits its summed ``k``: a row of a weight, b of 2 dims (``x @ W.T``) or 3 (experts' rows)
+    split alike, or a of 2 (Mamba's ``W @ x``) unblocked; or a weight's row alone, unblocked, the other operand whole
+    and taken split alike (a of 2 dims, or b of 2)."""
+    if la == lb == "k":
+        return pa.blocks == pb.blocks and (nb <= 3 or na == 2 and pa.blocks is None)
+    if la == "k" and pb == R:
+        return na == 2 and pa.blocks is None
+    return lb == "k" and pa == R and nb == 2 and pb.blocks is None
 
 
 def einsum_letters(equation: str, operands: int) -> tuple[list[str], str] | None:
@@ -218,70 +304,21 @@ def _einsum(node: fx.Node, ctx: Context) -> Decision:
     """A split subscript stays split: every operand that has it takes the same part, and the output is split along
     it, or, when the subscript is summed over (a row: ``ibnd,hnd->ibh`` with heads split), each rank's product is a
     summand (tp only). XLNet's attention, written in einsums over (hidden, heads, head dim) weights, so keeps its heads
-    split from the q, k, v projections to the output one."""
+    split from the q, k, v projections to the output one. Taken whole: an ellipsis, a pending sum, two subscripts
+    split, a split subscript repeated in an operand (a diagonal)."""
     operands = list(node.args[1])
     letters = einsum_letters(node.args[0], len(operands))
     placements = [ctx.of(o) for o in operands]
-    if letters is None:  # an ellipsis: whole operands
+    if letters is None:
         return replicate_all(node, ctx)
-    split = {(spec[p.dim], p.blocks) for spec, p in zip(letters[0], placements, strict=True) if isinstance(p, Shard)}
-    if len(split) != 1 or any(isinstance(p, Partial) for p in placements):
-        return replicate_all(node, ctx)  # nothing split (a pending sum taken whole), or two subscripts split
     specs, out = letters
+    split = {(_subscript(spec, p), p.blocks) for spec, p in zip(specs, placements, strict=True) if isinstance(p, Shard)}
+    if len(split) != 1 or any(isinstance(p, Partial) for p in placements):
+        return replicate_all(node, ctx)
     ((letter, blocks),) = split
     if any(spec.count(letter) > 1 for spec in specs) or (letter not in out and not ctx.axis.pending_sums):
         return replicate_all(node, ctx)
-    want: dict[fx.Node, Placement] = {}
-    for o, spec, p in zip(operands, specs, placements, strict=True):
-        d = spec.find(letter)
-        if d >= 0 and ctx.shape(o)[d] != 1:
-            if p != Shard(d, blocks):
-                want[o] = Shard(d, blocks)
-        elif not isinstance(p, Replicate):
-            want[o] = R
-    return Decision(Shard(out.index(letter), blocks) if letter in out else Partial(), want)
-
-
-def _batched_matmul(node: fx.Node, ctx: Context, a, b) -> Decision:
-    pa, pb = ctx.of(a), ctx.of(b)
-    na, nb, nout = len(ctx.shape(a)), len(ctx.shape(b)), len(ctx.shape(node))
-    if na < 2 or nb < 2:
-        return replicate_all(node, ctx)
-    batch_a = pa.dim + nout - na if isinstance(pa, Shard) and pa.dim < na - 2 else None
-    batch_b = pb.dim + nout - nb if isinstance(pb, Shard) and pb.dim < nb - 2 else None
-    dim = batch_a if batch_a is not None else batch_b
-    if dim is None:
-        if isinstance(pa, Shard) and pa.dim == na - 2:  # rows of a (tokens): b is needed whole
-            return Decision(pa.at(nout - 2), {b: R} if pb != R else {})
-        if na == 2 and ctx.axis.pending_sums and pa == Shard(1) and pb in (R, Shard(nb - 2)):
-            # W @ x with W's input features split: a row, x taken split alike, each rank's product a summand
-            return Decision(Partial(), {b: Shard(nb - 2)} if pb == R else {})
-        if nb == 2 and pa == R and pb == Shard(1, pb.blocks if isinstance(pb, Shard) else None):
-            return Decision(pb.at(nout - 1))  # x @ W.T with W's output features split: a column
-        if (nb == 2 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
-                and pb.dim == 0 and pa.blocks == pb.blocks):
-            return Decision(Partial())  # x @ W.T with the input features split: a row, each rank's product a summand
-        if nb == 2 and ctx.axis.pending_sums and pa == R and pb == Shard(0):
-            return Decision(Partial(), {a: Shard(na - 1)})  # ... a row alone: each rank takes its part of x
-        if nb == 3 and pa == R and isinstance(pb, Shard) and pb.dim == 2:
-            return Decision(pb.at(nout - 1))  # tokens per expert @ experts' columns (Llama 4's experts)
-        if (nb == 3 and ctx.axis.pending_sums and isinstance(pa, Shard) and pa.dim == na - 1 and isinstance(pb, Shard)
-                and pb.dim == 1 and pa.blocks == pb.blocks):
-            return Decision(Partial())  # ... and their rows: each rank's product a summand
-        return _pointwise(node, ctx) if pa == R and pb == R else replicate_all(node, ctx)
-    # A blocked batch shard (heads merged into a (batch * heads) dim: each rank holds its heads of every
-    # sample) stays blocked, and the other operand must hold the same elements: the same blocks.
-    blocks = pa.blocks if batch_a is not None else pb.blocks
-    want = {}
-    for n, p, nd in ((a, pa, na), (b, pb, nb)):
-        d = dim - (nout - nd)
-        if p == Shard(d, blocks):
-            continue
-        if d >= 0 and ctx.shape(n)[d] != 1:
-            want[n] = Shard(d, blocks)
-        elif not isinstance(p, Replicate):
-            want[n] = R
-    return Decision(Shard(dim, blocks), want)
+    return _product(node, ctx, list(zip(operands, specs, strict=True)), out, letter, Shard(0, blocks))
 
 
 def is_grouped_mm(node: fx.Node) -> bool:
