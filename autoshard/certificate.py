@@ -333,8 +333,8 @@ def _of(wire: Wire, phase: str, axis: str, holders: list[int], rank: int, runs: 
         group = f"{'to' if wire.kind == 'send' else 'from'} {peer}"
     else:
         group = f"{axis} {','.join(map(str, holders))}"
-    return Collective(phase, wire.kind, group, _name(wire.dtype), wire.numel * runs, runs, node, line, wire.routed,
-                      "tp" if axis == "sp" else axis)
+    return Collective(phase, wire.kind, group, _name(wire.dtype), wire.numel * runs, None if wire.routed else runs,
+                      node, line, wire.routed, "tp" if axis == "sp" else axis)
 
 
 def _module(gm: fx.GraphModule, node: fx.Node):

@@ -222,7 +222,9 @@ class Wire(NamedTuple):
     """One collective a module issues in one call of its forward or backward, as this rank puts it on the wire:
     its kind and the elements and dtype of what this rank hands it (an all-reduce's buffer, an all-gather's part,
     a reduce-scatter's whole input, an all-to-all's input, a point-to-point message). ``routed``: how many
-    elements depends on the data (rows routed to experts): not certified, only the call and its dtype. ``peer``: a
+    elements depends on the data (rows routed to experts): not certified, nor how many such calls a step makes
+    (an expert held by one rank routes its rows back in the backward where they take a gradient), only their
+    dtype. ``peer``: a
     message's other rank, as an offset in the group (+1: the next rank, -1: the previous)."""
 
     kind: str
