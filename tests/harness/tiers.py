@@ -80,6 +80,25 @@ NOT_QUICK = {
 }
 # whole tests run only in the full tier -> what in the CI tier runs the same code path
 FULL_ONLY = {
+    "tests/test_docs.py::test_the_guides_loop_resumes_under_another_mesh":
+        "test_resume.py's runs resumed under another mesh (the same save_checkpoint and resume), and the home page's "
+        "and README's examples run in CI",
+    "tests/test_docs.py::test_the_guides_trainer_trains_under_torchrun":
+        "test_hf_trainer.py's test_the_trainer_under_a_mesh_trains_as_the_plain_trainer cells (the same Trainer)",
+    "tests/test_docs.py::test_the_guides_accelerate_loop_trains_under_torchrun":
+        "test_hf_trainer.py's test_an_accelerate_loop_changed_by_one_line_trains_as_in_one_process (the same prepare "
+        "and loop)",
+    "tests/test_docs.py::test_the_guides_experts_split_over_ep_train_under_torchrun":
+        "test_expert_parallel.py's test_experts_split_over_ep_train_exactly (the same Mixtral experts over ep)",
+    "tests/test_docs.py::test_the_plannings_mesh_auto_from_a_profile_trains_under_torchrun":
+        "test_planner_profile.py's test_mesh_auto_from_a_profile_trains_exactly_on_the_mesh_it_chose (the same "
+        "search from a profile)",
+    "tests/test_resume.py::test_experts_held_as_separate_modules_resume_at_more_ep_ranks":
+        "test_experts_looped_one_at_a_time_resume_at_more_ep_ranks (the same resume at more ep ranks) and "
+        "test_expert_parallel.py's goldens of experts held as separate modules",
+    "tests/test_hf_trainer.py::test_mesh_auto_trains_as_the_plain_trainer":
+        "test_the_trainer_under_a_mesh_trains_as_the_plain_trainer's cells and test_planner_profile.py's mesh='auto' "
+        "goldens",
     "tests/test_docs.py::test_the_plannings_mesh_auto_calibrated_and_autotuned_trains_under_torchrun":
         "the planning page's example from a profile file under torchrun (the same search of mesh='auto'), "
         "test_mesh_auto_calibrating_its_own_ranks_trains_exactly_on_the_mesh_it_chose and "
