@@ -124,17 +124,17 @@ ZOO_MESHES = {
 
 @pytest.mark.parametrize("name, mesh", [  # the first cell in CI, the matrix in the full tier
     pytest.param(name, mesh, marks=() if (name, mesh) == ("gpt", "tp2") else pytest.mark.full, id=f"{name}-{mesh}")
-    for name in ZOO_NAMES for mesh in ZOO_MESHES])
+    for name in ZOO_NAMES for mesh in ZOO_MESHES if "ep" not in ZOO_MESHES[mesh][0] or name == "moe"])
 def test_every_zoo_model_at_every_mesh_sends_what_its_certificate_lists(pools, name, mesh):
-    """The zoo at every axis: three steps, each recorded and equal to its certificate on every rank (a cell
-    autoshard refuses, such as ep on a model without experts, says why and is skipped)."""
+    """The zoo at every axis (ep on its mixture of experts): three steps, each recorded and equal to its
+    certificate on every rank. The plain MLP has no sequence for cp or sp to split and too few layers for four
+    stages: those cells are refused, and must be refused for that reason, not another."""
     degrees, options = ZOO_MESHES[mesh]
-    if "ep" in degrees and name not in ("moe",):
-        pytest.skip("expert parallelism needs a mixture of experts")
     results = pools.get(autoshard.Mesh(**degrees).world_size).run(golden_certificate.certified_or_refused, name,
                                                                   degrees, **options)
     if "refused" in results[0]:
-        pytest.skip(f"refused: {results[0]['refused']}")
+        assert name == "mlp", results[0]["refused"]
+        pytest.skip(f"the MLP cannot run at {mesh}: {results[0]['refused']}")
     for result in results:
         assert result["differences"] == [] and result["round trip"] and not result["unchecked"], result
 
